@@ -1,0 +1,234 @@
+"""One harness for every chapter: time a callable, count its FLOPs and bytes, compare with peers.
+
+A chapter's bench module (``kernels/bench/<idea>.py``) defines
+
+    CHAPTER = 4                      # the notebook number
+    TITLE = "fused forward"
+    def run(ctx: Context) -> list[Result]
+
+and uses ``ctx.measure(...)`` for each kernel and each peer, in the same run, so that
+ratios compare like with like. ``python -m kernels`` discovers the modules, runs them,
+and writes one CSV (with the device, driver and versions) and one PNG per chapter.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import math
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kernels import runtime
+from kernels.runtime import on_simulator, time_fn
+
+# Measured on the H100 of PERF.md; the bench re-measures it in the same run on a GPU
+# (cuBLAS fp32 8192^3, TF32 off) and uses that figure instead.
+FP32_FMA_CEILING_TFLOPS_PERF_MD = 51.2
+
+
+@dataclass
+class Result:
+    chapter: int
+    kernel: str               # e.g. "flash_attention" or "peer: SDPA efficient"
+    config: str               # e.g. "B=4 H=16 N=4096 d=64 fp32 causal=False"
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    flops: float              # FLOPs the computation needs (model, not counted by hardware)
+    model_bytes: float        # HBM bytes the IO model predicts for this kernel
+    tflops: float
+    gbps: float
+    pct_fma_ceiling: float    # tflops / measured fp32 FMA ceiling
+    peak_mem_mb: float        # device memory the call allocated at its peak (nan if unknown)
+    is_peer: bool = False
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class Context:
+    """What a chapter's ``run`` gets: the sizes to use, the measuring function, progress."""
+
+    def __init__(self, *, quick: bool, warmup: int, repeat: int, progress=print):
+        self.simulator = on_simulator()
+        self.quick = quick
+        self.warmup = warmup
+        self.repeat = repeat
+        self.progress = progress
+        self._ceiling = None
+
+    # -- the fp32 ceiling, measured once per run
+    def fp32_ceiling_tflops(self) -> float:
+        if self._ceiling is None:
+            self._ceiling = float("nan") if self.simulator else _measure_cublas_fp32_ceiling()
+        return self._ceiling
+
+    def measure(self, chapter, kernel, config, fn, input_sets, *, flops, model_bytes,
+                is_peer=False, note="", peak_memory=True, repeat=None, warmup=None, extra=None) -> Result:
+        """Time ``fn(*inputs)`` over rotating ``input_sets``; median of ``repeat`` runs."""
+        self.progress(f"  ch{chapter} {kernel:<34} {config}")
+        timing = time_fn(fn, input_sets, warmup=self.warmup if warmup is None else warmup,
+                         repeat=self.repeat if repeat is None else repeat)
+        peak = measure_peak_memory_mb(fn, input_sets[0]) if (peak_memory and not self.simulator) else float("nan")
+        seconds = timing.median_ms / 1e3
+        tflops = flops / seconds / 1e12 if seconds > 0 else float("nan")
+        gbps = model_bytes / seconds / 1e9 if seconds > 0 else float("nan")
+        ceiling = self.fp32_ceiling_tflops()
+        return Result(chapter, kernel, config, timing.median_ms, timing.p10_ms, timing.p90_ms, flops,
+                      model_bytes, tflops, gbps, 100.0 * tflops / ceiling if ceiling == ceiling else float("nan"),
+                      peak, is_peer, note, dict(extra or {}))
+
+
+# --------------------------------------------------------------------------- peers
+
+def torch_or_none():
+    """PyTorch (for peers) if it is importable and sees the GPU; None otherwise."""
+    if on_simulator():
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def cupy_or_none():
+    if on_simulator():
+        return None
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+        return cupy
+    except Exception:  # no CuPy, or no usable device
+        return None
+
+
+def _measure_cublas_fp32_ceiling(n=8192) -> float:
+    cp = cupy_or_none()
+    if cp is None:
+        return FP32_FMA_CEILING_TFLOPS_PERF_MD
+    os.environ.pop("CUPY_TF32", None)  # TF32 off: plain fp32 FMA
+    a = cp.random.standard_normal((n, n), dtype=cp.float32)
+    b = cp.random.standard_normal((n, n), dtype=cp.float32)
+    t = time_fn(lambda x, y: cp.matmul(x, y), [(a, b)], warmup=2, repeat=10)
+    return 2 * n**3 / (t.median_ms / 1e3) / 1e12
+
+
+# --------------------------------------------------------------------------- memory
+
+def measure_peak_memory_mb(fn, inputs) -> float:
+    """Device memory one call allocates at its peak, in MB.
+
+    Numba frees device memory lazily; inside ``defer_cleanup`` nothing is freed, so
+    the drop in free memory across the call is everything it allocated. PyTorch peers
+    use their allocator's own peak counter instead.
+    """
+    from numba import cuda
+
+    torch = torch_or_none()
+    if torch is not None and any(isinstance(x, torch.Tensor) for x in inputs):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn(*inputs)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del out
+        return peak / 1e6
+    gc.collect()
+    cuda.current_context().deallocations.clear()
+    cuda.synchronize()
+    with cuda.defer_cleanup():
+        free_before, _ = cuda.current_context().get_memory_info()
+        out = fn(*inputs)
+        cuda.synchronize()
+        free_after, _ = cuda.current_context().get_memory_info()
+        del out
+    return max(0, free_before - free_after) / 1e6
+
+
+# --------------------------------------------------------------------------- output
+
+def environment() -> dict:
+    """Device, driver and versions, written next to every result."""
+    import numba
+
+    env = {
+        "device": runtime.device_name(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+        "platform": platform.platform(),
+    }
+    try:
+        from importlib.metadata import version
+
+        env["numba-cuda"] = version("numba-cuda")
+    except Exception:
+        pass
+    if not on_simulator():
+        from numba import cuda
+
+        drv = cuda.cudadrv.driver.driver.get_version()
+        env["cuda driver api"] = ".".join(map(str, drv))
+        try:
+            import subprocess
+
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20).stdout.strip()
+        except Exception:
+            pass
+        for name in ("cupy", "torch"):
+            mod = sys.modules.get(name)
+            if mod is not None:
+                env[name] = mod.__version__
+    return env
+
+
+def write_csv(path, results, env):
+    fields = [f for f in Result.__dataclass_fields__ if f != "extra"] + ["extra"]
+    with open(path, "w", newline="") as fh:
+        for key, value in env.items():
+            fh.write(f"# {key}: {value}\n")
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for r in results:
+            row = asdict(r)
+            row["extra"] = ";".join(f"{k}={v}" for k, v in r.extra.items())
+            writer.writerow(row)
+
+
+def read_csv(path):
+    """(env, rows) from a CSV written by ``write_csv``: what notebooks use to show results."""
+    env, lines = {}, []
+    with open(path) as fh:
+        for line in fh:
+            if line.startswith("# "):
+                key, _, value = line[2:].partition(": ")
+                env[key] = value.strip()
+            else:
+                lines.append(line)
+    rows = list(csv.DictReader(lines))
+    for row in rows:
+        for key in ("median_ms", "p10_ms", "p90_ms", "flops", "model_bytes", "tflops", "gbps",
+                    "pct_fma_ceiling", "peak_mem_mb"):
+            row[key] = float(row[key]) if row.get(key) not in (None, "") else math.nan
+        row["chapter"] = int(row["chapter"])
+        row["is_peer"] = row.get("is_peer") == "True"
+    return env, rows
+
+
+def format_table(results) -> str:
+    head = f"{'kernel':<36}{'config':<44}{'median ms':>11}{'spread':>8}{'TFLOP/s':>9}{'GB/s':>9}{'%FMA':>7}{'peak MB':>9}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        spread = (r.p90_ms - r.p10_ms) / r.median_ms if r.median_ms else 0
+        lines.append(f"{r.kernel:<36.36}{r.config:<44.44}{r.median_ms:>11.4g}{spread:>8.1%}{r.tflops:>9.3g}"
+                     f"{r.gbps:>9.4g}{r.pct_fma_ceiling:>7.3g}{r.peak_mem_mb:>9.4g}")
+    return "\n".join(lines)

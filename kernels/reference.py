@@ -1,0 +1,182 @@
+"""The oracle: plain, obviously-correct NumPy for everything the course computes.
+
+Every kernel in the course is tested against these functions and nothing else.
+They compute in float64 by default; ``dtype=np.float32`` computes the same thing
+plainly in float32, which the tests use as the yardstick for "how much error is
+float32 arithmetic allowed to make here" (see ``tests/tolerance.py``).
+
+Conventions, written once here:
+
+* Shapes are (B, H, N, d), row-major, like PyTorch's SDPA. ``q`` is (B, H, Nq, d),
+  ``k`` and ``v`` are (B, H, Nk, d); the logsumexp ``lse`` is (B, H, Nq).
+* ``scale`` defaults to 1/sqrt(d).
+* Causal masking is bottom-right aligned (FlashAttention >= 2.1): query i may attend
+  to key j iff ``j <= i + (Nk - Nq)``. With Nq = Nk this is the usual lower triangle.
+* A query row that may attend to nothing gets O = 0 and L = -inf (never NaN), and
+  zero gradients.
+* A block mask carries its own block size (``BlockMask``): flag [..., r, c] keeps the
+  tile of queries [r*block_q, (r+1)*block_q) and keys [c*block_k, (c+1)*block_k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "BlockMask",
+    "matmul",
+    "softmax",
+    "logsumexp",
+    "causal_mask",
+    "expand_block_mask",
+    "attention_mask",
+    "attention",
+    "attention_backward",
+]
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """One keep-flag per (query tile, key tile), with the tile size it refers to.
+
+    ``flags`` is a boolean array of shape (Tq, Tk), (H, Tq, Tk) or (B, H, Tq, Tk)
+    where Tq = ceil(Nq / block_q) and Tk = ceil(Nk / block_k).
+    """
+
+    flags: np.ndarray
+    block_q: int
+    block_k: int
+
+    def __post_init__(self):
+        flags = np.asarray(self.flags)
+        if flags.dtype != np.bool_:
+            raise TypeError(f"BlockMask.flags: expected a boolean array, got dtype {flags.dtype}")
+        if flags.ndim not in (2, 3, 4):
+            raise ValueError(
+                f"BlockMask.flags: expected shape (Tq, Tk), (H, Tq, Tk) or (B, H, Tq, Tk), got {flags.shape}"
+            )
+        for name in ("block_q", "block_k"):
+            size = getattr(self, name)
+            if not isinstance(size, (int, np.integer)) or size < 1:
+                raise ValueError(f"BlockMask.{name}: expected a positive int, got {size!r}")
+        object.__setattr__(self, "flags", flags)
+
+    def tiles_for(self, nq: int, nk: int) -> tuple[int, int]:
+        """The (Tq, Tk) this mask must have to cover an Nq x Nk score matrix."""
+        return -(-nq // self.block_q), -(-nk // self.block_k)
+
+    @property
+    def density(self) -> float:
+        """Fraction of tiles kept."""
+        return float(self.flags.mean()) if self.flags.size else 0.0
+
+
+def matmul(a, b, *, dtype=np.float64):
+    """C = A @ B."""
+    return np.asarray(a, dtype=dtype) @ np.asarray(b, dtype=dtype)
+
+
+def logsumexp(x, axis=-1, *, dtype=np.float64):
+    """log(sum(exp(x))) along ``axis``, safely: -inf for an all -inf row."""
+    x = np.asarray(x, dtype=dtype)
+    m = np.max(x, axis=axis, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0)
+    with np.errstate(divide="ignore"):
+        out = np.log(np.sum(np.exp(x - m_safe), axis=axis, keepdims=True)) + m_safe
+    return np.squeeze(out, axis=axis)
+
+
+def softmax(x, axis=-1, *, dtype=np.float64):
+    """Safe softmax: subtract the row max before exp. A row of all -inf gives zeros."""
+    x = np.asarray(x, dtype=dtype)
+    m = np.max(x, axis=axis, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0)
+    e = np.exp(x - m_safe)
+    total = np.sum(e, axis=axis, keepdims=True)
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+
+
+def causal_mask(nq: int, nk: int) -> np.ndarray:
+    """(Nq, Nk) booleans, True where query i may attend key j: j <= i + (Nk - Nq)."""
+    i = np.arange(nq)[:, None]
+    j = np.arange(nk)[None, :]
+    return j <= i + (nk - nq)
+
+
+def expand_block_mask(block_mask: BlockMask, nq: int, nk: int) -> np.ndarray:
+    """Expand tile flags to one boolean per score: (..., Nq, Nk)."""
+    tq, tk = block_mask.tiles_for(nq, nk)
+    flags = block_mask.flags
+    if flags.shape[-2:] != (tq, tk):
+        raise ValueError(
+            f"block_mask: expected {tq} x {tk} tiles for Nq={nq}, Nk={nk} with blocks "
+            f"{block_mask.block_q} x {block_mask.block_k}, got {flags.shape[-2:]}"
+        )
+    rows = np.arange(nq) // block_mask.block_q
+    cols = np.arange(nk) // block_mask.block_k
+    return flags[..., rows[:, None], cols[None, :]]
+
+
+def attention_mask(nq: int, nk: int, *, causal=False, block_mask: BlockMask | None = None):
+    """The boolean "may attend" mask, broadcastable to (B, H, Nq, Nk); None if all allowed."""
+    mask = causal_mask(nq, nk) if causal else None
+    if block_mask is not None:
+        expanded = expand_block_mask(block_mask, nq, nk)
+        mask = expanded if mask is None else (expanded & mask)
+    return mask
+
+
+def _scores(q, k, scale, mask, dtype):
+    s = np.asarray(scale, dtype=dtype) * (q @ np.swapaxes(k, -1, -2))
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    return s
+
+
+def _default_scale(d):
+    return 1.0 / np.sqrt(d) if d > 0 else 1.0
+
+
+def attention(q, k, v, causal=False, scale=None, block_mask=None, *, dtype=np.float64):
+    """Standard attention. Returns (O, L): O = softmax(scale * Q K^T + mask) V, L = logsumexp.
+
+    A row with nothing to attend to gets O = 0 and L = -inf.
+    """
+    q, k, v = (np.asarray(t, dtype=dtype) for t in (q, k, v))
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = _default_scale(d) if scale is None else scale
+    mask = attention_mask(nq, nk, causal=causal, block_mask=block_mask)
+    s = _scores(q, k, scale, mask, dtype)
+    lse = logsumexp(s, axis=-1, dtype=dtype)
+    p = softmax(s, axis=-1, dtype=dtype)
+    return p @ v, lse
+
+
+def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, block_mask=None, *, dtype=np.float64):
+    """The closed-form gradients (dQ, dK, dV) of attention for an upstream gradient dO.
+
+    P is rebuilt from Q, K and the saved L, exactly as the FlashAttention backward does:
+      P  = exp(S - L)           (0 where masked, and 0 on rows with L = -inf)
+      dV = P^T dO
+      dP = dO V^T
+      D  = rowsum(dO * O)       (= rowsum(P * dP))
+      dS = P * (dP - D)
+      dQ = scale * dS K,   dK = scale * dS^T Q
+    """
+    q, k, v, o, lse, do = (np.asarray(t, dtype=dtype) for t in (q, k, v, o, lse, do))
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = _default_scale(d) if scale is None else scale
+    mask = attention_mask(nq, nk, causal=causal, block_mask=block_mask)
+    s = _scores(q, k, scale, mask, dtype)
+    finite = np.isfinite(lse)[..., None]
+    with np.errstate(invalid="ignore"):
+        p = np.where(finite & np.isfinite(s), np.exp(s - np.where(finite, lse[..., None], 0)), 0)
+    dv = np.swapaxes(p, -1, -2) @ do
+    dp = do @ np.swapaxes(v, -1, -2)
+    D = np.sum(do * o, axis=-1, keepdims=True)
+    ds = p * (dp - D)
+    dq = np.asarray(scale, dtype=dtype) * (ds @ k)
+    dk = np.asarray(scale, dtype=dtype) * (np.swapaxes(ds, -1, -2) @ q)
+    return dq, dk, dv

@@ -1,0 +1,245 @@
+"""The small runtime every chapter shares: GPU or simulator, arrays in and out,
+input validation, and timing.
+
+GPU or simulator
+    ``select_device()`` runs when ``kernels`` is first imported, before Numba is.
+    ``WORKBOOK_DEVICE=gpu`` or ``=sim`` forces a choice; otherwise a working CUDA
+    driver with at least one device means the GPU, and anything else means the Numba
+    CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which runs every kernel on the CPU,
+    slowly, thread by thread. A learner without a GPU can follow the whole course.
+
+Arrays in and out
+    NumPy in, NumPy out. CuPy arrays, PyTorch CUDA tensors or anything else with
+    ``__cuda_array_interface__`` in: the result stays on the device, as the same kind
+    of array when that library is importable (CuPy in -> CuPy out), otherwise as a
+    Numba device array.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+_DEVICE_ENV = "WORKBOOK_DEVICE"
+
+
+def _cuda_device_count() -> int:
+    """Devices the CUDA driver reports, asked through the driver library (no Numba import)."""
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        try:
+            if lib.cuInit(0) != 0:
+                return 0
+            count = ctypes.c_int(0)
+            if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+                return 0
+            return count.value
+        except AttributeError:
+            return 0
+    return 0
+
+
+def select_device() -> str:
+    """Choose "gpu" or "sim" once, before Numba is imported, and set the simulator switch."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return "sim"
+    choice = os.environ.get(_DEVICE_ENV, "auto").strip().lower()
+    if choice not in ("auto", "gpu", "sim"):
+        raise ValueError(f"{_DEVICE_ENV}: expected 'gpu', 'sim' or 'auto', got {choice!r}")
+    if choice == "auto":
+        choice = "gpu" if _cuda_device_count() > 0 else "sim"
+    if choice == "sim":
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    return choice
+
+
+DEVICE = select_device()
+
+from numba import cuda  # noqa: E402  (must come after the simulator switch)
+
+
+def on_simulator() -> bool:
+    """True when kernels run in the Numba CUDA simulator rather than on a GPU."""
+    return bool(cuda.simulator_enabled) if hasattr(cuda, "simulator_enabled") else DEVICE == "sim"
+
+
+def device_name() -> str:
+    if on_simulator():
+        return "Numba CUDA simulator (CPU)"
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+# --------------------------------------------------------------------------- arrays
+
+def is_device_array(x) -> bool:
+    """True for CuPy arrays, PyTorch CUDA tensors, Numba device arrays (and the simulator's)."""
+    if isinstance(x, np.ndarray):
+        return False
+    return hasattr(x, "__cuda_array_interface__") or type(x).__name__ == "FakeCUDAArray"
+
+
+class ArrayKind:
+    """Remembers what kind of arrays a caller passed, to give results back in kind."""
+
+    def __init__(self, example):
+        self.on_device = is_device_array(example)
+        self.module = type(example).__module__.split(".")[0] if self.on_device else "numpy"
+
+    def give_back(self, device_array):
+        """A result device array, returned as the kind of array the caller gave."""
+        if not self.on_device:
+            return device_array.copy_to_host()
+        if self.module == "cupy":
+            import cupy
+
+            return cupy.asarray(device_array)
+        if self.module == "torch":
+            import torch
+
+            return torch.as_tensor(device_array, device="cuda")
+        return device_array
+
+
+def to_device(x, name: str):
+    """A Numba device view of ``x``: copied if it is a host array, shared if on the device."""
+    if is_device_array(x):
+        # The simulator's device arrays already are Numba's; real ones are viewed zero-copy.
+        arr = x if not hasattr(x, "__cuda_array_interface__") else cuda.as_cuda_array(x)
+        if not arr.is_c_contiguous():
+            raise ValueError(f"{name}: expected a C-contiguous device array, got strides {arr.strides}")
+        return arr
+    return cuda.to_device(np.ascontiguousarray(x))
+
+
+def device_empty(shape, dtype=np.float32):
+    return cuda.device_array(shape, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- validation
+
+def check_array(x, name: str, *, ndim: int | None = None, dtypes=(np.float32,)):
+    """Validate rank and dtype of an array-like, naming it in the error. Returns (shape, dtype)."""
+    if x is None:
+        raise TypeError(f"{name}: expected an array, got None")
+    if not (isinstance(x, np.ndarray) or is_device_array(x)):
+        raise TypeError(
+            f"{name}: expected a NumPy array or a device array (__cuda_array_interface__), got {type(x).__name__}"
+        )
+    if is_device_array(x) and not isinstance(x, np.ndarray):
+        cai = x.__cuda_array_interface__ if hasattr(x, "__cuda_array_interface__") else None
+        if cai is not None:
+            shape, dtype = tuple(cai["shape"]), np.dtype(cai["typestr"])
+        else:
+            shape, dtype = tuple(x.shape), np.dtype(x.dtype)
+    else:
+        shape, dtype = x.shape, x.dtype
+    if ndim is not None and len(shape) != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {shape}")
+    if dtypes is not None and dtype not in [np.dtype(t) for t in dtypes]:
+        allowed = ", ".join(np.dtype(t).name for t in dtypes)
+        raise TypeError(f"{name}: expected dtype {allowed}, got {dtype}")
+    return tuple(shape), np.dtype(dtype)
+
+
+def check_qkv(q, k, v, *, dtypes=(np.float32,), max_head_dim: int = 128):
+    """Validate attention inputs (B, H, N, d). Returns (B, H, Nq, Nk, d, dtype)."""
+    qs, qd = check_array(q, "q", ndim=4, dtypes=dtypes)
+    ks, kd = check_array(k, "k", ndim=4, dtypes=dtypes)
+    vs, vd = check_array(v, "v", ndim=4, dtypes=dtypes)
+    if not (qd == kd == vd):
+        raise TypeError(f"q, k, v: expected one dtype, got {qd}, {kd}, {vd}")
+    if ks != vs:
+        raise ValueError(f"v: expected the shape of k {ks}, got {vs}")
+    if qs[:2] != ks[:2]:
+        raise ValueError(f"k: expected batch and heads (B, H) = {qs[:2]} like q, got {ks[:2]}")
+    if qs[3] != ks[3]:
+        raise ValueError(f"k: expected head dim d = {qs[3]} like q, got {ks[3]}")
+    d = qs[3]
+    if not 1 <= d <= max_head_dim:
+        raise ValueError(f"q: expected head dim d in 1..{max_head_dim}, got {d}")
+    return qs[0], qs[1], qs[2], ks[2], d, qd
+
+
+def check_scale(scale, d: int) -> float:
+    """The softmax scale: 1/sqrt(d) by default; otherwise a finite positive number."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale: expected a number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a finite positive number, got {scale}")
+    return scale
+
+
+def check_flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- timing
+
+@dataclass
+class Timing:
+    """Median and spread of repeated runs, in milliseconds."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    runs: int
+    clock: str  # "cuda events" or "host clock (simulator)"
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: how noisy the measurement was."""
+        return (self.p90_ms - self.p10_ms) / self.median_ms if self.median_ms > 0 else 0.0
+
+
+def _quantile(xs, q):
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo, hi = int(math.floor(pos)), int(math.ceil(pos))
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def time_fn(fn, args_sets, *, warmup: int = 3, repeat: int = 20) -> Timing:
+    """Time ``fn(*args)`` cycling through ``args_sets`` (several input sets, so L2 does not
+    flatter), with CUDA events on a GPU and the host clock in the simulator."""
+    args_sets = list(args_sets)
+    for i in range(warmup):
+        fn(*args_sets[i % len(args_sets)])
+    samples = []
+    if on_simulator():
+        for i in range(repeat):
+            t0 = time.perf_counter()
+            fn(*args_sets[i % len(args_sets)])
+            samples.append((time.perf_counter() - t0) * 1e3)
+        clock = "host clock (simulator)"
+    else:
+        cuda.synchronize()
+        start, stop = cuda.event(), cuda.event()
+        for i in range(repeat):
+            start.record()
+            fn(*args_sets[i % len(args_sets)])
+            stop.record()
+            stop.synchronize()
+            samples.append(cuda.event_elapsed_time(start, stop))
+        clock = "cuda events"
+    return Timing(statistics.median(samples), _quantile(samples, 0.1), _quantile(samples, 0.9), len(samples), clock)

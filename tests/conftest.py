@@ -1,0 +1,34 @@
+"""Test set-up: GPU or simulator, and the Hypothesis profiles.
+
+``import kernels`` chooses the GPU when one works and the Numba CUDA simulator otherwise
+(``WORKBOOK_DEVICE=gpu|sim`` forces it); it must happen before anything imports Numba.
+
+Profiles (``HYPOTHESIS_PROFILE`` picks one; the default follows the device):
+  ci   simulator, few examples, no deadline: what CI runs on a machine with no GPU
+  dev  more examples, for working on a chapter
+  gpu  the real device, hundreds of examples, production tile sizes
+"""
+
+import os
+import sys
+
+import kernels  # noqa: F401  (GPU-or-simulator switch, before Numba)
+from kernels.runtime import on_simulator
+
+from hypothesis import HealthCheck, settings
+
+# Simulated threads are Python threads; switching between them more often makes
+# simulated barriers several times faster.
+sys.setswitchinterval(1e-4)
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=8, derandomize=True, print_blob=True, **_common)
+settings.register_profile("dev", max_examples=40, print_blob=True, **_common)
+settings.register_profile("gpu", max_examples=300, print_blob=True, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if on_simulator() else "gpu"))
+
+
+def pytest_report_header(config):
+    from kernels.runtime import device_name
+
+    return f"workbook device: {device_name()}; hypothesis profile: {settings._current_profile}"
