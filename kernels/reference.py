@@ -81,6 +81,8 @@ def matmul(a, b, *, dtype=np.float64):
 def logsumexp(x, axis=-1, *, dtype=np.float64):
     """log(sum(exp(x))) along ``axis``, safely: -inf for an all -inf row."""
     x = np.asarray(x, dtype=dtype)
+    if x.shape[axis] == 0:  # nothing to sum: log(0)
+        return np.full(np.delete(x.shape, axis % x.ndim), -np.inf, dtype=dtype)
     m = np.max(x, axis=axis, keepdims=True)
     m_safe = np.where(np.isfinite(m), m, 0)
     with np.errstate(divide="ignore"):
@@ -91,6 +93,8 @@ def logsumexp(x, axis=-1, *, dtype=np.float64):
 def softmax(x, axis=-1, *, dtype=np.float64):
     """Safe softmax: subtract the row max before exp. A row of all -inf gives zeros."""
     x = np.asarray(x, dtype=dtype)
+    if x.size == 0:
+        return x.copy()
     m = np.max(x, axis=axis, keepdims=True)
     m_safe = np.where(np.isfinite(m), m, 0)
     e = np.exp(x - m_safe)

@@ -137,3 +137,15 @@ def test_softmax_rows_sum_to_one_and_all_masked_row_is_zero():
     np.testing.assert_allclose(p[[0, 1, 3]].sum(-1), 1.0, rtol=1e-12)
     assert np.all(p[2] == 0)
     assert ref.logsumexp(x)[2] == -np.inf
+
+
+@pytest.mark.parametrize("nq,nk", [(0, 3), (3, 0), (0, 0)])
+def test_empty_sequences(nq, nk):
+    q, k, v = _random_case(9, 2, 1, nq, nk, 3)
+    o, lse = ref.attention(q, k, v, causal=True)
+    assert o.shape == (2, 1, nq, 3) and lse.shape == (2, 1, nq)
+    assert np.all(o == 0) and np.all(lse == -np.inf)
+    do = np.ones_like(o)
+    dq, dk, dv = ref.attention_backward(q, k, v, o, lse, do, causal=True)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert not np.isnan(dq).any() and np.all(dk == 0) and np.all(dv == 0)

@@ -1,0 +1,143 @@
+"""What the tests (and the notebooks' exercise checkers) share: the tolerance rule,
+the Hypothesis strategies for attention inputs, and the checker that reports the smallest
+failing case of a learner's function.
+
+The tolerance rule, as FlashAttention's own tests state it: a kernel's error against the
+float64 oracle must be at most twice the error that a plain float32 NumPy computation of
+the same thing makes, plus a small floor (for the cases where float32 NumPy happens to be
+exact). A fixed ``atol=1e-2`` would hide real bugs.
+
+Strategies: shapes, magnitudes and seeds are drawn by Hypothesis (so failures shrink to
+the smallest shape); the array values come from a NumPy generator seeded by the drawn
+seed, which is far faster than drawing every element and still never zeros.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import strategies as st
+
+from kernels.runtime import on_simulator
+
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
+
+def assert_close(got, exact, baseline, *, name="output", factor=2.0, floor_ulps=8.0):
+    """Check ``got`` against ``exact`` (float64 oracle) with the float32 ``baseline``'s error as yardstick.
+
+    Non-finite entries (e.g. L = -inf on fully masked rows) must match exactly.
+    """
+    got = np.asarray(got, dtype=np.float64)
+    exact = np.asarray(exact, dtype=np.float64)
+    baseline = np.asarray(baseline, dtype=np.float64)
+    assert got.shape == exact.shape, f"{name}: shape {got.shape}, expected {exact.shape}"
+    assert not np.isnan(got).any(), f"{name}: {int(np.isnan(got).sum())} NaN entries"
+    finite = np.isfinite(exact)
+    mismatch = ~finite & (got != exact)
+    assert not mismatch.any(), (
+        f"{name}: non-finite entries differ at {np.argwhere(mismatch)[:5].tolist()}: "
+        f"got {got[mismatch][:5]}, expected {exact[mismatch][:5]}"
+    )
+    assert np.isfinite(got[finite]).all(), f"{name}: non-finite values where the oracle is finite"
+    if not finite.any():
+        return
+    err = np.max(np.abs(got[finite] - exact[finite]))
+    err_f32 = np.max(np.abs(baseline[finite] - exact[finite]))
+    scale = max(1.0, float(np.max(np.abs(exact[finite]))))
+    bound = factor * err_f32 + floor_ulps * FLOAT32_EPS * scale
+    with np.errstate(invalid="ignore"):
+        worst = np.unravel_index(np.argmax(np.where(finite, np.abs(got - exact), -1)), got.shape)
+    assert err <= bound, (
+        f"{name}: max error {err:.3e} > bound {bound:.3e} (float32 NumPy error {err_f32:.3e}); "
+        f"worst at {tuple(int(i) for i in worst)}: got {got[worst]!r}, expected {exact[worst]!r}"
+    )
+
+
+# The simulator runs every thread in Python: keep sizes small there.
+MAX_N = 64 if on_simulator() else 512
+MAX_D = 32 if on_simulator() else 128
+MAX_BH = 2 if on_simulator() else 4
+
+
+def random_array(rng, shape, magnitude=1.0, dtype=np.float32):
+    """Normal(0, magnitude) values; never all zeros."""
+    return (rng.standard_normal(shape) * magnitude).astype(dtype)
+
+
+@dataclass
+class AttentionCase:
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    causal: bool
+    scale: float | None
+
+    def __repr__(self):
+        return (
+            f"AttentionCase(q={self.q.shape}, k={self.k.shape}, dtype={self.q.dtype}, "
+            f"causal={self.causal}, scale={self.scale}, |q|max={np.abs(self.q).max() if self.q.size else 0:.3g})"
+        )
+
+
+@st.composite
+def attention_cases(draw, *, max_n=MAX_N, max_d=MAX_D, head_dims=None, dtypes=(np.float32,),
+                    allow_causal=True, allow_empty=True, magnitudes=(0.1, 1.0, 3.0, 30.0)):
+    """q (B, H, Nq, d), k and v (B, H, Nk, d), causal, scale: Nq != Nk, ragged N, odd d,
+    and logits from small to very large."""
+    b = draw(st.integers(1, MAX_BH))
+    h = draw(st.integers(1, MAX_BH))
+    lo = 0 if allow_empty else 1
+    nq = draw(st.integers(lo, max_n))
+    nk = draw(st.integers(lo, max_n))
+    d = draw(st.sampled_from(head_dims) if head_dims else st.integers(1, max_d))
+    dtype = draw(st.sampled_from(dtypes))
+    causal = draw(st.booleans()) if allow_causal else False
+    scale = draw(st.one_of(st.none(), st.floats(0.01, 2.0)))
+    magnitude = draw(st.sampled_from(magnitudes))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    q = random_array(rng, (b, h, nq, d), magnitude, dtype)
+    k = random_array(rng, (b, h, nk, d), magnitude, dtype)
+    v = random_array(rng, (b, h, nk, d), 1.0, dtype)
+    return AttentionCase(q, k, v, causal, scale)
+
+
+def case_with(q_shape, k_shape, *, causal=False, scale=None, magnitude=1.0, seed=0, dtype=np.float32):
+    """A fixed case for ``@example``: the awkward shapes every chapter pins."""
+    rng = np.random.default_rng(seed)
+    q = random_array(rng, q_shape, magnitude, dtype)
+    k = random_array(rng, k_shape, magnitude, dtype)
+    v = random_array(rng, k_shape, 1.0, dtype)
+    return AttentionCase(q, k, v, causal, scale)
+
+
+# --------------------------------------------------------------------------- exercise checker
+
+def check_exercise(prop, strategy, *, max_examples=None):
+    """Run ``prop(case)`` (which raises AssertionError on a wrong answer) on cases drawn from
+    ``strategy``; print "passed" or the smallest failing case Hypothesis can shrink to.
+
+    Returns True when every case passed. Used by the notebooks' exercise cells.
+    """
+    from hypothesis import HealthCheck, find, settings
+    from hypothesis.errors import NoSuchExample
+
+    def fails(case):
+        try:
+            prop(case)
+        except Exception as exc:  # a wrong answer, or code that does not run yet
+            fails.last_error = exc
+            return True
+        return False
+
+    n = max_examples or (10 if on_simulator() else 100)
+    try:
+        smallest = find(strategy, fails, settings=settings(
+            max_examples=n, deadline=None, database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
+    except NoSuchExample:
+        print(f"passed: {n} drawn cases agree with the oracle")
+        return True
+    fails(smallest)
+    print(f"not yet: smallest failing case {smallest!r}")
+    print(f"  {type(fails.last_error).__name__}: {str(fails.last_error)[:500]}")
+    return False
