@@ -1,0 +1,80 @@
+"""Run every chapter's kernels once on small, ragged inputs: the program compute-sanitizer
+(memcheck, racecheck, synccheck) watches on the GPU. Usage: python .ci/sanitize_cases.py [chapter ...]"""
+
+import importlib
+import sys
+
+import numpy as np
+
+import kernels  # noqa: F401  (GPU or simulator first)
+from kernels import reference as ref
+
+
+def rand(rng, *shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def main(only):
+    rng = np.random.default_rng(0)
+    ran = []
+
+    def want(name):
+        return not only or name in only
+
+    def have(module):
+        try:
+            return importlib.import_module(f"kernels.{module}")
+        except ModuleNotFoundError:
+            print(f"skip: kernels.{module} does not exist")
+            return None
+
+    shapes = [(1, 2, 130, 67, 64), (1, 1, 67, 130, 64), (1, 1, 33, 33, 128), (2, 1, 1, 1, 16)]
+    if want("gpu_basics") and (m := have("gpu_basics")):
+        for name, disp, _sig in m.ptx_targets():
+            ran.append(f"gpu_basics (ptx target {name} listed)")
+    if want("naive_attention") and (m := have("naive_attention")):
+        for b, h, nq, nk, d in shapes:
+            for causal in (False, True):
+                m.naive_attention(rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d), causal=causal)
+        ran.append("naive_attention")
+    if want("tiled_matmul") and (m := have("tiled_matmul")):
+        for (mm, kk, nn) in [(129, 67, 131), (1, 1, 1), (256, 256, 256)]:
+            for rung in (1, 2, 3):
+                m.matmul(rand(rng, mm, kk), rand(rng, kk, nn), rung=rung)
+        ran.append("tiled_matmul")
+    if want("online_softmax") and (m := have("online_softmax")):
+        for shape in [(7, 1), (5, 1000), (3, 4097), (2, 0)]:
+            m.softmax(rand(rng, *shape))
+        ran.append("online_softmax")
+    if want("flash_forward") and (m := have("flash_forward")):
+        for b, h, nq, nk, d in shapes:
+            for causal in (False, True):
+                m.flash_attention(rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d), causal=causal)
+            m.flash_attention(rand(rng, b, h, nq, d, dtype=np.float16), rand(rng, b, h, nk, d, dtype=np.float16),
+                              rand(rng, b, h, nk, d, dtype=np.float16), causal=True)
+        ran.append("flash_forward")
+    if want("flash_backward") and (m := have("flash_backward")):
+        for b, h, nq, nk, d in shapes:
+            for causal in (False, True):
+                q, k, v = rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d)
+                o, lse = ref.attention(q, k, v, causal=causal)
+                m.flash_attention_backward(q, k, v, o.astype(np.float32), lse.astype(np.float32),
+                                           rand(rng, b, h, nq, d), causal=causal)
+        ran.append("flash_backward")
+    if want("block_sparse") and (m := have("block_sparse")):
+        from kernels.reference import BlockMask
+
+        for b, h, nq, nk, d in shapes[:3]:
+            bq = bk = 64
+            flags = rng.random((h, -(-nq // bq), -(-nk // bk))) < 0.5
+            mask = BlockMask(flags, bq, bk)
+            q, k, v = rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d)
+            for causal in (False, True):
+                o, lse = m.block_sparse_attention(q, k, v, mask, causal=causal)
+                m.block_sparse_attention_backward(q, k, v, o, lse, rand(rng, b, h, nq, d), mask, causal=causal)
+        ran.append("block_sparse")
+    print("ran:", ", ".join(ran))
+
+
+if __name__ == "__main__":
+    main(set(sys.argv[1:]))
