@@ -1,0 +1,108 @@
+"""Compile every kernel of the course to PTX for the H100 (sm_90), with no GPU needed.
+
+    python -m kernels.ptx_check            # every module in kernels/ that defines ptx_targets()
+    python -m kernels.ptx_check flash_forward gpu_basics
+
+The simulator runs kernels as Python: it never type-checks them, so code that the GPU
+compiler rejects (a float64 sneaking into a float32 array, an unsupported call, a
+shared-memory size that is not a constant) can pass every simulator test. Here each
+kernel a chapter lists in ``ptx_targets()`` -- ``(label, dispatcher, signature)`` -- goes
+through Numba's real CUDA compiler (``numba.cuda.compile_ptx``) with the kernel's own
+``fastmath`` option. Each target is reported OK or FAIL; a kernel whose PTX declares
+local memory (``.local``: registers spilled, or a per-thread array the compiler could not
+keep in registers) gets a warning, since local memory lives in HBM (cached) and is slow.
+
+The check needs the real CUDA target, so it runs with ``WORKBOOK_DEVICE=gpu``; started
+in a simulator process, it restarts itself in a subprocess that has that setting. Nothing
+is launched, so no GPU (and no driver) is needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import time
+import traceback
+
+import kernels
+from kernels.runtime import on_simulator
+
+# Modules of the package that are not chapters (they define no kernels).
+NOT_CHAPTERS = {"runtime", "reference", "testing", "ptx_check", "__main__", "bench"}
+SM_90 = (9, 0)
+_LOCAL = re.compile(r"^\s*\.local\s", re.MULTILINE)
+
+
+def kernel_modules() -> list[str]:
+    """Names of the modules in ``kernels/`` that may hold kernels (found, not listed)."""
+    return sorted(m.name for m in pkgutil.iter_modules(kernels.__path__)
+                  if not m.ispkg and m.name not in NOT_CHAPTERS and not m.name.startswith("_"))
+
+
+def check_module(name: str, report=print) -> tuple[int, int, int]:
+    """Compile the module's targets; returns (ok, failed, local-memory warnings)."""
+    from numba import cuda
+
+    try:
+        module = importlib.import_module(f"kernels.{name}")
+    except Exception as exc:  # a module that does not import is a failure of every target
+        report(f"FAIL  kernels.{name}: import failed: {type(exc).__name__}: {exc}")
+        return 0, 1, 0
+    if not hasattr(module, "ptx_targets"):
+        report(f"skip  kernels.{name}: no ptx_targets()")
+        return 0, 0, 0
+    try:
+        targets = list(module.ptx_targets())
+    except Exception as exc:
+        report(f"FAIL  kernels.{name}.ptx_targets() raised {type(exc).__name__}: {exc}")
+        return 0, 1, 0
+    ok = failed = warned = 0
+    for label, dispatcher, signature in targets:
+        fastmath = getattr(dispatcher, "targetoptions", {}).get("fastmath", False)
+        t0 = time.perf_counter()
+        try:
+            ptx, _ = cuda.compile_ptx(dispatcher.py_func, signature, cc=SM_90, fastmath=fastmath)
+        except Exception as exc:
+            failed += 1
+            first = str(exc).strip().splitlines()
+            report(f"FAIL  {name}: {label}  [{signature}]")
+            report("      " + "\n      ".join(first[:12] or [type(exc).__name__]))
+            continue
+        ok += 1
+        note = f"({time.perf_counter() - t0:.1f} s{', fastmath' if fastmath else ''})"
+        report(f"OK    {name}: {label}  {note}")
+        if _LOCAL.search(ptx):
+            warned += 1
+            report(f"WARN  {name}: {label}: the PTX uses local memory (.local): "
+                   f"spilled registers or a per-thread array kept in (slow) local memory")
+    return ok, failed, warned
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if on_simulator():
+        # compile_ptx needs the real CUDA target: run again with the simulator off.
+        env = dict(os.environ, WORKBOOK_DEVICE="gpu")
+        env.pop("NUMBA_ENABLE_CUDASIM", None)
+        return subprocess.call([sys.executable, "-m", "kernels.ptx_check", *argv], env=env)
+    names = argv or kernel_modules()
+    print(f"PTX check for sm_90 (numba.cuda.compile_ptx; nothing is launched): {', '.join(names)}")
+    totals = [0, 0, 0]
+    for name in names:
+        try:
+            counts = check_module(name)
+        except Exception:
+            traceback.print_exc()
+            counts = (0, 1, 0)
+        totals = [a + b for a, b in zip(totals, counts)]
+    ok, failed, warned = totals
+    print(f"PTX check: {ok} OK, {failed} FAIL, {warned} using local memory")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Chapter 0: the copy kernel copies exactly, the block reduction sums like the oracle."""
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+from numba import cuda
+
+from kernels import gpu_basics
+from kernels.testing import assert_close, random_array
+
+MAX_LEN = 3000  # the simulator runs every thread in Python
+
+
+@st.composite
+def vectors(draw, max_len=MAX_LEN):
+    n = draw(st.integers(0, max_len))
+    magnitude = draw(st.sampled_from([1e-3, 1.0, 1e4]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return random_array(rng, (n,), magnitude)
+
+
+@given(x=vectors(), items=st.sampled_from([1, 2, 4]), threads=st.sampled_from([32, 64, 96]),
+       blocks=st.one_of(st.none(), st.integers(1, 5)))
+@example(x=np.arange(1, 2, dtype=np.float32), items=1, threads=32, blocks=None)        # N = 1
+@example(x=np.linspace(1, 2, 129, dtype=np.float32), items=4, threads=32, blocks=1)   # one past a tile, one block
+@example(x=np.zeros(0, np.float32), items=1, threads=32, blocks=None)                # N = 0
+def test_copy_is_exact(x, items, threads, blocks):
+    got = gpu_basics.copy(x, items=items, threads=threads, blocks=blocks)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, x)
+
+
+def test_copy_into_out_and_on_device():
+    x = random_array(np.random.default_rng(1), (777,))
+    out = np.full_like(x, np.nan)
+    assert gpu_basics.copy(x, out=out) is out
+    np.testing.assert_array_equal(out, x)
+    d = cuda.to_device(x)
+    d_out = cuda.device_array_like(d)
+    gpu_basics.copy(d, out=d_out)
+    np.testing.assert_array_equal(d_out.copy_to_host(), x)
+    back = gpu_basics.copy(d)
+    assert not isinstance(back, np.ndarray)
+    np.testing.assert_array_equal(back.copy_to_host(), x)
+
+
+def _segment_sums(x, threads, dtype):
+    n = len(x)
+    padded = np.zeros(-(-n // threads) * threads, dtype)
+    padded[:n] = x
+    return padded.reshape(-1, threads).sum(axis=1, dtype=dtype)
+
+
+@given(x=vectors(max_len=1200), threads=st.sampled_from([1, 2, 32, 64, 128]))
+@example(x=np.ones(1, np.float32), threads=64)
+@example(x=np.linspace(-1, 3, 65, dtype=np.float32), threads=64)  # one past a block
+def test_block_sums_match_the_oracle(x, threads):
+    got = gpu_basics.block_sums(x, threads=threads)
+    exact = _segment_sums(x.astype(np.float64), threads, np.float64)
+    baseline = _segment_sums(x, threads, np.float32)
+    assert got.shape == exact.shape
+    assert_close(got, exact, baseline, name="block sums")
+
+
+def test_block_sums_on_device_stay_on_device():
+    x = random_array(np.random.default_rng(2), (300,))
+    got = gpu_basics.block_sums(cuda.to_device(x), threads=64)
+    assert not isinstance(got, np.ndarray)
+    np.testing.assert_allclose(got.copy_to_host(), _segment_sums(x, 64, np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_empty_kernel_launches():
+    gpu_basics.launch_empty()
+    cuda.synchronize()
+
+
+@pytest.mark.parametrize("call, match, exc", [
+    (lambda: gpu_basics.copy([1.0, 2.0]), "x:", TypeError),
+    (lambda: gpu_basics.copy(np.ones((2, 2), np.float32)), "x: expected 1 dimensions", ValueError),
+    (lambda: gpu_basics.copy(np.ones(4, np.float64)), "x: expected dtype float32", TypeError),
+    (lambda: gpu_basics.copy(np.ones(4, np.float32), out=np.ones(5, np.float32)), "out:", ValueError),
+    (lambda: gpu_basics.copy(np.ones(4, np.float32), items=0), "items:", ValueError),
+    (lambda: gpu_basics.copy(np.ones(4, np.float32), threads=2048), "threads:", ValueError),
+    (lambda: gpu_basics.copy(np.ones(4, np.float32), blocks=1.5), "blocks:", TypeError),
+    (lambda: gpu_basics.block_sums(np.ones(4, np.float32), threads=48), "threads: expected a power of two", ValueError),
+    (lambda: gpu_basics.block_sums(None), "x:", TypeError),
+])
+def test_bad_input_names_the_argument(call, match, exc):
+    with pytest.raises(exc, match=match):
+        call()

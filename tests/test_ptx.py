@@ -1,0 +1,72 @@
+"""Every kernel of the course compiles to PTX for sm_90 (no GPU needed).
+
+The simulator does not type-check, so this is what catches code that only the GPU
+compiler rejects. Runs ``python -m kernels.ptx_check`` in a subprocess with the simulator
+off (``WORKBOOK_DEVICE=gpu``).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _gpu_env():
+    env = dict(os.environ, WORKBOOK_DEVICE="gpu")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    return env
+
+
+def _run(args, timeout=900):
+    return subprocess.run([sys.executable, *args], env=_gpu_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_every_kernel_compiles_to_ptx():
+    proc = _run(["-m", "kernels.ptx_check"])
+    out = proc.stdout + proc.stderr
+    print(out)
+    failures = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert not failures, "kernels that do not compile for sm_90:\n" + out
+    assert proc.returncode == 0, out
+    assert "OK    gpu_basics:" in out
+
+
+def test_the_check_catches_a_typing_error_the_simulator_lets_through():
+    # A float32 array cannot hold a tuple: the simulator would run this, the compiler refuses.
+    script = textwrap.dedent("""
+        import sys, types
+        import kernels
+        from numba import cuda
+        mod = types.ModuleType("kernels.broken_example")
+        @cuda.jit
+        def bad(x):
+            x[0] = (1.0, 2.0)
+        @cuda.jit(fastmath=True)
+        def spills(x):
+            a = cuda.local.array(64, dtype=x.dtype)
+            for i in range(64):
+                a[i] = x[i]
+            x[0] = a[int(x[1])]
+        mod.ptx_targets = lambda: [("bad", bad, "void(float32[::1])"), ("spills", spills, "void(float32[::1])")]
+        sys.modules["kernels.broken_example"] = mod
+        from kernels.ptx_check import check_module
+        ok, failed, warned = check_module("broken_example")
+        print("counts", ok, failed, warned)
+    """)
+    proc = _run(["-c", script], timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "counts 1 1 1" in out, out
+    assert "FAIL  broken_example: bad" in out, out
+
+
+@pytest.mark.parametrize("name", ["runtime", "reference", "testing"])
+def test_discovery_skips_the_shared_modules(name):
+    from kernels.ptx_check import kernel_modules
+
+    found = kernel_modules()
+    assert name not in found
+    assert "gpu_basics" in found
