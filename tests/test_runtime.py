@@ -1,0 +1,173 @@
+"""The shared runtime: validation errors name the argument, arrays come back in kind,
+timing gives sane medians, and WORKBOOK_DEVICE picks the device."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from kernels import runtime
+from kernels.runtime import ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, time_fn
+
+
+def qkv(b=1, h=2, nq=5, nk=7, d=4, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((b, h, nq, d)).astype(dtype), rng.standard_normal((b, h, nk, d)).astype(dtype),
+            rng.standard_normal((b, h, nk, d)).astype(dtype))
+
+
+# --------------------------------------------------------------------------- validation
+
+def test_check_qkv_accepts_good_input():
+    q, k, v = qkv()
+    assert check_qkv(q, k, v) == (1, 2, 5, 7, 4, np.dtype(np.float32))
+
+
+@pytest.mark.parametrize("which, make, exc, match", [
+    ("q", lambda q: q[0], ValueError, r"^q: expected 4 dimensions"),
+    ("k", lambda k: k.astype(np.float64), TypeError, r"^k: expected dtype float32"),
+    ("v", lambda v: v[:, :, :3], ValueError, r"^v: expected the shape of k"),
+    ("k", lambda k: np.concatenate([k, k], axis=1), ValueError, r"^k: expected batch and heads"),
+    ("k", lambda k: k[..., :3], ValueError, r"^k: expected head dim"),
+    ("q", lambda q: [[1.0]], TypeError, r"^q: expected a NumPy array"),
+    ("v", lambda v: None, TypeError, r"^v: expected an array"),
+])
+def test_check_qkv_errors_name_the_argument(which, make, exc, match):
+    arrays = dict(zip("qkv", qkv()))
+    arrays[which] = make(arrays[which])
+    if which == "k" and "head dim" in match:
+        arrays["v"] = arrays["v"][..., :3]
+    if which == "k" and "batch" in match:
+        arrays["v"] = np.concatenate([arrays["v"]] * 2, axis=1)
+    with pytest.raises(exc, match=match):
+        check_qkv(arrays["q"], arrays["k"], arrays["v"])
+
+
+def test_check_qkv_head_dim_limit_and_mixed_dtypes():
+    q, k, v = qkv(d=200)
+    with pytest.raises(ValueError, match=r"^q: expected head dim d in 1\.\.128"):
+        check_qkv(q, k, v)
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"q, k, v: expected one dtype"):
+        check_qkv(q, k.astype(np.float16), v, dtypes=(np.float32, np.float16))
+
+
+@pytest.mark.parametrize("scale, exc, match", [
+    ("0.5", TypeError, r"^scale: expected a number"),
+    (True, TypeError, r"^scale: expected a number"),
+    (0.0, ValueError, r"^scale: expected a finite positive"),
+    (-1.0, ValueError, r"^scale: expected a finite positive"),
+    (float("nan"), ValueError, r"^scale: expected a finite positive"),
+    (float("inf"), ValueError, r"^scale: expected a finite positive"),
+])
+def test_check_scale_errors(scale, exc, match):
+    with pytest.raises(exc, match=match):
+        check_scale(scale, 64)
+
+
+def test_check_scale_default_and_flag():
+    assert check_scale(None, 64) == pytest.approx(0.125)
+    assert check_scale(2, 64) == 2.0
+    assert check_flag(np.bool_(True), "causal") is True
+    with pytest.raises(TypeError, match=r"^causal: expected True or False"):
+        check_flag(1, "causal")
+
+
+def test_check_array_and_cdiv():
+    assert check_array(np.ones((2, 3), np.float32), "a", ndim=2) == ((2, 3), np.dtype(np.float32))
+    with pytest.raises(ValueError, match=r"^a: expected 2 dimensions"):
+        check_array(np.ones(3, np.float32), "a", ndim=2)
+    d = cuda.to_device(np.ones((4, 5), np.float32))
+    assert check_array(d, "a", ndim=2) == ((4, 5), np.dtype(np.float32))
+    assert [cdiv(a, 4) for a in (0, 1, 4, 5)] == [0, 1, 1, 2]
+
+
+# --------------------------------------------------------------------------- arrays in kind
+
+def test_array_kind_numpy_in_numpy_out():
+    x = np.arange(1, 7, dtype=np.float32)
+    kind = ArrayKind(x)
+    assert not kind.on_device
+    back = kind.give_back(runtime.to_device(x, "x"))
+    assert isinstance(back, np.ndarray)
+    np.testing.assert_array_equal(back, x)
+
+
+def test_array_kind_device_in_device_out():
+    x = np.arange(1, 7, dtype=np.float32)
+    d = cuda.to_device(x)
+    kind = ArrayKind(d)
+    assert kind.on_device
+    view = runtime.to_device(d, "x")
+    back = kind.give_back(view)
+    assert not isinstance(back, np.ndarray) and runtime.is_device_array(back)
+    np.testing.assert_array_equal(back.copy_to_host(), x)
+
+
+def test_to_device_rejects_non_contiguous_device_arrays():
+    d = cuda.to_device(np.ones((4, 6), np.float32))
+    with pytest.raises(ValueError, match=r"^x: expected a C-contiguous"):
+        runtime.to_device(d[:, ::2], "x")
+
+
+# --------------------------------------------------------------------------- timing
+
+def test_time_fn_medians_are_sane():
+    calls = []
+
+    def fn(a):
+        calls.append(a)
+        time.sleep(0.002)
+
+    t = time_fn(fn, [(1,), (2,), (3,)], warmup=2, repeat=9)
+    assert len(calls) == 11
+    assert set(calls) == {1, 2, 3}          # the input sets rotate
+    assert t.runs == 9
+    assert t.p10_ms <= t.median_ms <= t.p90_ms
+    assert t.spread >= 0
+    if runtime.on_simulator():
+        assert t.clock == "host clock (simulator)"
+        assert 1.5 <= t.median_ms <= 200
+    else:
+        assert t.clock == "cuda events"
+        assert t.median_ms > 0
+
+
+# --------------------------------------------------------------------------- device selection
+
+def _device_in_subprocess(**env_changes):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "WORKBOOK_DEVICE")}
+    env.update(env_changes)
+    code = "import os, kernels; from kernels.runtime import on_simulator; " \
+           "print(kernels.DEVICE, on_simulator(), os.environ.get('NUMBA_ENABLE_CUDASIM'))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_workbook_device_sim_turns_the_simulator_on():
+    proc = _device_in_subprocess(WORKBOOK_DEVICE="sim")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["sim", "True", "1"]
+
+
+def test_workbook_device_gpu_turns_the_simulator_off():
+    # Importing needs no GPU; only a launch would.
+    proc = _device_in_subprocess(WORKBOOK_DEVICE="gpu")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["gpu", "False", "None"]
+
+
+def test_workbook_device_auto_follows_the_driver():
+    proc = _device_in_subprocess()
+    assert proc.returncode == 0, proc.stderr
+    expected = "gpu" if runtime._cuda_device_count() > 0 else "sim"
+    assert proc.stdout.split()[0] == expected
+
+
+def test_workbook_device_rejects_nonsense():
+    proc = _device_in_subprocess(WORKBOOK_DEVICE="tpu")
+    assert proc.returncode != 0
+    assert "WORKBOOK_DEVICE: expected 'gpu', 'sim' or 'auto'" in proc.stderr
