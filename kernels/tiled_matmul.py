@@ -1,0 +1,334 @@
+"""Chapter 2: tiled matmul, C = A @ B, float32, row-major, as a ladder of three kernels.
+
+Every rung computes the same thing; what changes is where the operands live while the
+FMAs happen, and so how many bytes each FLOP costs.
+
+rung 1  one thread per output element, both operands read from global memory (HBM/L2):
+        2 loads (8 bytes) per FMA (2 FLOPs): 0.25 FLOP per byte loaded.
+rung 2  a block of T x T threads stages a T x T tile of A and of B in shared memory;
+        each element fetched from global memory is used T times: T/4 FLOP per global
+        byte; every FMA still reads 2 operands from shared memory.
+rung 3  a block computes a BM x BN tile of C; each of its threads keeps a TM x TN
+        micro-tile of C in registers. Per k-step a thread reads TM + TN values from shared
+        memory and does TM * TN FMAs from registers: 128x128 tiles with 8x8 per thread
+        use each global element 128 times and each shared value 8 times.
+
+Ragged sizes (M, N, K not multiples of the tiles, any of them 0 or 1): loads outside the
+matrix fill 0 (a zero adds nothing to the dot product), stores outside are skipped.
+
+Rung 3 is written for the H100 (see the module's ``ptx_targets`` and PERF.md):
+
+* A is stored transposed in shared memory (As[k, m]) so that the TM values a thread needs
+  at one k-step are contiguous, like the TN values of B (Bs[k, n]).
+* A thread's TM rows are VEC-wide runs ``ty * VEC + v`` repeated every ``BM / (TM / VEC)``
+  rows (the same for columns): a warp's 16 threads along n read 16 consecutive float4s,
+  so the shared loads are conflict-free and can be issued as 128-bit loads.
+* As rows are padded by 4 floats, so the transposed stores of the A tile do not collide.
+* Two shared buffers: while the block computes on one k-tile, each thread has already
+  loaded its part of the next k-tile into registers; one barrier per k-tile.
+* Accumulators and fragments are ``cuda.local.array`` of constant size indexed only by
+  unrolled constant loop indices, so they live in registers (no .local in the PTX).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from kernels.runtime import ArrayKind, cdiv, check_array, device_empty, is_device_array, on_simulator, to_device
+
+__all__ = ["matmul", "make_naive", "make_shared_tiles", "make_register_tiles", "RUNG3_CONFIGS",
+           "ptx_targets", "default_tiles"]
+
+SIG = "void(float32[:, ::1], float32[:, ::1], float32[:, ::1])"
+
+# 16-byte aligned shared tiles let the compiler use 128-bit shared loads; the simulator
+# does not support the alignment argument (and has no use for it).
+ALIGN = None if on_simulator() else 16
+
+
+# --------------------------------------------------------------------------- rung 1
+
+@functools.lru_cache(maxsize=None)
+def make_naive(BX: int = 16, BY: int = 16):
+    """Rung 1: thread (row, col) computes C[row, col] = sum_k A[row, k] * B[k, col].
+
+    Threads along x take consecutive columns, so a warp's loads of B are coalesced and
+    its loads of A are one broadcast address.
+    """
+
+    @cuda.jit
+    def naive_kernel(a, b, c):
+        M = int32(c.shape[0])
+        N = int32(c.shape[1])
+        K = int32(a.shape[1])
+        col = int32(cuda.blockIdx.x) * int32(BX) + int32(cuda.threadIdx.x)
+        row = int32(cuda.blockIdx.y) * int32(BY) + int32(cuda.threadIdx.y)
+        if row < M and col < N:
+            acc = float32(0.0)
+            for k in range(K):
+                acc += a[row, k] * b[k, col]
+            c[row, col] = acc
+
+    return naive_kernel
+
+
+# --------------------------------------------------------------------------- rung 2
+
+@functools.lru_cache(maxsize=None)
+def make_shared_tiles(T: int = 16):
+    """Rung 2: a T x T block loads a T x T tile of A and of B into shared memory per k-tile.
+
+    Thread (ty, tx) loads A[row, k0 + tx] and B[k0 + ty, col] (0 outside the matrix), the
+    block waits, then each thread runs T FMAs out of shared memory.
+    """
+
+    @cuda.jit
+    def shared_kernel(a, b, c):
+        As = cuda.shared.array((T, T), float32)
+        Bs = cuda.shared.array((T, T), float32)
+        M = int32(c.shape[0])
+        N = int32(c.shape[1])
+        K = int32(a.shape[1])
+        tx = int32(cuda.threadIdx.x)
+        ty = int32(cuda.threadIdx.y)
+        col = int32(cuda.blockIdx.x) * int32(T) + tx
+        row = int32(cuda.blockIdx.y) * int32(T) + ty
+        acc = float32(0.0)
+        for k0 in range(int32(0), K, int32(T)):
+            ka = k0 + tx
+            kb = k0 + ty
+            As[ty, tx] = a[row, ka] if (row < M and ka < K) else float32(0.0)
+            Bs[ty, tx] = b[kb, col] if (kb < K and col < N) else float32(0.0)
+            cuda.syncthreads()
+            for kk in range(T):
+                acc += As[ty, kk] * Bs[kk, tx]
+            cuda.syncthreads()
+        if row < M and col < N:
+            c[row, col] = acc
+
+    return shared_kernel
+
+
+# --------------------------------------------------------------------------- rung 3
+
+@functools.lru_cache(maxsize=None)
+def make_register_tiles(BM: int = 128, BN: int = 128, BK: int = 8, TM: int = 8, TN: int = 8):
+    """Rung 3: a block of (BM/TM)*(BN/TN) threads computes a BM x BN tile of C; each thread
+    holds a TM x TN micro-tile of C in registers.
+
+    Per k-step a thread loads TM values of A (a column of the A tile, contiguous because As
+    is stored transposed) and TN values of B into registers, then does TM*TN FMAs.
+    """
+    if BM % TM or BN % TN:
+        raise ValueError(f"tiles: TM={TM} must divide BM={BM} and TN={TN} must divide BN={BN}")
+    THREADS_N = BN // TN                  # threads along n (columns of C)
+    THREADS_M = BM // TM                  # threads along m
+    NT = THREADS_M * THREADS_N            # threads a block
+    if (BM * BK) % NT or (BK * BN) % NT:
+        raise ValueError(f"tiles: the {NT} threads must evenly share the A tile {BM}x{BK} and B tile {BK}x{BN}")
+    LA = BM * BK // NT                    # elements of the A tile each thread loads
+    LB = BK * BN // NT                    # elements of the B tile each thread loads
+    VM = min(4, TM)                       # contiguous run of a thread's rows
+    VN = min(4, TN)
+    if TM % VM or TN % VN:
+        raise ValueError(f"tiles: TM={TM} and TN={TN} must be multiples of 4 (or at most 4)")
+    STEP_M = THREADS_M * VM               # distance between a thread's row runs
+    STEP_N = THREADS_N * VN
+    PAD = 4                               # As row padding (floats): conflict-free transposed stores
+    BMP = BM + PAD
+
+    @cuda.jit
+    def register_tile_kernel(a, b, c):
+        As = cuda.shared.array((2, BK, BMP), float32, alignment=ALIGN)   # A tile, transposed: As[k, m]
+        Bs = cuda.shared.array((2, BK, BN), float32, alignment=ALIGN)    # B tile: Bs[k, n]
+        acc = cuda.local.array((TM, TN), float32)
+        fa = cuda.local.array(TM, float32)
+        fb = cuda.local.array(TN, float32)
+        ra = cuda.local.array(LA, float32)    # next k-tile of A, on its way to shared memory
+        rb = cuda.local.array(LB, float32)
+
+        M = int32(c.shape[0])
+        N = int32(c.shape[1])
+        K = int32(a.shape[1])
+        tid = int32(cuda.threadIdx.x)
+        tx = tid % int32(THREADS_N)
+        ty = tid // int32(THREADS_N)
+        m0 = int32(cuda.blockIdx.y) * int32(BM)
+        n0 = int32(cuda.blockIdx.x) * int32(BN)
+
+        for i in range(TM):
+            for j in range(TN):
+                acc[i, j] = float32(0.0)
+
+        # k-tile 0 -> registers -> shared buffer 0
+        for r in range(LA):
+            e = tid + int32(r * NT)
+            mm = e // int32(BK)
+            kk = e % int32(BK)
+            gm = m0 + mm
+            ra[r] = a[gm, kk] if (gm < M and kk < K) else float32(0.0)
+        for r in range(LB):
+            e = tid + int32(r * NT)
+            kk = e // int32(BN)
+            nn = e % int32(BN)
+            gn = n0 + nn
+            rb[r] = b[kk, gn] if (kk < K and gn < N) else float32(0.0)
+        for r in range(LA):
+            e = tid + int32(r * NT)
+            As[0, e % int32(BK), e // int32(BK)] = ra[r]
+        for r in range(LB):
+            e = tid + int32(r * NT)
+            Bs[0, e // int32(BN), e % int32(BN)] = rb[r]
+        cuda.syncthreads()
+
+        tiles = (K + int32(BK - 1)) // int32(BK)
+        for t in range(tiles):
+            cur = t & 1
+            k_next = (t + int32(1)) * int32(BK)
+            more = k_next < K
+            if more:  # start fetching k-tile t + 1 while computing on k-tile t
+                for r in range(LA):
+                    e = tid + int32(r * NT)
+                    gm = m0 + e // int32(BK)
+                    gk = k_next + e % int32(BK)
+                    ra[r] = a[gm, gk] if (gm < M and gk < K) else float32(0.0)
+                for r in range(LB):
+                    e = tid + int32(r * NT)
+                    gk = k_next + e // int32(BN)
+                    gn = n0 + e % int32(BN)
+                    rb[r] = b[gk, gn] if (gk < K and gn < N) else float32(0.0)
+            for kk in range(BK):
+                for i in range(TM):
+                    fa[i] = As[cur, kk, (i // VM) * STEP_M + ty * VM + (i % VM)]
+                for j in range(TN):
+                    fb[j] = Bs[cur, kk, (j // VN) * STEP_N + tx * VN + (j % VN)]
+                for i in range(TM):
+                    for j in range(TN):
+                        acc[i, j] += fa[i] * fb[j]
+            if more:
+                nxt = 1 - cur
+                for r in range(LA):
+                    e = tid + int32(r * NT)
+                    As[nxt, e % int32(BK), e // int32(BK)] = ra[r]
+                for r in range(LB):
+                    e = tid + int32(r * NT)
+                    Bs[nxt, e // int32(BN), e % int32(BN)] = rb[r]
+            cuda.syncthreads()
+
+        for i in range(TM):
+            gm = m0 + int32((i // VM) * STEP_M) + ty * int32(VM) + int32(i % VM)
+            if gm < M:
+                for j in range(TN):
+                    gn = n0 + int32((j // VN) * STEP_N) + tx * int32(VN) + int32(j % VN)
+                    if gn < N:
+                        c[gm, gn] = acc[i, j]
+
+    register_tile_kernel.threads = NT
+    return register_tile_kernel
+
+
+# Candidate rung-3 tilings for the H100, (BM, BN, BK, TM, TN): the bench sweeps them all.
+RUNG3_CONFIGS = {
+    "128x128x8 8x8": (128, 128, 8, 8, 8),
+    "128x128x16 8x8": (128, 128, 16, 8, 8),
+    "128x64x16 8x4": (128, 64, 16, 8, 4),
+}
+RUNG3_DEFAULT = "128x128x8 8x8"
+
+# Small tiles for the simulator (every thread is a Python thread there).
+_SIM_TILES = {1: dict(block=(8, 8)), 2: dict(tile=8), 3: dict(register_tiles=(16, 16, 4, 4, 4))}
+_GPU_TILES = {1: dict(block=(16, 16)), 2: dict(tile=32), 3: dict(register_tiles=RUNG3_CONFIGS[RUNG3_DEFAULT])}
+
+
+def default_tiles(rung: int) -> dict:
+    """The tile keywords ``matmul`` uses for ``rung`` when none are given."""
+    return dict((_SIM_TILES if on_simulator() else _GPU_TILES)[rung])
+
+
+# --------------------------------------------------------------------------- launcher
+
+def _check_tiles(rung, block, tile, register_tiles):
+    if rung == 1:
+        if (not isinstance(block, tuple) or len(block) != 2
+                or not all(isinstance(x, (int, np.integer)) and x >= 1 for x in block)
+                or block[0] * block[1] > 1024):
+            raise ValueError(f"block: expected (BX, BY) positive ints with BX*BY <= 1024, got {block!r}")
+    elif rung == 2:
+        if not isinstance(tile, (int, np.integer)) or isinstance(tile, bool) or not 1 <= tile <= 32:
+            raise ValueError(f"tile: expected an int T in 1..32 (T*T threads a block), got {tile!r}")
+    else:
+        if (not isinstance(register_tiles, tuple) or len(register_tiles) != 5
+                or not all(isinstance(x, (int, np.integer)) and x >= 1 for x in register_tiles)):
+            raise ValueError(f"register_tiles: expected (BM, BN, BK, TM, TN) positive ints, got {register_tiles!r}")
+        BM, BN, BK, TM, TN = register_tiles
+        nt = (BM // TM) * (BN // TN)
+        if (BM % TM or BN % TN or nt > 1024 or (BM * BK) % nt or (BK * BN) % nt
+                or (TM > 4 and TM % 4) or (TN > 4 and TN % 4)):
+            raise ValueError(
+                "register_tiles: expected TM | BM, TN | BN, (BM/TM)*(BN/TN) <= 1024 threads that evenly "
+                f"share the BM*BK and BK*BN tile loads, TM and TN at most 4 or multiples of 4; got {register_tiles}")
+
+
+def matmul(a, b, *, rung: int = 3, out=None, block=None, tile=None, register_tiles=None):
+    """C = A @ B for float32 row-major 2-D A (M, K) and B (K, N), on the GPU.
+
+    ``rung`` picks the ladder step (1: global memory, 2: shared-memory tiles, 3: register
+    micro-tiles). Tile sizes (``block`` for rung 1, ``tile`` for rung 2, ``register_tiles``
+    = (BM, BN, BK, TM, TN) for rung 3) default to production sizes on a GPU and small ones
+    in the simulator. NumPy in, NumPy out; device arrays in, device array out (``out``, a
+    C-contiguous float32 (M, N) device array, may be given to avoid an allocation).
+    """
+    if isinstance(rung, bool) or rung not in (1, 2, 3):
+        raise ValueError(f"rung: expected 1, 2 or 3, got {rung!r}")
+    (M, K), _ = check_array(a, "a", ndim=2)
+    (K2, N), _ = check_array(b, "b", ndim=2)
+    if K2 != K:
+        raise ValueError(f"b: expected {K} rows (the inner dimension, a.shape[1]), got shape {(K2, N)}")
+    for name, size in (("a", M * K), ("b", K * N), ("c", M * N)):
+        if size >= 2**31:
+            raise ValueError(f"{name}: expected fewer than 2**31 elements (int32 indexing), got {size}")
+    defaults = default_tiles(rung)
+    block = defaults.get("block") if block is None else tuple(block)
+    tile = defaults.get("tile") if tile is None else tile
+    register_tiles = defaults.get("register_tiles") if register_tiles is None else tuple(register_tiles)
+    _check_tiles(rung, block, tile, register_tiles)
+    if out is not None:
+        if not is_device_array(out):
+            raise TypeError(f"out: expected a device array, got {type(out).__name__}")
+        (om, on), _ = check_array(out, "out", ndim=2)
+        if (om, on) != (M, N):
+            raise ValueError(f"out: expected shape {(M, N)}, got {(om, on)}")
+
+    kind = ArrayKind(a)
+    da = to_device(a, "a")
+    db = to_device(b, "b")
+    dc = device_empty((M, N)) if out is None else to_device(out, "out")
+    if M == 0 or N == 0:
+        return kind.give_back(dc) if out is None else out
+    if rung == 1:
+        BX, BY = block
+        make_naive(int(BX), int(BY))[(cdiv(N, BX), cdiv(M, BY)), (BX, BY)](da, db, dc)
+    elif rung == 2:
+        T = int(tile)
+        make_shared_tiles(T)[(cdiv(N, T), cdiv(M, T)), (T, T)](da, db, dc)
+    else:
+        BM, BN, BK, TM, TN = (int(x) for x in register_tiles)
+        kern = make_register_tiles(BM, BN, BK, TM, TN)
+        kern[(cdiv(N, BN), cdiv(M, BM)), kern.threads](da, db, dc)
+    return kind.give_back(dc) if out is None else out
+
+
+# --------------------------------------------------------------------------- PTX targets
+
+def ptx_targets():
+    """(label, dispatcher, signature) for every kernel at its production tiles."""
+    targets = [
+        ("matmul rung 1 fp32 16x16", make_naive(16, 16), SIG),
+        ("matmul rung 2 fp32 T=32", make_shared_tiles(32), SIG),
+    ]
+    for name, cfg in RUNG3_CONFIGS.items():
+        targets.append((f"matmul rung 3 fp32 {name}", make_register_tiles(*cfg), SIG))
+    return targets

@@ -1,0 +1,155 @@
+"""Chapter 2: every rung of the tiled matmul against the float64 oracle, ragged sizes and
+drawn tile configurations included, plus the launcher's input validation."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
+
+from kernels import reference as ref
+from kernels.runtime import on_simulator
+from kernels.testing import assert_close, random_array
+from kernels.tiled_matmul import RUNG3_CONFIGS, matmul
+
+SIM = on_simulator()
+MAX_DIM = 40 if SIM else 700
+
+# Tile configurations the tests draw, per rung. In the simulator every thread is a Python
+# thread, so blocks stay small there; on a GPU the production tiles are drawn too.
+RUNG1_BLOCKS = [(8, 8), (4, 16), (16, 2)] + ([] if SIM else [(16, 16), (32, 8)])
+RUNG2_TILES = [4, 8] + ([] if SIM else [16, 32])
+RUNG3_TILES = [(16, 16, 4, 4, 4), (16, 8, 8, 4, 2), (8, 16, 4, 2, 4), (32, 16, 8, 8, 4)] + (
+    [] if SIM else list(RUNG3_CONFIGS.values()))
+
+
+@dataclass
+class MatmulCase:
+    a: np.ndarray
+    b: np.ndarray
+    rung: int
+    tiles: dict
+
+    def __repr__(self):
+        return f"MatmulCase(a={self.a.shape}, b={self.b.shape}, rung={self.rung}, tiles={self.tiles})"
+
+
+@st.composite
+def register_tiles(draw):
+    """(BM, BN, BK, TM, TN) whose threads evenly share the tile loads; production tiles on a GPU."""
+    if not SIM and draw(st.booleans()):
+        return draw(st.sampled_from(list(RUNG3_CONFIGS.values())))
+    tm, tn = draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([1, 2, 4, 8]))
+    threads_m, threads_n = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4, 8]))
+    bm, bn, nt = tm * threads_m, tn * threads_n, threads_m * threads_n
+    bks = [bk for bk in (1, 2, 4, 8, 16) if (bm * bk) % nt == 0 and (bk * bn) % nt == 0]
+    assume(bks)
+    return bm, bn, draw(st.sampled_from(bks)), tm, tn
+
+
+def _tiles_for(rung, draw_or_choice):
+    if rung == 1:
+        return {"block": draw_or_choice(RUNG1_BLOCKS)}
+    if rung == 2:
+        return {"tile": draw_or_choice(RUNG2_TILES)}
+    return {"register_tiles": draw_or_choice(RUNG3_TILES)}
+
+
+@st.composite
+def matmul_cases(draw, rungs=(1, 2, 3), max_dim=MAX_DIM):
+    rung = draw(st.sampled_from(rungs))
+    if rung == 3 and draw(st.booleans()):
+        tiles = {"register_tiles": draw(register_tiles())}
+    else:
+        tiles = _tiles_for(rung, lambda xs: draw(st.sampled_from(xs)))
+    m, k, n = (draw(st.integers(0, max_dim)) for _ in range(3))
+    magnitude = draw(st.sampled_from([0.01, 1.0, 100.0]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return MatmulCase(random_array(rng, (m, k), magnitude), random_array(rng, (k, n)), rung, tiles)
+
+
+def case(m, k, n, rung, tiles=None, seed=0):
+    rng = np.random.default_rng(seed)
+    tiles = tiles if tiles is not None else _tiles_for(rung, lambda xs: xs[0])
+    return MatmulCase(random_array(rng, (m, k)), random_array(rng, (k, n)), rung, tiles)
+
+
+def check(c):
+    got = matmul(c.a, c.b, rung=c.rung, **c.tiles)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    assert_close(got, ref.matmul(c.a, c.b), ref.matmul(c.a, c.b, dtype=np.float32), name=f"C (rung {c.rung})")
+
+
+@given(matmul_cases())
+@example(case(1, 1, 1, 1)).via("1 x 1 x 1")
+@example(case(1, 1, 1, 3)).via("1 x 1 x 1")
+@example(case(9, 17, 5, 2, {"tile": 8})).via("one past a tile in m and k")
+@example(case(17, 5, 17, 3, {"register_tiles": (16, 16, 4, 4, 4)})).via("one past a block tile in m and n")
+@example(case(16, 16, 16, 3, {"register_tiles": (16, 16, 4, 4, 4)})).via("exact tiles")
+@example(case(3, 0, 4, 3)).via("K = 0: C is zeros")
+@example(case(0, 5, 4, 2)).via("M = 0")
+@example(case(4, 5, 0, 1)).via("N = 0")
+@example(case(33, 9, 1, 3, {"register_tiles": (32, 16, 8, 8, 4)})).via("a single column")
+def test_matmul_matches_oracle(c):
+    check(c)
+
+
+@pytest.mark.parametrize("rung", [1, 2, 3])
+@given(data=st.data())
+def test_each_rung_matches_oracle(rung, data):
+    check(data.draw(matmul_cases(rungs=(rung,)), label="case"))
+
+
+@pytest.mark.parametrize("rung", [1, 2, 3])
+def test_default_tiles_ragged(rung):
+    check(case(21, 19, 23, rung, tiles={}, seed=rung))
+
+
+def test_device_arrays_in_device_array_out():
+    from numba import cuda
+
+    c = case(10, 7, 12, 3, tiles={})
+    da, db = cuda.to_device(c.a), cuda.to_device(c.b)
+    got = matmul(da, db)
+    assert not isinstance(got, np.ndarray)
+    assert_close(got.copy_to_host(), ref.matmul(c.a, c.b), ref.matmul(c.a, c.b, dtype=np.float32))
+    out = cuda.device_array((10, 12), dtype=np.float32)
+    assert matmul(da, db, rung=2, out=out) is out
+    assert_close(out.copy_to_host(), ref.matmul(c.a, c.b), ref.matmul(c.a, c.b, dtype=np.float32))
+
+
+A = np.ones((3, 4), np.float32)
+B = np.ones((4, 5), np.float32)
+
+
+@pytest.mark.parametrize("a, b, error, name", [
+    (np.ones((2, 3, 4), np.float32), B, ValueError, "a"),
+    (np.ones(4, np.float32), B, ValueError, "a"),
+    (A, np.ones(4, np.float32), ValueError, "b"),
+    (A.astype(np.float64), B, TypeError, "a"),
+    (A, B.astype(np.float16), TypeError, "b"),
+    (A, np.ones((5, 4), np.float32), ValueError, "b"),
+    ([[1.0]], B, TypeError, "a"),
+    (A, None, TypeError, "b"),
+])
+def test_bad_inputs_name_the_argument(a, b, error, name):
+    with pytest.raises(error, match=rf"^{name}:"):
+        matmul(a, b)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"rung": 4}, "rung"),
+    ({"rung": True}, "rung"),
+    ({"rung": 2, "tile": 0}, "tile"),
+    ({"rung": 2, "tile": 33}, "tile"),
+    ({"rung": 1, "block": (0, 8)}, "block"),
+    ({"rung": 3, "register_tiles": (16, 16, 4, 3, 4)}, "register_tiles"),
+    ({"rung": 3, "register_tiles": (16, 16, 4)}, "register_tiles"),
+    ({"rung": 3, "register_tiles": (8, 8, 1, 1, 1)}, "register_tiles"),
+    ({"rung": 3, "register_tiles": (96, 96, 8, 6, 6)}, "register_tiles"),
+    ({"out": np.ones((3, 5), np.float32)}, "out"),
+])
+def test_bad_options_name_the_option(kwargs, name):
+    with pytest.raises((TypeError, ValueError), match=rf"^{name}:"):
+        matmul(A, B, **kwargs)
