@@ -1,0 +1,79 @@
+"""The tour (``python -m kernels``) finds chapter bench modules, survives a failing one,
+and writes a labelled CSV and a PNG per chapter. Stub chapters live in a temp folder."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from kernels.bench.harness import read_csv
+
+STUB_OK = '''
+CHAPTER = {chapter}
+TITLE = "stub {chapter}"
+import numpy as np
+def run(ctx):
+    out = []
+    for n in (16, 32):
+        x = np.random.default_rng(n).standard_normal((n, n)).astype(np.float32)
+        for peer in (False, True):
+            out.append(ctx.measure(CHAPTER, "peer: numpy" if peer else "ours", f"N={{n}}",
+                                   lambda a: a @ a, [(x,), (x + 1,)], flops=2.0 * n**3,
+                                   model_bytes=8.0 * n * n, is_peer=peer, extra={{"N": n}}))
+    out.append(ctx.measure(CHAPTER, "no N", "fixed", lambda: None, [()], flops=0, model_bytes=0))
+    return out
+'''
+STUB_RAISES = '''
+CHAPTER = 1
+TITLE = "stub that raises"
+def run(ctx):
+    raise RuntimeError("this chapter is broken on purpose")
+'''
+
+
+def _tour(tmp_path, *args):
+    bench = tmp_path / "bench"
+    bench.mkdir(exist_ok=True)
+    (bench / "stub_two.py").write_text(STUB_OK.format(chapter=2))
+    (bench / "stub_zero.py").write_text(STUB_OK.format(chapter=0))
+    (bench / "stub_raises.py").write_text(STUB_RAISES)
+    (bench / "helper_not_a_chapter.py").write_text("X = 1\n")
+    env = dict(os.environ, WORKBOOK_DEVICE="sim", MPLBACKEND="Agg")
+    return subprocess.run([sys.executable, "-m", "kernels", "--bench-dir", str(bench), *args],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_tour_runs_in_order_survives_a_failure_and_writes_results(tmp_path):
+    out = tmp_path / "out"
+    proc = _tour(tmp_path, "--out", str(out), "--quick")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text                      # one chapter raised, one module is no chapter
+    assert "falling back to the Numba CUDA simulator" in text
+    assert "this chapter is broken on purpose" in text
+    assert "helper_not_a_chapter: not a chapter bench module" in text
+    assert text.index("== chapter 0") < text.index("== chapter 1") < text.index("== chapter 2")
+    for name in ("stub_zero", "stub_two"):
+        env, rows = read_csv(out / f"{name}.csv")
+        assert "SIMULATOR" in env["timings"]
+        assert env["device"].startswith("Numba CUDA simulator")
+        assert len(rows) == 5 and {r["kernel"] for r in rows} == {"ours", "peer: numpy", "no N"}
+        assert all(r["median_ms"] > 0 for r in rows)
+        png = (out / f"{name}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert not (out / "stub_raises.csv").exists()
+
+
+def test_tour_chapters_option_and_list(tmp_path):
+    out = tmp_path / "out"
+    proc = _tour(tmp_path, "--out", str(out), "--chapters", "2", "--quick")
+    assert proc.returncode == 1  # the broken helper module is still reported
+    assert sorted(p.name for p in out.iterdir()) == ["stub_two.csv", "stub_two.png"]
+    proc = _tour(tmp_path, "--list")
+    assert "stub_zero" in proc.stdout and "stub_two" in proc.stdout and "stub that raises" in proc.stdout
+
+
+def test_tour_finds_the_real_chapters():
+    env = dict(os.environ, WORKBOOK_DEVICE="sim")
+    proc = subprocess.run([sys.executable, "-m", "kernels", "--list"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert "gpu_basics" in proc.stdout, proc.stdout + proc.stderr
