@@ -180,7 +180,7 @@ def make_row_softmax(tpr: int, rpb: int, k: int):
     """
     TPR, RPB, K = tpr, rpb, k
     NT = TPR * RPB                                   # threads a block
-    CHUNK = TPR * K                                  # elements a row-sweep step covers
+    CHUNK = int32(TPR * K)                           # elements a row-sweep step covers
 
     @cuda.jit(fastmath=_FASTMATH)
     def row_softmax(x, p, lse):
@@ -200,10 +200,11 @@ def make_row_softmax(tpr: int, rpb: int, k: int):
         # ---- pass 1: online (m, l) over this thread's strided slice, chunk by chunk
         m = _NEG_INF
         l = float32(0.0)
-        for base in range(0, n, CHUNK):
+        base = int32(0)
+        while base < n:
             mc = _NEG_INF
             for i in range(K):                       # K independent coalesced loads in flight
-                j = base + t + i * TPR
+                j = base + t + int32(i * TPR)
                 v = x[r, j] if (valid and j < n) else _NEG_INF
                 xr[i] = v
                 mc = max(mc, v)
@@ -214,6 +215,7 @@ def make_row_softmax(tpr: int, rpb: int, k: int):
                     lc += math.exp(xr[i] - m_new)
                 l = l * math.exp(m - m_new) + lc     # = merge((m, l), (mc, lc)) with the chunk's state
                 m = m_new
+            base += CHUNK
 
         # ---- tree reduction of the row's TPR states in shared memory: log2(TPR) merge steps
         sm_m[tid] = m
@@ -240,12 +242,14 @@ def make_row_softmax(tpr: int, rpb: int, k: int):
             if t == 0:
                 lse[r] = m + math.log(l) if l > float32(0.0) else _NEG_INF
             one_chunk = n <= CHUNK
-            for base in range(0, n, CHUNK):
+            base = int32(0)
+            while base < n:
                 for i in range(K):
-                    j = base + t + i * TPR
+                    j = base + t + int32(i * TPR)
                     if j < n:
                         v = xr[i] if one_chunk else x[r, j]   # the row on chip: no second read
                         p[r, j] = math.exp(v - m) * inv_l
+                base += CHUNK
 
     return row_softmax
 
