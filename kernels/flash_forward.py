@@ -1,0 +1,399 @@
+"""Chapter 4: the fused FlashAttention forward (FlashAttention-2 loop order).
+
+    O = softmax(scale * Q K^T + mask) V,    L = rowwise logsumexp(scale * Q K^T + mask)
+
+computed without ever writing the N x N matrices S and P to HBM. One block owns a tile of
+Br query rows of one (batch, head). It streams K and V through shared memory in tiles of
+Bc rows (j = 0 .. Tc-1) and keeps, for each of its rows, on chip:
+
+    m   the running maximum of the raw scores seen so far          (registers)
+    l   the running sum of exp(scale * (s - m))                    (registers)
+    O   the running, not yet normalised output row                 (registers)
+
+For every K/V tile:                                   (Algorithm 1 of FlashAttention-2)
+
+    S    = Q_i K_j^T                      Br x Bc scores, each thread a TM x RN piece
+    m'   = max(m, rowmax(S))              warp shuffles across the TX threads of a row
+    P    = exp(scale * (S - m'))          unnormalised probabilities, to shared memory
+    l    = exp(scale * (m - m')) l + rowsum(P)
+    O    = exp(scale * (m - m')) O + P V_j
+    m    = m'
+
+and at the end O / l and L = scale * m + log(l) (natural log; the backward of chapter 5
+rebuilds P = exp(scale * S - L) from it). A row that may attend to no key (Nk = 0, or a
+causal row above the diagonal when Nq > Nk) gets O = 0 and L = -inf.
+
+Threads and micro-tiles. A block has TY x TX threads (TY = Br / TM). Thread (ty, tx) owns
+the score rows  ty + TY*i  (i < TM)  and the score columns  tx + TX*j  (j < RN = Bc/TX),
+and the same rows of O with the columns  tx + TX*c  (c < RD = D/TX). Each product is a
+register-tiled matmul: per step of the inner dimension a thread reads TM values of one
+operand and RN (or RD) values of the other from shared memory and does TM*RN (TM*RD)
+fused multiply-adds into registers. The TX threads of a row are neighbours in one warp, so
+the row maximum needs log2(TX) shuffles; the row sum is kept per thread and reduced once
+at the end (the rescaling factor is the same for every thread of a row).
+
+Shared memory (float32, one dynamic buffer; > 48 KB is allowed through
+kernels/shared_memory.py):
+
+    Qt   D  x (Br + 1)       Q tile, transposed: a thread's TM rows are read as a broadcast
+    Kt   D  x (Bc + 1)       K tile, transposed: conflict-free reads along the columns of S
+    V    Bc x D              V tile, as in HBM
+    Pt   Bc x (Br + 32/TX)   P tile, transposed: written once, read along the rows of O
+
+The +1 / +32/TX padding keeps the transposing stores free of bank conflicts.
+
+Causal (bottom-right): query i sees key j iff j <= i + (Nk - Nq). K/V tiles entirely to
+the right of the diagonal are never loaded (the loop bound); only tiles the diagonal (or
+the ragged end of K) crosses are masked.
+
+Precision: q, k, v float32 or float16 (converted on load); all arithmetic in float32;
+O and L float32. The kernels use fastmath (fast exp and log). Because fastmath lets the
+compiler assume there are no infinities, the kernel never computes with -inf: masked
+scores become the finite sentinel MASKED (-1e30) and a row with no visible key so far
+contributes nothing. Scores below -1e30 (inputs around 1e15) are not supported.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from kernels.runtime import (
+    ArrayKind,
+    cdiv,
+    check_flag,
+    check_qkv,
+    check_scale,
+    device_empty,
+    on_simulator,
+    to_device,
+)
+from kernels.shared_memory import allow_dynamic_shared_memory, max_dynamic_shared_bytes
+
+__all__ = ["flash_attention", "Tiles", "make_flash_forward", "default_tiles", "shared_bytes", "ptx_targets"]
+
+MASKED = np.float32(-1e30)        # a masked score (finite: fastmath assumes no infinities)
+MINUS_INF = np.float32(-np.inf)   # only ever stored, as L of a row that sees no key
+MAX_GRID_Y = 65535
+
+
+# --------------------------------------------------------------------------- tiles
+
+@dataclass(frozen=True)
+class Tiles:
+    """A tile configuration: Br query rows a block, Bc key rows a K/V tile,
+    TM score rows a thread, TX threads sharing a row (a power of two <= 32)."""
+
+    Br: int
+    Bc: int
+    TM: int
+    TX: int
+
+    @property
+    def threads(self) -> int:
+        return (self.Br // self.TM) * self.TX
+
+    def __str__(self):
+        return f"Br={self.Br} Bc={self.Bc} TM={self.TM} TX={self.TX}"
+
+
+def head_dim_tile(d: int, TX: int) -> int:
+    """D, the compile-time head dim: the next power of two >= d (and >= TX, >= 16 on a GPU)."""
+    D = 1 << max(0, int(d) - 1).bit_length()
+    return max(D, TX, 1 if on_simulator() else 16)
+
+
+def default_tiles(d: int) -> Tiles:
+    """Production tiles on a GPU (the bench sweeps the alternatives), tiny ones in the simulator."""
+    if on_simulator():
+        return Tiles(Br=8, Bc=8, TM=2, TX=4)
+    if d <= 64:
+        return Tiles(Br=128, Bc=64, TM=8, TX=8)   # 128 threads, 8x8 micro-tiles, 100 KB smem
+    return Tiles(Br=64, Bc=32, TM=4, TX=8)        # d=128: 128 threads, 75 KB smem
+
+
+def _layout(Br, Bc, D, TX):
+    """Offsets (in floats) of Qt, Kt, V, Pt in the dynamic buffer, their row strides, total."""
+    q_stride, k_stride, p_stride = Br + 1, Bc + 1, Br + 32 // TX
+    q_off = 0
+    k_off = q_off + D * q_stride
+    v_off = k_off + D * k_stride
+    p_off = v_off + Bc * D
+    total = p_off + Bc * p_stride
+    return q_off, k_off, v_off, p_off, q_stride, k_stride, p_stride, total
+
+
+def shared_bytes(tiles: Tiles, D: int) -> int:
+    """Bytes of shared memory one block of these tiles uses at head dim D."""
+    return 4 * _layout(tiles.Br, tiles.Bc, D, tiles.TX)[-1]
+
+
+def check_tiles(tiles, D: int) -> Tiles:
+    """Validate a tile configuration for head dim D (ValueError naming ``tiles``)."""
+    if not isinstance(tiles, Tiles):
+        raise TypeError(f"tiles: expected a Tiles(Br, Bc, TM, TX) or None, got {type(tiles).__name__}")
+    for name in ("Br", "Bc", "TM", "TX"):
+        value = getattr(tiles, name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"tiles: expected {name} a positive int, got {value!r}")
+    Br, Bc, TM, TX = tiles.Br, tiles.Bc, tiles.TM, tiles.TX
+    if TX > 32 or TX & (TX - 1):
+        raise ValueError(f"tiles: expected TX a power of two <= 32 (threads of a row share a warp), got {TX}")
+    if Br % TM:
+        raise ValueError(f"tiles: expected TM to divide Br, got Br={Br}, TM={TM}")
+    if Bc % TX or D % TX:
+        raise ValueError(f"tiles: expected TX to divide Bc={Bc} and D={D}, got TX={TX}")
+    limit = 256 if on_simulator() else 1024
+    if tiles.threads > limit:
+        raise ValueError(f"tiles: {tiles} needs {tiles.threads} threads a block, at most {limit} here")
+    if not on_simulator() and tiles.threads % 32:
+        raise ValueError(f"tiles: {tiles} gives {tiles.threads} threads, expected a multiple of 32 (whole warps)")
+    nbytes = shared_bytes(tiles, D)
+    if nbytes > max_dynamic_shared_bytes():
+        raise ValueError(f"tiles: {tiles} at D={D} needs {nbytes} bytes of shared memory, "
+                         f"the device allows {max_dynamic_shared_bytes()}")
+    return tiles
+
+
+# --------------------------------------------------------------------------- the kernel
+
+def _make_xor_shuffle(threads):
+    """x from the thread whose index differs from ours in the bits of ``lane_mask``.
+
+    On a GPU this is one warp shuffle. The simulator has no shuffles: there every thread
+    swaps through shared memory between two barriers (all threads call it together)."""
+    if not on_simulator():
+        @cuda.jit(device=True, inline=True)
+        def xor_shuffle(x, lane_mask):
+            return cuda.shfl_xor_sync(0xFFFFFFFF, x, lane_mask)
+        return xor_shuffle
+
+    @cuda.jit(device=True)
+    def xor_shuffle(x, lane_mask):
+        swap = cuda.shared.array(threads, float32)
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()
+        swap[tid] = x
+        cuda.syncthreads()
+        return swap[tid ^ lane_mask]
+    return xor_shuffle
+
+
+@functools.lru_cache(maxsize=None)
+def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int):
+    """The forward kernel for one tile configuration (all sizes are compile-time constants).
+
+    Launch: grid (Tr = ceil(Nq / Br), B*H), block TY*TX threads, dynamic shared memory
+    ``shared_bytes(Tiles(Br, Bc, TM, TX), D)``. Arguments: q (B*H, Nq, d), k and v
+    (B*H, Nk, d) float32 or float16; o (B*H, Nq, d) and lse (B*H, Nq) float32; d (int32,
+    <= D), scale (float32), causal (int32 0/1).
+    """
+    TY = Br // TM                 # threads along the rows of the tile
+    THREADS = TY * TX
+    RN = Bc // TX                 # columns of S a thread owns
+    RD = D // TX                  # columns of O a thread owns
+    Q_OFF, K_OFF, V_OFF, P_OFF, Q_STRIDE, K_STRIDE, P_STRIDE, _ = _layout(Br, Bc, D, TX)
+    xor_shuffle = _make_xor_shuffle(THREADS)
+
+    @cuda.jit(fastmath=True)
+    def flash_forward(q, k, v, o, lse, d, scale, causal):
+        smem = cuda.shared.array(0, float32)      # Qt | Kt | V | Pt  (see the module doc)
+        n_q = int32(q.shape[1])
+        n_k = int32(k.shape[1])
+        tid = int32(cuda.threadIdx.x)
+        tx = tid % TX                             # which of the TX threads of a row
+        ty = tid // TX                            # which group of rows
+        bh = cuda.blockIdx.y                      # (batch, head)
+        q0 = int32(cuda.blockIdx.x) * Br          # first query row of this tile (tile i)
+        diag = n_k - n_q                          # causal: row r sees key c iff c <= r + diag
+
+        # ---- Q_i: Br x d from HBM, once, into shared memory (transposed, zero-padded)
+        for e in range(tid, Br * D, THREADS):
+            r = e // D
+            c = e % D
+            x = float32(0.0)
+            if q0 + r < n_q and c < d:
+                x = float32(q[bh, q0 + r, c])
+            smem[Q_OFF + c * Q_STRIDE + r] = x
+
+        # ---- on-chip state of this thread's TM rows
+        m = cuda.local.array(TM, float32)         # running max (raw scores)
+        l = cuda.local.array(TM, float32)         # running sum (this thread's columns)
+        acc = cuda.local.array((TM, RD), float32)  # running output O (unnormalised)
+        s = cuda.local.array((TM, RN), float32)   # this tile's scores S
+        a = cuda.local.array(TM, float32)         # operand registers
+        b = cuda.local.array(RD if RD > RN else RN, float32)
+        for i in range(TM):
+            m[i] = MASKED
+            l[i] = float32(0.0)
+            for c in range(RD):
+                acc[i, c] = float32(0.0)
+
+        # ---- how many K/V tiles: causal stops at the last key the last row sees
+        kv_end = n_k
+        if causal:
+            kv_end = min(n_k, q0 + Br + diag)
+        n_tiles = (max(kv_end, 0) + Bc - 1) // Bc
+
+        for t in range(n_tiles):
+            k0 = t * Bc
+            # -- K_j (transposed) and V_j: Bc x d from HBM into shared memory
+            cuda.syncthreads()                    # everyone is done with the last tile
+            for e in range(tid, Bc * D, THREADS):
+                r = e // D
+                c = e % D
+                kx = float32(0.0)
+                vx = float32(0.0)
+                if k0 + r < n_k and c < d:
+                    kx = float32(k[bh, k0 + r, c])
+                    vx = float32(v[bh, k0 + r, c])
+                smem[K_OFF + c * K_STRIDE + r] = kx
+                smem[V_OFF + r * D + c] = vx
+            cuda.syncthreads()
+
+            # -- S = Q_i K_j^T: a TM x RN register tile a thread
+            for i in range(TM):
+                for j in range(RN):
+                    s[i, j] = float32(0.0)
+            for c in range(D):
+                for i in range(TM):
+                    a[i] = smem[Q_OFF + c * Q_STRIDE + ty + TY * i]
+                for j in range(RN):
+                    b[j] = smem[K_OFF + c * K_STRIDE + tx + TX * j]
+                for i in range(TM):
+                    for j in range(RN):
+                        s[i, j] += a[i] * b[j]
+
+            # -- mask: only the tiles the ragged end of K or the causal diagonal crosses
+            if k0 + Bc > n_k or (causal and k0 + Bc - 1 > q0 + diag):
+                for i in range(TM):
+                    row = q0 + ty + TY * i
+                    for j in range(RN):
+                        col = k0 + tx + TX * j
+                        if col >= n_k or (causal and col > row + diag):
+                            s[i, j] = MASKED
+
+            # -- online softmax: new max, rescale l and O, P = exp(scale (S - m'))
+            for i in range(TM):
+                mx = m[i]
+                for j in range(RN):
+                    mx = max(mx, s[i, j])
+                off = TX // 2
+                while off > 0:                    # max across the TX threads of the row
+                    mx = max(mx, xor_shuffle(mx, off))
+                    off //= 2
+                live = mx > MASKED                # has this row seen any key yet?
+                alpha = math.exp((m[i] - mx) * scale)
+                m[i] = mx
+                l[i] *= alpha
+                for c in range(RD):
+                    acc[i, c] *= alpha
+                for j in range(RN):
+                    p = math.exp((s[i, j] - mx) * scale) if live else float32(0.0)
+                    l[i] += p
+                    smem[P_OFF + (tx + TX * j) * P_STRIDE + ty + TY * i] = p
+            cuda.syncthreads()                    # P_ij complete in shared memory
+
+            # -- O += P V_j: a TM x RD register tile a thread
+            for r in range(Bc):
+                for i in range(TM):
+                    a[i] = smem[P_OFF + r * P_STRIDE + ty + TY * i]
+                for c in range(RD):
+                    b[c] = smem[V_OFF + r * D + tx + TX * c]
+                for i in range(TM):
+                    for c in range(RD):
+                        acc[i, c] += a[i] * b[c]
+
+        # ---- epilogue: l across the row's threads, O / l, L = scale m + log l
+        for i in range(TM):
+            total = l[i]
+            off = TX // 2
+            while off > 0:
+                total += xor_shuffle(total, off)
+                off //= 2
+            row = q0 + ty + TY * i
+            if row < n_q:
+                if total > float32(0.0):
+                    inv = float32(1.0) / total
+                    lse_row = m[i] * scale + math.log(total)
+                else:                             # no key visible: O = 0, L = -inf
+                    inv = float32(0.0)
+                    lse_row = MINUS_INF
+                for c in range(RD):
+                    col = tx + TX * c
+                    if col < d:
+                        o[bh, row, col] = acc[i, c] * inv
+                if tx == 0:
+                    lse[bh, row] = lse_row
+
+    return flash_forward
+
+
+# --------------------------------------------------------------------------- the launcher
+
+def flash_attention(q, k, v, *, causal=False, scale=None, tiles: Tiles | None = None):
+    """Fused attention forward. q (B, H, Nq, d), k and v (B, H, Nk, d), float32 or float16.
+
+    Returns (o, lse): o (B, H, Nq, d) float32 and the row logsumexp lse (B, H, Nq) float32
+    (natural log; -inf for rows that see no key). NumPy in, NumPy out; device arrays in,
+    device arrays out. ``tiles`` overrides the tile configuration (see ``Tiles``).
+    """
+    B, H, n_q, n_k, d, dtype = check_qkv(q, k, v, dtypes=(np.float32, np.float16), max_head_dim=128)
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    tiles = default_tiles(d) if tiles is None else tiles
+    if not isinstance(tiles, Tiles):
+        raise TypeError(f"tiles: expected a Tiles(Br, Bc, TM, TX) or None, got {type(tiles).__name__}")
+    D = head_dim_tile(d, tiles.TX) if isinstance(tiles.TX, (int, np.integer)) and tiles.TX > 0 else 0
+    check_tiles(tiles, D)
+    BH = B * H
+    if BH > MAX_GRID_Y:
+        raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
+    kind = ArrayKind(q)
+
+    o = device_empty((BH, n_q, d), np.float32)
+    lse = device_empty((BH, n_q), np.float32)
+    if BH > 0 and n_q > 0:
+        if n_k == 0:   # nothing to attend to: O = 0, L = -inf (no kernel needed)
+            o = cuda.to_device(np.zeros((BH, n_q, d), np.float32))
+            lse = cuda.to_device(np.full((BH, n_q), -np.inf, np.float32))
+        else:
+            qd = to_device(q, "q").reshape(BH, n_q, d)
+            kd = to_device(k, "k").reshape(BH, n_k, d)
+            vd = to_device(v, "v").reshape(BH, n_k, d)
+            kernel = make_flash_forward(tiles.Br, tiles.Bc, D, tiles.TM, tiles.TX)
+            nbytes = shared_bytes(tiles, D)
+            args = (qd, kd, vd, o, lse, np.int32(d), np.float32(scale), np.int32(causal))
+            allow_dynamic_shared_memory(kernel, args, nbytes)
+            kernel[(cdiv(n_q, tiles.Br), BH), tiles.threads, 0, nbytes](*args)
+    return kind.give_back(o.reshape(B, H, n_q, d)), kind.give_back(lse.reshape(B, H, n_q))
+
+
+# --------------------------------------------------------------------------- PTX check
+
+# The sweep the bench runs at d=64 (first is the default) and the d=128 candidates.
+SWEEP_D64 = (Tiles(128, 64, 8, 8), Tiles(64, 64, 4, 8), Tiles(128, 64, 4, 8), Tiles(64, 64, 8, 8))
+SWEEP_D128 = (Tiles(64, 32, 4, 8), Tiles(64, 64, 4, 8), Tiles(128, 32, 4, 8))
+
+
+def ptx_targets():
+    """Every production kernel: the d=64 sweep and d=128 tiles, fp32 and fp16 inputs."""
+    targets = []
+
+    def sig(t):
+        return (f"void({t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], float32[:, :, ::1], "
+                f"float32[:, ::1], int32, float32, int32)")
+
+    for D, sweep in ((64, SWEEP_D64), (128, SWEEP_D128)):
+        for n, t in enumerate(sweep):
+            kern = make_flash_forward(t.Br, t.Bc, D, t.TM, t.TX)
+            for dt in (("float32", "float16") if n == 0 else ("float32",)):
+                targets.append((f"flash fwd {dt[:1]}p{dt[5:]} {t} D={D}", kern, sig(dt)))
+    for D in (16, 32):
+        t = Tiles(128, 64, 8, 8)
+        targets.append((f"flash fwd fp32 {t} D={D}", make_flash_forward(t.Br, t.Bc, D, t.TM, t.TX), sig("float32")))
+    return targets

@@ -1,0 +1,62 @@
+"""More than 48 KB of shared memory for one block: dynamic shared memory, limit raised.
+
+A kernel may declare at most 48 KB of *static* shared memory (``cuda.shared.array`` with a
+constant shape). Larger tiles (up to 227 KB a block on an H100) need *dynamic* shared
+memory: the kernel declares ``cuda.shared.array(0, float32)`` and the size in bytes is the
+fourth launch argument, ``kernel[grid, block, stream, nbytes](...)``. Above 48 KB the
+driver also wants the kernel's own limit raised first, or the launch fails with
+CUDA_ERROR_INVALID_VALUE. numba-cuda has no public call for that (numba-cuda issue 94);
+its driver layer does it:
+
+    compiled = dispatcher.compile(argument types)          # the kernel for these arguments
+    cufunc = compiled._codelibrary.get_cufunc()            # its CUDA function
+    driver.cuKernelSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes, cufunc.handle, device)
+
+This module wraps that private path in one function. In the simulator there is no limit
+(and no driver), so the function does nothing there.
+"""
+
+from __future__ import annotations
+
+from numba import cuda
+
+from kernels.runtime import on_simulator
+
+STATIC_LIMIT_BYTES = 48 * 1024
+
+_raised: dict = {}   # (dispatcher id, argument types, device id) -> bytes already allowed
+
+
+def max_dynamic_shared_bytes() -> int:
+    """The most shared memory one block may opt in to on the current device (227 KB on an H100)."""
+    if on_simulator():
+        return 227 * 1024
+    device = cuda.get_current_device()
+    return int(device.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+
+
+def allow_dynamic_shared_memory(dispatcher, args, nbytes: int) -> None:
+    """Let ``dispatcher``, compiled for ``args``, launch with ``nbytes`` of dynamic shared memory.
+
+    Call it before the launch with the very arguments of the launch (their types pick the
+    compiled kernel). Does nothing at or below 48 KB and in the simulator. Raises
+    ValueError if the device cannot give that much.
+    """
+    nbytes = int(nbytes)
+    if nbytes <= STATIC_LIMIT_BYTES or on_simulator():
+        return
+    limit = max_dynamic_shared_bytes()
+    if nbytes > limit:
+        raise ValueError(f"shared memory: {nbytes} bytes a block asked, the device allows {limit}")
+    argtypes = tuple(dispatcher.typeof_pyval(a) for a in args)
+    device_id = cuda.get_current_device().id
+    key = (id(dispatcher), argtypes, device_id)
+    if _raised.get(key, 0) >= nbytes:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    compiled = dispatcher.compile(argtypes)
+    cufunc = compiled._codelibrary.get_cufunc()
+    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attribute, nbytes, cufunc.handle, device_id)
+    _raised[key] = nbytes
