@@ -1,0 +1,568 @@
+"""Chapter 1: naive attention, O = softmax(scale * Q K^T + mask) V, as three kernels.
+
+    step 1  S = scale * Q K^T      (masked entries -inf)     scores kernel
+    step 2  P = softmax(S) by row  (and L = logsumexp(S))     row-softmax kernel
+    step 3  O = P V                                           weighted-sum kernel
+
+S and P are (B, H, Nq, Nk) float32 arrays in global memory (HBM). That is the point of
+the chapter: per head the three kernels move 4Nd + 4N^2 elements (Q and K read, S
+written; S read, P written; P and V read, O written), and the 4N^2 dwarfs the 4Nd as
+soon as N passes d. At B*H = 1, N = 131072, S alone is 64 GiB.
+
+Conventions (the oracle's, ``kernels.reference``):
+
+* q is (B, H, Nq, d), k and v are (B, H, Nk, d), float32, C-contiguous; d <= 128.
+* scale defaults to 1/sqrt(d).
+* causal: query i may attend key j iff j <= i + (Nk - Nq) (bottom-right aligned).
+* a row with nothing to attend to (Nk = 0, or causal with Nq > Nk) gets P = 0, O = 0 and
+  L = -inf, never NaN.
+
+The kernels, written for the H100 but kept plain (chapter 2 makes matmuls fast):
+
+* scores: a block computes a Br x Bc tile of S for one (batch, head); Q and K tiles of
+  Bk columns of d are staged in shared memory, each thread keeps a TM x TN micro-tile of
+  S in registers. Threads along a warp write consecutive columns of S: coalesced stores.
+  With causal, a tile entirely above the diagonal is filled with -inf without any loads.
+* row softmax: one block per row of S; three strided, coalesced sweeps over the row
+  (max m, sum l = sum exp(S - m), write P = exp(S - m) / l), each followed by a
+  shared-memory tree reduction. The second and third sweeps re-read a row the first one
+  just read (16 KiB at Nk = 4096), which L2 serves.
+* weighted sum: a block computes a Br x Bd tile of O; P and V tiles of Bk keys staged in
+  shared memory, TM x TN outputs a thread. With causal, key tiles entirely past the
+  diagonal are skipped (P is 0 there).
+
+Floating point: the kernels use ``fastmath=True`` (fast exp/log, FMA contraction). Under
+fast math the compiler may assume no value is infinite, so no kernel compares with or
+computes from an infinity constant: the row max starts at the lowest finite float32, a row
+whose max stays there is a fully masked row (P = 0, L = -inf are stored as constants), and
+exp(-inf - m) is only ever evaluated for a finite m (it is 0 in hardware).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from kernels.runtime import (
+    ArrayKind,
+    cdiv,
+    check_array,
+    check_flag,
+    check_qkv,
+    check_scale,
+    device_empty,
+    is_device_array,
+    on_simulator,
+    to_device,
+)
+
+__all__ = [
+    "naive_attention",
+    "scores",
+    "row_softmax",
+    "weighted_sum",
+    "Tiles",
+    "PRODUCTION_TILES",
+    "SIMULATOR_TILES",
+    "default_tiles",
+    "io_model_elements",
+    "io_model_bytes",
+    "make_scores",
+    "make_row_softmax",
+    "make_weighted_sum",
+    "ptx_targets",
+]
+
+MAX_HEAD_DIM = 128
+NEG_INF = float32(-math.inf)
+# The lowest finite float32: the start value of a running max (see the module docstring).
+LOWEST = float32(-3.4028234663852886e38)
+SHARED_LIMIT_BYTES = 48 * 1024
+
+
+# --------------------------------------------------------------------------- tiles
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes, all compile-time constants of the kernels.
+
+    br        Br: rows of S (queries) a block of the scores kernel computes; also rows of O
+    bc        Bc: columns of S (keys) a block of the scores kernel computes
+    bd        columns of O (head dim) a block of the weighted-sum kernel computes
+    bk        the reduction chunk staged in shared memory: d for S, keys for O
+    tm, tn    the micro-tile a thread keeps in registers (tm rows, tn columns)
+    softmax_threads   threads a row of the softmax kernel (a power of two)
+    """
+
+    br: int = 64
+    bc: int = 64
+    bd: int = 64
+    bk: int = 32
+    tm: int = 4
+    tn: int = 4
+    softmax_threads: int = 128
+
+    @property
+    def scores_threads(self) -> int:
+        return (self.br // self.tm) * (self.bc // self.tn)
+
+    @property
+    def weighted_sum_threads(self) -> int:
+        return (self.br // self.tm) * (self.bd // self.tn)
+
+
+PRODUCTION_TILES = Tiles()
+# The simulator runs every thread in Python: few threads, small tiles.
+SIMULATOR_TILES = Tiles(br=32, bc=32, bd=32, bk=16, tm=4, tn=4, softmax_threads=8)
+
+
+def default_tiles() -> Tiles:
+    return SIMULATOR_TILES if on_simulator() else PRODUCTION_TILES
+
+
+def check_tiles(tiles) -> Tiles:
+    """``tiles``: None (the default for this device) or a valid ``Tiles``."""
+    if tiles is None:
+        return default_tiles()
+    if not isinstance(tiles, Tiles):
+        raise TypeError(f"tiles: expected a Tiles or None, got {type(tiles).__name__}")
+    for name in ("br", "bc", "bd", "bk", "tm", "tn", "softmax_threads"):
+        value = getattr(tiles, name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"tiles.{name}: expected a positive int, got {value!r}")
+    if tiles.br % tiles.tm:
+        raise ValueError(f"tiles: expected br divisible by tm, got br={tiles.br}, tm={tiles.tm}")
+    if tiles.bc % tiles.tn or tiles.bd % tiles.tn:
+        raise ValueError(f"tiles: expected bc and bd divisible by tn, got bc={tiles.bc}, bd={tiles.bd}, tn={tiles.tn}")
+    for label, threads in (("scores", tiles.scores_threads), ("weighted sum", tiles.weighted_sum_threads)):
+        if threads > 1024:
+            raise ValueError(f"tiles: the {label} kernel would need {threads} threads a block (at most 1024)")
+    t = tiles.softmax_threads
+    if t > 1024 or t & (t - 1):
+        raise ValueError(f"tiles.softmax_threads: expected a power of two in 1..1024, got {t}")
+    shared = 4 * max((tiles.br + tiles.bc) * (tiles.bk + 1), tiles.br * (tiles.bk + 1) + tiles.bk * tiles.bd)
+    if shared > SHARED_LIMIT_BYTES:
+        raise ValueError(f"tiles: the tiles need {shared} bytes of shared memory (at most {SHARED_LIMIT_BYTES})")
+    return tiles
+
+
+# --------------------------------------------------------------------------- the IO model
+
+def io_model_elements(nq: int, nk: int, d: int) -> dict:
+    """Elements each kernel reads + writes in HBM, per head (each input read once).
+
+    With Nq = Nk = N the total is 4Nd + 4N^2 (PERF.md), plus Nq for the logsumexp L.
+    """
+    return {
+        "scores": nq * d + nk * d + nq * nk,          # read Q, K; write S
+        "row_softmax": 2 * nq * nk + nq,              # read S; write P and L
+        "weighted_sum": nq * nk + nk * d + nq * d,    # read P, V; write O
+    }
+
+
+def io_model_bytes(b: int, h: int, nq: int, nk: int, d: int, *, bytes_per_element: int = 4) -> dict:
+    """HBM bytes of each kernel and their ``"total"`` for (B, H) heads."""
+    per = {k: v * b * h * bytes_per_element for k, v in io_model_elements(nq, nk, d).items()}
+    per["total"] = sum(per.values())
+    return per
+
+
+# --------------------------------------------------------------------------- step 1: S = scale * Q K^T
+
+@functools.lru_cache(maxsize=None)
+def make_scores(br: int, bc: int, bk: int, tm: int, tn: int):
+    """The scores kernel for Br x Bc tiles of S, Bk-wide chunks of d, TM x TN a thread.
+
+    Launch: grid (ceil(Nk / Bc), ceil(Nq / Br), B*H), block (Br/TM) * (Bc/TN) threads;
+    arguments q (BH, Nq, d), k (BH, Nk, d), s (BH, Nq, Nk), scale (float32), causal (bool).
+    """
+    RS = br // tm          # thread rows: thread (ty, tx) owns rows ty + RS*r, r < TM
+    CS = bc // tn          # thread columns: and columns tx + CS*c, c < TN
+    NT = RS * CS
+    BKP = bk + 1           # padded shared rows: a warp's reads hit distinct banks
+
+    @cuda.jit(fastmath=True)
+    def scores_kernel(q, k, s, scale, causal):
+        nq = s.shape[1]
+        nk = s.shape[2]
+        d = q.shape[2]
+        bh = cuda.blockIdx.z
+        row0 = cuda.blockIdx.y * br
+        col0 = cuda.blockIdx.x * bc
+        tid = cuda.threadIdx.x
+        ty = tid // CS
+        tx = tid % CS
+        shift = nk - nq                      # causal: key j allowed iff j <= i + shift
+
+        if causal and col0 > row0 + (br - 1) + shift:
+            # The whole tile lies above the diagonal: S = -inf, nothing to load.
+            for r in range(tm):
+                i = row0 + ty + RS * r
+                for c in range(tn):
+                    j = col0 + tx + CS * c
+                    if i < nq and j < nk:
+                        s[bh, i, j] = NEG_INF
+            return
+
+        q_tile = cuda.shared.array((br, BKP), float32)
+        k_tile = cuda.shared.array((bc, BKP), float32)
+        acc = cuda.local.array((tm, tn), float32)
+        a = cuda.local.array(tm, float32)
+        b = cuda.local.array(tn, float32)
+        for r in range(tm):
+            for c in range(tn):
+                acc[r, c] = float32(0)
+
+        for k0 in range(0, d, bk):
+            # Stage Q[row0:row0+Br, k0:k0+Bk] and K[col0:col0+Bc, k0:k0+Bk]; consecutive
+            # threads read consecutive elements of a row (coalesced); zeros outside.
+            for idx in range(tid, br * bk, NT):
+                ii = idx // bk
+                kk = idx % bk
+                i = row0 + ii
+                kd = k0 + kk
+                q_tile[ii, kk] = q[bh, i, kd] if (i < nq and kd < d) else float32(0)
+            for idx in range(tid, bc * bk, NT):
+                jj = idx // bk
+                kk = idx % bk
+                j = col0 + jj
+                kd = k0 + kk
+                k_tile[jj, kk] = k[bh, j, kd] if (j < nk and kd < d) else float32(0)
+            cuda.syncthreads()
+            for kk in range(bk):
+                for r in range(tm):
+                    a[r] = q_tile[ty + RS * r, kk]
+                for c in range(tn):
+                    b[c] = k_tile[tx + CS * c, kk]
+                for r in range(tm):
+                    for c in range(tn):
+                        acc[r, c] += a[r] * b[c]
+            cuda.syncthreads()
+
+        for r in range(tm):
+            i = row0 + ty + RS * r
+            for c in range(tn):
+                j = col0 + tx + CS * c
+                if i < nq and j < nk:
+                    if causal and j > i + shift:
+                        s[bh, i, j] = NEG_INF
+                    else:
+                        s[bh, i, j] = scale * acc[r, c]
+
+    return scores_kernel
+
+
+# --------------------------------------------------------------------------- step 2: P = softmax(S)
+
+@functools.lru_cache(maxsize=None)
+def make_row_softmax(threads: int):
+    """The row-softmax kernel: one block of ``threads`` threads per row of S.
+
+    Launch: grid (Nq, B*H), block ``threads``; arguments s (BH, Nq, Nk), p (BH, Nq, Nk),
+    lse (BH, Nq). Writes P = exp(S - m) / l and L = m + log(l) with m the row max and
+    l = sum exp(S - m); a row with no finite entry gets P = 0 and L = -inf.
+    """
+    T = threads
+
+    @cuda.jit(fastmath=True)
+    def row_softmax_kernel(s, p, lse):
+        nk = s.shape[2]
+        i = cuda.blockIdx.x
+        bh = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        red_m = cuda.shared.array(T, float32)
+        red_l = cuda.shared.array(T, float32)
+
+        # Sweep 1: m = max_j S[i, j] (strided: a warp reads 32 consecutive floats).
+        m = LOWEST
+        for j in range(tid, nk, T):
+            x = s[bh, i, j]
+            if x > m:
+                m = x
+        red_m[tid] = m
+        cuda.syncthreads()
+        stride = T // 2
+        while stride > 0:
+            if tid < stride:
+                other = red_m[tid + stride]
+                if other > red_m[tid]:
+                    red_m[tid] = other
+            cuda.syncthreads()
+            stride //= 2
+        m = red_m[0]
+
+        if m <= LOWEST:
+            # Nothing to attend to (every entry -inf, or Nk = 0): P = 0, L = -inf.
+            for j in range(tid, nk, T):
+                p[bh, i, j] = float32(0)
+            if tid == 0:
+                lse[bh, i] = NEG_INF
+            return
+
+        # Sweep 2: l = sum_j exp(S[i, j] - m)   (exp(-inf - m) = 0 for masked entries).
+        l = float32(0)
+        for j in range(tid, nk, T):
+            l += math.exp(s[bh, i, j] - m)
+        red_l[tid] = l
+        cuda.syncthreads()
+        stride = T // 2
+        while stride > 0:
+            if tid < stride:
+                red_l[tid] += red_l[tid + stride]
+            cuda.syncthreads()
+            stride //= 2
+        l = red_l[0]                         # l >= 1: the max entry contributes exp(0)
+
+        # Sweep 3: P[i, j] = exp(S[i, j] - m) / l.
+        inv_l = float32(1) / l
+        for j in range(tid, nk, T):
+            p[bh, i, j] = math.exp(s[bh, i, j] - m) * inv_l
+        if tid == 0:
+            lse[bh, i] = m + math.log(l)
+
+    return row_softmax_kernel
+
+
+# --------------------------------------------------------------------------- step 3: O = P V
+
+@functools.lru_cache(maxsize=None)
+def make_weighted_sum(br: int, bd: int, bk: int, tm: int, tn: int):
+    """The weighted-sum kernel for Br x Bd tiles of O, Bk keys a step, TM x TN a thread.
+
+    Launch: grid (ceil(d / Bd), ceil(Nq / Br), B*H), block (Br/TM) * (Bd/TN) threads;
+    arguments p (BH, Nq, Nk), v (BH, Nk, d), o (BH, Nq, d), causal (bool). The blocks
+    of one row tile are adjacent in x, so when d > Bd they read the same P tile from L2.
+    """
+    RS = br // tm
+    CS = bd // tn
+    NT = RS * CS
+    BKP = bk + 1
+
+    @cuda.jit(fastmath=True)
+    def weighted_sum_kernel(p, v, o, causal):
+        nq = p.shape[1]
+        nk = p.shape[2]
+        d = v.shape[2]
+        bh = cuda.blockIdx.z
+        row0 = cuda.blockIdx.y * br
+        col0 = cuda.blockIdx.x * bd
+        tid = cuda.threadIdx.x
+        ty = tid // CS
+        tx = tid % CS
+        shift = nk - nq
+
+        # Keys this row tile can see: all of them, or with causal j <= row0 + Br - 1 + shift.
+        j_end = nk
+        if causal:
+            j_end = min(nk, row0 + br + shift)
+
+        p_tile = cuda.shared.array((br, BKP), float32)
+        v_tile = cuda.shared.array((bk, bd), float32)
+        acc = cuda.local.array((tm, tn), float32)
+        a = cuda.local.array(tm, float32)
+        b = cuda.local.array(tn, float32)
+        for r in range(tm):
+            for c in range(tn):
+                acc[r, c] = float32(0)
+
+        for j0 in range(0, j_end, bk):
+            # Stage P[row0:row0+Br, j0:j0+Bk] and V[j0:j0+Bk, col0:col0+Bd] (coalesced);
+            # zeros outside the arrays and, with causal, past the diagonal.
+            for idx in range(tid, br * bk, NT):
+                ii = idx // bk
+                jj = idx % bk
+                i = row0 + ii
+                j = j0 + jj
+                ok = i < nq and j < nk
+                if causal:
+                    ok = ok and j <= i + shift
+                p_tile[ii, jj] = p[bh, i, j] if ok else float32(0)
+            for idx in range(tid, bk * bd, NT):
+                jj = idx // bd
+                cc = idx % bd
+                j = j0 + jj
+                c = col0 + cc
+                v_tile[jj, cc] = v[bh, j, c] if (j < nk and c < d) else float32(0)
+            cuda.syncthreads()
+            for jj in range(bk):
+                for r in range(tm):
+                    a[r] = p_tile[ty + RS * r, jj]
+                for c in range(tn):
+                    b[c] = v_tile[jj, tx + CS * c]
+                for r in range(tm):
+                    for c in range(tn):
+                        acc[r, c] += a[r] * b[c]
+            cuda.syncthreads()
+
+        for r in range(tm):
+            i = row0 + ty + RS * r
+            for c in range(tn):
+                cc = col0 + tx + CS * c
+                if i < nq and cc < d:
+                    o[bh, i, cc] = acc[r, c]
+
+    return weighted_sum_kernel
+
+
+# --------------------------------------------------------------------------- launch helpers
+
+def _as_heads(x, shape):
+    """A (B*H, N, X) view of a C-contiguous (B, H, N, X) device array."""
+    b, h, n, w = shape
+    return x.reshape(b * h, n, w)
+
+
+def _check_out(out, name, shape):
+    """``out``: None, or a C-contiguous float32 device array of ``shape``. Returns its device view."""
+    if out is None:
+        return None
+    if not is_device_array(out):
+        raise TypeError(f"{name}: expected a device array (or None), got {type(out).__name__}")
+    got_shape, _ = check_array(out, name, ndim=len(shape))
+    if tuple(got_shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(got_shape)}")
+    return to_device(out, name)
+
+
+def _launch_scores(dq, dk, ds, shape_q, nk, scale, causal, tiles):
+    b, h, nq, d = shape_q
+    if b * h == 0 or nq == 0 or nk == 0:
+        return
+    kern = make_scores(tiles.br, tiles.bc, tiles.bk, tiles.tm, tiles.tn)
+    grid = (cdiv(nk, tiles.bc), cdiv(nq, tiles.br), b * h)
+    kern[grid, tiles.scores_threads](_as_heads(dq, shape_q), _as_heads(dk, (b, h, nk, d)),
+                                     _as_heads(ds, (b, h, nq, nk)), np.float32(scale), bool(causal))
+
+
+def _launch_row_softmax(ds, dp, dl, shape_s, tiles):
+    b, h, nq, nk = shape_s
+    if b * h == 0 or nq == 0:
+        return
+    kern = make_row_softmax(tiles.softmax_threads)
+    kern[(nq, b * h), tiles.softmax_threads](_as_heads(ds, shape_s), _as_heads(dp, shape_s),
+                                             dl.reshape(b * h, nq))
+
+
+def _launch_weighted_sum(dp, dv, do, shape_p, d, causal, tiles):
+    b, h, nq, nk = shape_p
+    if b * h == 0 or nq == 0:
+        return
+    kern = make_weighted_sum(tiles.br, tiles.bd, tiles.bk, tiles.tm, tiles.tn)
+    grid = (cdiv(d, tiles.bd), cdiv(nq, tiles.br), b * h)
+    kern[grid, tiles.weighted_sum_threads](_as_heads(dp, shape_p), _as_heads(dv, (b, h, nk, d)),
+                                           _as_heads(do, (b, h, nq, d)), bool(causal))
+
+
+def scores(q, k, *, causal=False, scale=None, out=None, tiles=None):
+    """Step 1: S = scale * Q K^T, (B, H, Nq, Nk), -inf where causal masks.
+
+    ``out``: a float32 device array of that shape to write into (returned as given).
+    """
+    b, h, nq, nk, d, _ = check_qkv(q, k, k, max_head_dim=MAX_HEAD_DIM)
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    tiles = check_tiles(tiles)
+    shape_s = (b, h, nq, nk)
+    ds = _check_out(out, "out", shape_s)
+    kind = ArrayKind(q)
+    dq, dk = to_device(q, "q"), to_device(k, "k")
+    if ds is None:
+        ds = device_empty(shape_s)
+    _launch_scores(dq, dk, ds, (b, h, nq, d), nk, scale, causal, tiles)
+    return out if out is not None else kind.give_back(ds)
+
+
+def row_softmax(s, *, out=None, lse_out=None, tiles=None):
+    """Step 2: P = softmax(S) along the last axis, and L = logsumexp(S): returns (P, L).
+
+    S is (B, H, Nq, Nk) float32; P has its shape, L is (B, H, Nq). A row with no finite
+    entry gets P = 0 and L = -inf. ``out``/``lse_out``: device arrays to write into.
+    """
+    shape_s, _ = check_array(s, "s", ndim=4)
+    tiles = check_tiles(tiles)
+    b, h, nq, nk = shape_s
+    dp = _check_out(out, "out", shape_s)
+    dl = _check_out(lse_out, "lse_out", (b, h, nq))
+    kind = ArrayKind(s)
+    ds = to_device(s, "s")
+    if dp is None:
+        dp = device_empty(shape_s)
+    if dl is None:
+        dl = device_empty((b, h, nq))
+    _launch_row_softmax(ds, dp, dl, shape_s, tiles)
+    return (out if out is not None else kind.give_back(dp),
+            lse_out if lse_out is not None else kind.give_back(dl))
+
+
+def weighted_sum(p, v, *, causal=False, out=None, tiles=None):
+    """Step 3: O = P V, (B, H, Nq, d). P is (B, H, Nq, Nk), V is (B, H, Nk, d).
+
+    ``causal=True`` takes P as 0 wherever the causal mask forbids (j > i + Nk - Nq) and
+    skips the key tiles that lie entirely there. ``out``: a device array to write into.
+    """
+    shape_p, _ = check_array(p, "p", ndim=4)
+    shape_v, _ = check_array(v, "v", ndim=4)
+    if shape_p[:2] != shape_v[:2]:
+        raise ValueError(f"v: expected batch and heads (B, H) = {shape_p[:2]} like p, got {shape_v[:2]}")
+    if shape_v[2] != shape_p[3]:
+        raise ValueError(f"v: expected Nk = {shape_p[3]} rows (the columns of p), got {shape_v[2]}")
+    d = shape_v[3]
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"v: expected head dim d in 1..{MAX_HEAD_DIM}, got {d}")
+    causal = check_flag(causal, "causal")
+    tiles = check_tiles(tiles)
+    b, h, nq, nk = shape_p
+    do = _check_out(out, "out", (b, h, nq, d))
+    kind = ArrayKind(p)
+    dp, dv = to_device(p, "p"), to_device(v, "v")
+    if do is None:
+        do = device_empty((b, h, nq, d))
+    _launch_weighted_sum(dp, dv, do, shape_p, d, causal, tiles)
+    return out if out is not None else kind.give_back(do)
+
+
+def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False, tiles=None):
+    """O = softmax(scale * Q K^T + mask) V by the three kernels, S and P through HBM.
+
+    q: (B, H, Nq, d), k and v: (B, H, Nk, d), float32, d <= 128. Returns o (B, H, Nq, d),
+    or (o, lse) with ``return_lse=True`` (lse: (B, H, Nq), natural log, -inf on rows with
+    nothing to attend to). NumPy in, NumPy out; device arrays in, device arrays out.
+    """
+    b, h, nq, nk, d, _ = check_qkv(q, k, v, max_head_dim=MAX_HEAD_DIM)
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    return_lse = check_flag(return_lse, "return_lse")
+    tiles = check_tiles(tiles)
+    kind = ArrayKind(q)
+    dq, dk, dv = to_device(q, "q"), to_device(k, "k"), to_device(v, "v")
+    shape_s = (b, h, nq, nk)
+    ds, dp = device_empty(shape_s), device_empty(shape_s)     # the N x N matrices in HBM
+    dl, do = device_empty((b, h, nq)), device_empty((b, h, nq, d))
+    _launch_scores(dq, dk, ds, (b, h, nq, d), nk, scale, causal, tiles)
+    _launch_row_softmax(ds, dp, dl, shape_s, tiles)
+    _launch_weighted_sum(dp, dv, do, shape_s, d, causal, tiles)
+    o = kind.give_back(do)
+    return (o, kind.give_back(dl)) if return_lse else o
+
+
+# --------------------------------------------------------------------------- PTX targets
+
+_A3 = "float32[:, :, ::1]"
+_A2 = "float32[:, ::1]"
+
+
+def ptx_targets():
+    """Every kernel at its production tiles, for CI's compile-to-PTX check."""
+    t = PRODUCTION_TILES
+    return [
+        (f"naive scores fp32 Br={t.br} Bc={t.bc} Bk={t.bk} {t.tm}x{t.tn}",
+         make_scores(t.br, t.bc, t.bk, t.tm, t.tn), f"void({_A3}, {_A3}, {_A3}, float32, boolean)"),
+        (f"naive row softmax fp32 threads={t.softmax_threads}",
+         make_row_softmax(t.softmax_threads), f"void({_A3}, {_A3}, {_A2})"),
+        (f"naive weighted sum fp32 Br={t.br} Bd={t.bd} Bk={t.bk} {t.tm}x{t.tn}",
+         make_weighted_sum(t.br, t.bd, t.bk, t.tm, t.tn), f"void({_A3}, {_A3}, {_A3}, boolean)"),
+    ]

@@ -1,0 +1,217 @@
+"""Chapter 1: naive attention (S, P through HBM) against the float64 oracle.
+
+Every intermediate is checked, not only O: S = scale * Q K^T with -inf where the causal
+mask forbids, P = softmax(S) with zero rows where nothing may be attended to, the
+logsumexp L, and O = P V. Tolerance: ``assert_close`` (twice the float32 NumPy error).
+"""
+
+import numpy as np
+import pytest
+from hypothesis import example, given, strategies as st
+
+from kernels import reference as ref
+from kernels.naive_attention import (
+    PRODUCTION_TILES,
+    Tiles,
+    io_model_bytes,
+    io_model_elements,
+    naive_attention,
+    row_softmax,
+    scores,
+    weighted_sum,
+)
+from kernels.runtime import on_simulator, to_device
+from kernels.testing import MAX_N, assert_close, attention_cases, case_with
+
+# Tiles the tests draw: small ones in the simulator (ragged N crosses several tiles),
+# the production ones and a few others on the GPU.
+if on_simulator():
+    TILE_CHOICES = [
+        Tiles(br=32, bc=32, bd=32, bk=16, tm=4, tn=4, softmax_threads=8),
+        Tiles(br=16, bc=8, bd=8, bk=4, tm=2, tn=2, softmax_threads=4),
+        Tiles(br=8, bc=16, bd=16, bk=8, tm=1, tn=2, softmax_threads=16),
+    ]
+    SIM_N = 48  # keeps the module within a minute in the simulator
+else:
+    TILE_CHOICES = [
+        PRODUCTION_TILES,
+        Tiles(br=32, bc=64, bd=32, bk=16, tm=2, tn=4, softmax_threads=256),
+        Tiles(br=64, bc=32, bd=128, bk=8, tm=4, tn=8, softmax_threads=32),
+    ]
+    SIM_N = MAX_N
+tile_choices = st.sampled_from(TILE_CHOICES)
+
+
+def oracle_scores(q, k, causal, scale, dtype=np.float64):
+    """S = scale * Q K^T, -inf where masked, computed in ``dtype`` (the oracle's way)."""
+    q, k = np.asarray(q, dtype), np.asarray(k, dtype)
+    d = q.shape[-1]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    s = np.asarray(scale, dtype=dtype) * ref.matmul(q, np.swapaxes(k, -1, -2), dtype=dtype)
+    mask = ref.attention_mask(q.shape[-2], k.shape[-2], causal=causal)
+    return s if mask is None else np.where(mask, s, -np.inf)
+
+
+# --------------------------------------------------------------------------- the three steps
+
+@given(case=attention_cases(max_n=SIM_N), tiles=tile_choices)
+@example(case=case_with((1, 1, 1, 1), (1, 1, 1, 1)), tiles=TILE_CHOICES[0])                   # N = 1, d = 1
+@example(case=case_with((1, 2, 33, 7), (1, 2, 17, 7), causal=True), tiles=TILE_CHOICES[0])     # one past a tile, Nq > Nk: masked rows
+@example(case=case_with((2, 1, 9, 5), (2, 1, 40, 5), causal=True, scale=0.7), tiles=TILE_CHOICES[1])  # Nq < Nk causal, odd d
+@example(case=case_with((1, 1, 20, 16), (1, 1, 20, 16), magnitude=30.0, scale=2.0), tiles=TILE_CHOICES[1])  # logits ~ 1e4
+@example(case=case_with((1, 1, 12, 3), (1, 1, 12, 3), magnitude=30.0, causal=True, scale=1.9, seed=3),
+         tiles=TILE_CHOICES[2])
+def test_each_step_matches_the_oracle(case, tiles):
+    q, k, v, causal, scale = case.q, case.k, case.v, case.causal, case.scale
+    s = scores(q, k, causal=causal, scale=scale, tiles=tiles)
+    s_exact = oracle_scores(q, k, causal, scale)
+    s_f32 = oracle_scores(q, k, causal, scale, np.float32)
+    assert_close(s, s_exact, s_f32, name="S")
+
+    # The softmax is checked on the kernel's own S, so that its error is its own.
+    p, lse = row_softmax(s, tiles=tiles)
+    assert_close(p, ref.softmax(s), ref.softmax(s, dtype=np.float32), name="P")
+    assert_close(lse, ref.logsumexp(s), ref.logsumexp(s, dtype=np.float32), name="L")
+
+    # The chain against the oracle from the inputs.
+    assert_close(p, ref.softmax(s_exact), ref.softmax(s_f32, dtype=np.float32), name="P (from Q, K)")
+    o = weighted_sum(p, v, causal=causal, tiles=tiles)
+    o_exact, lse_exact = ref.attention(q, k, v, causal=causal, scale=scale)
+    o_f32, lse_f32 = ref.attention(q, k, v, causal=causal, scale=scale, dtype=np.float32)
+    assert_close(o, o_exact, o_f32, name="O")
+    assert_close(lse, lse_exact, lse_f32, name="L (from Q, K)")
+
+
+# --------------------------------------------------------------------------- the launcher
+
+@given(case=attention_cases(max_n=SIM_N), tiles=tile_choices)
+@example(case=case_with((1, 1, 0, 4), (1, 1, 5, 4)), tiles=TILE_CHOICES[0])        # Nq = 0
+@example(case=case_with((1, 2, 6, 4), (1, 2, 0, 4)), tiles=TILE_CHOICES[0])        # Nk = 0: O = 0, L = -inf
+@example(case=case_with((2, 1, 19, 3), (2, 1, 4, 3), causal=True, magnitude=3.0), tiles=TILE_CHOICES[1])
+def test_naive_attention_matches_the_oracle(case, tiles):
+    q, k, v, causal, scale = case.q, case.k, case.v, case.causal, case.scale
+    o, lse = naive_attention(q, k, v, causal=causal, scale=scale, return_lse=True, tiles=tiles)
+    assert isinstance(o, np.ndarray) and o.dtype == np.float32 and o.shape == q.shape
+    o_exact, lse_exact = ref.attention(q, k, v, causal=causal, scale=scale)
+    o_f32, lse_f32 = ref.attention(q, k, v, causal=causal, scale=scale, dtype=np.float32)
+    assert_close(o, o_exact, o_f32, name="O")
+    assert_close(lse, lse_exact, lse_f32, name="L")
+
+
+def test_fully_masked_rows_give_zero_not_nan():
+    # Nq > Nk with causal: the first Nq - Nk queries may attend to nothing.
+    case = case_with((1, 1, 10, 3), (1, 1, 4, 3), causal=True, magnitude=30.0, seed=5)
+    o, lse = naive_attention(case.q, case.k, case.v, causal=True, return_lse=True)
+    assert not np.isnan(o).any()
+    assert np.all(o[0, 0, :6] == 0) and np.all(lse[0, 0, :6] == -np.inf)
+    assert np.all(np.abs(o[0, 0, 6:]).sum(axis=-1) > 0) and np.isfinite(lse[0, 0, 6:]).all()
+
+
+def test_device_arrays_in_device_arrays_out_and_out_buffers():
+    case = case_with((1, 2, 11, 5), (1, 2, 13, 5), causal=True, seed=2)
+    dq, dk, dv = (to_device(x, name) for x, name in ((case.q, "q"), (case.k, "k"), (case.v, "v")))
+    o = naive_attention(dq, dk, dv, causal=True)
+    assert not isinstance(o, np.ndarray) and hasattr(o, "copy_to_host")
+    o_exact, _ = ref.attention(case.q, case.k, case.v, causal=True)
+    o_f32, _ = ref.attention(case.q, case.k, case.v, causal=True, dtype=np.float32)
+    assert_close(o.copy_to_host(), o_exact, o_f32, name="O (device)")
+
+    # The three steps writing into buffers the caller owns (what the bench does).
+    from numba import cuda
+
+    s_buf = cuda.device_array((1, 2, 11, 13), np.float32)
+    p_buf = cuda.device_array((1, 2, 11, 13), np.float32)
+    l_buf = cuda.device_array((1, 2, 11), np.float32)
+    o_buf = cuda.device_array((1, 2, 11, 5), np.float32)
+    assert scores(dq, dk, causal=True, out=s_buf) is s_buf
+    p_got, l_got = row_softmax(s_buf, out=p_buf, lse_out=l_buf)
+    assert p_got is p_buf and l_got is l_buf
+    assert weighted_sum(p_buf, dv, causal=True, out=o_buf) is o_buf
+    assert_close(o_buf.copy_to_host(), o_exact, o_f32, name="O (out buffers)")
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _qkv(nq=4, nk=4, d=8, b=1, h=2, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((b, h, nq, d)).astype(dtype), rng.standard_normal((b, h, nk, d)).astype(dtype),
+            rng.standard_normal((b, h, nk, d)).astype(dtype))
+
+
+@pytest.mark.parametrize("mutate, error, words", [
+    (lambda q, k, v: (q[0], k, v), ValueError, "q: expected 4 dimensions"),
+    (lambda q, k, v: (q, k[..., None], v), ValueError, "k: expected 4 dimensions"),
+    (lambda q, k, v: (q, k, v[:, :, :3]), ValueError, "v: expected the shape of k"),
+    (lambda q, k, v: (q, k[:, :1], v[:, :1]), ValueError, "k: expected batch and heads"),
+    (lambda q, k, v: (q, k[..., :4], v[..., :4]), ValueError, "k: expected head dim"),
+    (lambda q, k, v: (q.astype(np.float64), k, v), TypeError, "q: expected dtype float32"),
+    (lambda q, k, v: (q, k.astype(np.int32), v), TypeError, "k: expected dtype float32"),
+    (lambda q, k, v: (q, k, v.astype(np.float16)), TypeError, "v: expected dtype float32"),
+    (lambda q, k, v: (q.tolist(), k, v), TypeError, "q: expected a NumPy array"),
+    (lambda q, k, v: (q[..., :0], k[..., :0], v[..., :0]), ValueError, "q: expected head dim d in 1..128"),
+])
+def test_bad_arrays_name_the_argument(mutate, error, words):
+    q, k, v = mutate(*_qkv())
+    with pytest.raises(error, match=words):
+        naive_attention(q, k, v)
+
+
+def test_head_dim_over_128_is_refused():
+    q, k, v = _qkv(nq=2, nk=2, d=129)
+    with pytest.raises(ValueError, match="q: expected head dim d in 1..128"):
+        naive_attention(q, k, v)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(scale=0.0), ValueError, "scale"),
+    (dict(scale=-1.0), ValueError, "scale"),
+    (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(scale=float("inf")), ValueError, "scale"),
+    (dict(scale="0.5"), TypeError, "scale"),
+    (dict(scale=True), TypeError, "scale"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(causal="yes"), TypeError, "causal"),
+    (dict(causal=None), TypeError, "causal"),
+    (dict(return_lse=0), TypeError, "return_lse"),
+    (dict(tiles=(64, 64)), TypeError, "tiles"),
+    (dict(tiles=Tiles(br=30, tm=4)), ValueError, "tiles"),
+    (dict(tiles=Tiles(softmax_threads=48)), ValueError, "tiles.softmax_threads"),
+    (dict(tiles=Tiles(br=128, bc=128, tm=2, tn=2)), ValueError, "threads"),
+    (dict(tiles=Tiles(br=128, bc=128, bk=64, tm=8, tn=8)), ValueError, "shared memory"),
+])
+def test_bad_options_name_the_argument(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        naive_attention(*_qkv(), **kwargs)
+
+
+def test_step_helpers_check_their_arguments():
+    q, k, v = _qkv()
+    s = np.ones((1, 2, 4, 4), np.float32)
+    with pytest.raises(ValueError, match="s: expected 4 dimensions"):
+        row_softmax(s[0])
+    with pytest.raises(TypeError, match="s: expected dtype float32"):
+        row_softmax(s.astype(np.float64))
+    with pytest.raises(ValueError, match="v: expected Nk = 4"):
+        weighted_sum(s, v[:, :, :3])
+    with pytest.raises(ValueError, match="v: expected batch and heads"):
+        weighted_sum(s, v[:, :1])
+    with pytest.raises(TypeError, match="p: expected dtype float32"):
+        weighted_sum(s.astype(np.float64), v)
+    with pytest.raises(TypeError, match="out: expected a device array"):
+        scores(q, k, out=np.empty((1, 2, 4, 4), np.float32))
+    from numba import cuda
+
+    with pytest.raises(ValueError, match=r"out: expected shape \(1, 2, 4, 4\)"):
+        scores(q, k, out=cuda.device_array((1, 2, 4, 5), np.float32))
+    with pytest.raises(ValueError, match="lse_out: expected shape"):
+        row_softmax(s, lse_out=cuda.device_array((1, 2, 5), np.float32))
+
+
+# --------------------------------------------------------------------------- the IO model
+
+def test_io_model_is_4nd_plus_4n2_per_head():
+    n, d = 1024, 64
+    per_head = io_model_elements(n, n, d)
+    assert sum(per_head.values()) == 4 * n * d + 4 * n * n + n  # + n: the logsumexp L
+    total = io_model_bytes(4, 16, n, n, d)["total"]
+    assert total == 4 * 16 * 4 * (4 * n * d + 4 * n * n + n)
