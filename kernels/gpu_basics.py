@@ -166,6 +166,41 @@ def launch_empty(blocks: int = 1, threads: int = 1):
     empty[blocks, threads]()
 
 
+# --------------------------------------------------------------------------- counting
+
+def grid_stride_indices(block: int, thread: int, block_dim: int, grid_dim: int, n: int, items: int = 1):
+    """The elements thread ``thread`` of block ``block`` copies, in order (the copy kernel's
+    index arithmetic in plain Python)."""
+    start = block * block_dim * items + thread
+    step = grid_dim * block_dim * items
+    return [base + j * block_dim for base in range(start, n, step) for j in range(items)
+            if base + j * block_dim < n]
+
+
+def attention_flops(b: int, h: int, nq: int, nk: int, d: int, *, causal: bool = False) -> float:
+    """FLOPs of attention forward: 2*Nq*Nk*d for S = QK^T and as many for O = PV, a head
+    (4BHN^2d when Nq = Nk), halved when causal. The softmax's O(N^2) work is not counted."""
+    flops = 4.0 * b * h * nq * nk * d
+    return flops / 2 if causal else flops
+
+
+def standard_forward_bytes(b: int, h: int, n: int, d: int, bytes_per_element: int = 4) -> float:
+    """HBM bytes of the standard forward (S and P written to and read from HBM): 4Nd + 4N^2
+    elements a head (read Q, K, V, write O; write S, read S, write P, read P)."""
+    return float(b * h * (4 * n * d + 4 * n * n) * bytes_per_element)
+
+
+def fused_forward_compulsory_bytes(b: int, h: int, n: int, d: int, bytes_per_element: int = 4) -> float:
+    """HBM bytes a fused forward cannot avoid: read Q, K, V, write O (4Nd) and L (N), a head."""
+    return float(b * h * (4 * n * d + n) * bytes_per_element)
+
+
+def arithmetic_intensity(flops: float, nbytes: float) -> float:
+    """FLOPs per byte moved to or from HBM: above the ridge (peak FLOP/s / bandwidth) a kernel
+    can be compute-bound, below it is bandwidth-bound."""
+    return flops / nbytes
+
+
 # --------------------------------------------------------------------------- helpers
 
 def _check_positive_int(value, name, lo, hi):

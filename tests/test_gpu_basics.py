@@ -89,3 +89,23 @@ def test_empty_kernel_launches():
 def test_bad_input_names_the_argument(call, match, exc):
     with pytest.raises(exc, match=match):
         call()
+
+
+@given(block_dim=st.integers(1, 64), grid_dim=st.integers(1, 8), n=st.integers(0, 700), items=st.sampled_from([1, 4]))
+def test_grid_stride_indices_cover_every_element_once(block_dim, grid_dim, n, items):
+    seen = [i for b in range(grid_dim) for t in range(block_dim)
+            for i in gpu_basics.grid_stride_indices(b, t, block_dim, grid_dim, n, items)]
+    assert sorted(seen) == list(range(n))
+    if n >= 2 and block_dim >= 2:  # coalesced: neighbouring threads start on neighbouring elements
+        assert gpu_basics.grid_stride_indices(0, 1, block_dim, grid_dim, n, items)[0] == 1
+
+
+def test_counting_formulas():
+    assert gpu_basics.attention_flops(4, 16, 4096, 4096, 64) == 4 * 4 * 16 * 4096**2 * 64
+    assert gpu_basics.attention_flops(1, 1, 8, 8, 2, causal=True) == 4 * 8 * 8 * 2 / 2
+    assert gpu_basics.standard_forward_bytes(1, 1, 10, 2, 4) == (4 * 10 * 2 + 4 * 100) * 4
+    assert gpu_basics.fused_forward_compulsory_bytes(2, 1, 10, 2, 2) == 2 * (4 * 10 * 2 + 10) * 2
+    flops = gpu_basics.attention_flops(1, 1, 4096, 4096, 64)
+    # the standard forward sits below the H100 fp32 ridge (about 17 FLOP/B), the fused one far above
+    assert gpu_basics.arithmetic_intensity(flops, gpu_basics.standard_forward_bytes(1, 1, 4096, 64)) < 17
+    assert gpu_basics.arithmetic_intensity(flops, gpu_basics.fused_forward_compulsory_bytes(1, 1, 4096, 64)) > 17
