@@ -1,0 +1,200 @@
+"""Chapter 6: block-sparse attention, forward and backward, against the float64 oracle.
+
+The oracle expands the block mask to one flag per score (``ref.attention(...,
+block_mask=...)``); the kernels walk compact lists of kept tiles. Drawn: shapes (ragged,
+Nq != Nk), causal, scale, logit magnitude, the mask's block size, its layout (shared,
+per head, per batch and head), its density or pattern, and the kernel tiles.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from kernels import reference as ref
+from kernels import sparsity_patterns as sp
+from kernels.block_sparse import block_sparse_attention, tile_lists
+from kernels.runtime import on_simulator
+from kernels.testing import MAX_BH, MAX_D, assert_close, random_array
+
+# Sequence lengths: the simulator runs every thread in Python, keep them small there.
+MAX_N = 40 if on_simulator() else 512
+BLOCKS = (4, 8, 16) if on_simulator() else (16, 32, 64, 128)
+PATTERN_NAMES = ["random", "sliding window", "global + local", "strided", "butterfly", "dense", "empty"]
+
+
+def make_mask(kind, layout, nq, nk, bq, bk, b, h, density, seed):
+    """A BlockMask of the given kind with flags (Tq, Tk), (H, Tq, Tk) or (B, H, Tq, Tk)."""
+    tq, tk = -(-nq // bq), -(-nk // bk)
+    shape = {"shared": (tq, tk), "head": (h, tq, tk), "batch-head": (b, h, tq, tk)}[layout]
+    if kind == "random":
+        flags = np.random.default_rng(seed).random(shape) < density
+    elif kind == "dense":
+        flags = np.ones(shape, bool)
+    elif kind == "empty":
+        flags = np.zeros(shape, bool)
+    else:  # a named pattern (square blocks): shared by every head
+        flags = np.broadcast_to(sp.PATTERNS[kind](nq, nk, bq).flags, shape).copy()
+    return ref.BlockMask(flags, bq, bk)
+
+
+@st.composite
+def sparse_cases(draw, max_n=MAX_N, max_d=MAX_D):
+    b = draw(st.integers(1, MAX_BH))
+    h = draw(st.integers(1, MAX_BH))
+    nq = draw(st.integers(0, max_n))
+    nk = draw(st.integers(0, max_n))
+    d = draw(st.integers(1, max_d))
+    causal = draw(st.booleans())
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0)))
+    magnitude = draw(st.sampled_from((0.3, 1.0, 3.0)))
+    kind = draw(st.sampled_from(PATTERN_NAMES))
+    bq = draw(st.sampled_from(BLOCKS))
+    bk = bq if kind not in ("random", "dense", "empty") else draw(st.sampled_from(BLOCKS))
+    layout = draw(st.sampled_from(("shared", "head", "batch-head")))
+    density = draw(st.floats(0.0, 1.0))
+    seed = draw(st.integers(0, 2**32 - 1))
+    # kernel tiles: the launcher's choice, or an explicit divisor of the mask block
+    bm = draw(st.one_of(st.none(), st.sampled_from([t for t in (1, 2, 4, 8, 16) if bq % t == 0])))
+    bn = draw(st.one_of(st.none(), st.sampled_from([t for t in (1, 2, 4, 8, 16) if bk % t == 0])))
+    if on_simulator():  # tiny explicit tiles mean many blocks: keep the simulator fast
+        bm = None if bm is not None and bm < 4 else bm
+        bn = None if bn is not None and bn < 4 else bn
+    return dict(b=b, h=h, nq=nq, nk=nk, d=d, causal=causal, scale=scale, magnitude=magnitude, kind=kind,
+                bq=bq, bk=bk, layout=layout, density=density, seed=seed, block_m=bm, block_n=bn)
+
+
+def build(c):
+    rng = np.random.default_rng(c["seed"])
+    q = random_array(rng, (c["b"], c["h"], c["nq"], c["d"]), c["magnitude"])
+    k = random_array(rng, (c["b"], c["h"], c["nk"], c["d"]), c["magnitude"])
+    v = random_array(rng, (c["b"], c["h"], c["nk"], c["d"]))
+    mask = make_mask(c["kind"], c["layout"], c["nq"], c["nk"], c["bq"], c["bk"], c["b"], c["h"],
+                     c["density"], c["seed"])
+    return q, k, v, mask
+
+
+def case(b=1, h=1, nq=8, nk=8, d=4, causal=False, scale=None, magnitude=1.0, kind="random", bq=4, bk=4,
+         layout="shared", density=0.5, seed=0, block_m=None, block_n=None):
+    return dict(b=b, h=h, nq=nq, nk=nk, d=d, causal=causal, scale=scale, magnitude=magnitude, kind=kind,
+                bq=bq, bk=bk, layout=layout, density=density, seed=seed, block_m=block_m, block_n=block_n)
+
+
+def check_forward(c):
+    q, k, v, mask = build(c)
+    kw = dict(causal=c["causal"], scale=c["scale"], block_mask=mask)
+    o, lse = block_sparse_attention(q, k, v, mask, causal=c["causal"], scale=c["scale"],
+                                    block_m=c["block_m"], block_n=c["block_n"])
+    exact_o, exact_lse = ref.attention(q, k, v, **kw)
+    base_o, base_lse = ref.attention(q, k, v, dtype=np.float32, **kw)
+    assert o.dtype == np.float32 and lse.dtype == np.float32
+    assert_close(o, exact_o, base_o, name="O")
+    assert_close(lse, exact_lse, base_lse, name="L")
+
+
+# --------------------------------------------------------------------------- forward
+
+@given(sparse_cases())
+@example(case(nq=1, nk=1, d=1, density=1.0))
+@example(case(nq=9, nk=8, d=3, causal=True, bq=8, bk=8, density=1.0))           # one past a tile
+@example(case(nq=20, nk=7, d=5, causal=True, kind="random", layout="head", h=2))  # rows that see nothing
+@example(case(nq=16, nk=16, d=8, kind="empty", layout="batch-head", b=2, h=2))
+@example(case(nq=13, nk=16, d=3, magnitude=3.0, scale=1.5, bq=16, bk=8, block_m=8, block_n=4))
+def test_forward_matches_oracle(c):
+    check_forward(c)
+
+
+@pytest.mark.parametrize("kind", ["sliding window", "global + local", "strided", "butterfly"])
+def test_forward_patterns(kind):
+    check_forward(case(b=1, h=2, nq=24, nk=20, d=5, causal=kind == "butterfly", kind=kind, bq=4, bk=4))
+
+
+def test_logits_around_1e4():
+    check_forward(case(nq=12, nk=12, d=2, magnitude=80.0, scale=1.0, causal=True, density=0.7, seed=3))
+
+
+def test_dense_mask_equals_dense_attention():
+    """Every tile kept: the chapter 4 fused kernel's answer (the oracle without a mask until
+    that module exists)."""
+    rng = np.random.default_rng(7)
+    q = random_array(rng, (1, 2, 19, 6))
+    k = random_array(rng, (1, 2, 23, 6))
+    v = random_array(rng, (1, 2, 23, 6))
+    for causal in (False, True):
+        mask = sp.dense(19, 23, block=8)
+        o, lse = block_sparse_attention(q, k, v, mask, causal=causal)
+        try:
+            from kernels.flash_forward import flash_attention
+        except ImportError:
+            want_o, want_lse = ref.attention(q, k, v, causal=causal)
+        else:
+            want_o, want_lse = flash_attention(q, k, v, causal=causal)
+        exact_o, exact_lse = ref.attention(q, k, v, causal=causal)
+        np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-6)
+        assert_close(o, exact_o, ref.attention(q, k, v, causal=causal, dtype=np.float32)[0], name="O")
+
+
+def test_empty_mask_gives_zero_and_minus_inf():
+    rng = np.random.default_rng(1)
+    q, k, v = (random_array(rng, (2, 1, 10, 3)) for _ in range(3))
+    mask = ref.BlockMask(np.zeros((3, 3), bool), 4, 4)
+    o, lse = block_sparse_attention(q, k, v, mask)
+    assert np.array_equal(o, np.zeros_like(o)) and np.all(lse == -np.inf)
+
+
+def test_lists_are_compact_and_drop_tiles_above_the_diagonal():
+    mask = sp.dense(16, 16, block=4)
+    lists = tile_lists(mask, 16, 16, Br=4, Bc=4, causal=True)
+    assert lists.row_ptr.tolist() == [0, 1, 3, 6, 10]
+    assert lists.col_idx.tolist() == [0, 0, 1, 0, 1, 2, 0, 1, 2, 3]
+    assert lists.col_ptr.tolist() == [0, 4, 7, 9, 10]
+    assert lists.row_idx.tolist() == [0, 1, 2, 3, 1, 2, 3, 2, 3, 3]
+    assert lists.kept_fraction == pytest.approx(10 / 16)
+    # a 2 x 2-tile mask block seen by 2 x 4 kernel tiles
+    flags = np.array([[True, False], [False, True]])
+    lists = tile_lists(ref.BlockMask(flags, 4, 4), 8, 8, Br=2, Bc=4)
+    assert lists.row_ptr.tolist() == [0, 1, 2, 3, 4] and lists.col_idx.tolist() == [0, 0, 1, 1]
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _inputs(nq=8, nk=8, d=4):
+    rng = np.random.default_rng(0)
+    return (random_array(rng, (1, 2, nq, d)), random_array(rng, (1, 2, nk, d)), random_array(rng, (1, 2, nk, d)))
+
+
+def test_bad_mask_shape_names_block_mask():
+    q, k, v = _inputs(nq=9)
+    with pytest.raises(ValueError, match="block_mask"):
+        block_sparse_attention(q, k, v, ref.BlockMask(np.ones((2, 2), bool), 4, 4))  # needs 3 x 2
+    with pytest.raises(ValueError, match="block_mask"):
+        block_sparse_attention(q, k, v, ref.BlockMask(np.ones((3, 3, 2), bool), 4, 4))  # H = 2, not 3
+    with pytest.raises(TypeError, match="block_mask"):
+        block_sparse_attention(q, k, v, np.ones((3, 2), bool))
+
+
+def test_incompatible_tiles_name_block_mask():
+    q, k, v = _inputs()
+    mask = ref.BlockMask(np.ones((2, 2), bool), 4, 4)
+    with pytest.raises(ValueError, match="block_mask"):
+        block_sparse_attention(q, k, v, mask, block_m=8)
+    with pytest.raises(ValueError, match="block_mask"):
+        block_sparse_attention(q, k, v, ref.BlockMask(np.ones((3, 3), bool), 3, 3), block_n=2)
+    with pytest.raises(ValueError, match="block_m"):
+        block_sparse_attention(q, k, v, mask, block_m=3)
+
+
+def test_bad_arrays_name_the_argument():
+    q, k, v = _inputs()
+    mask = ref.BlockMask(np.ones((2, 2), bool), 4, 4)
+    with pytest.raises(TypeError, match="q"):
+        block_sparse_attention(q.astype(np.float64), k, v, mask)
+    with pytest.raises(ValueError, match="v"):
+        block_sparse_attention(q, k, v[:, :, :5], mask)
+    with pytest.raises(TypeError, match="causal"):
+        block_sparse_attention(q, k, v, mask, causal=1)
+    with pytest.raises(ValueError, match="scale"):
+        block_sparse_attention(q, k, v, mask, scale=-1.0)
+    with pytest.raises(TypeError, match="flags"):
+        ref.BlockMask(np.ones((2, 2), np.int32), 4, 4)
