@@ -23,10 +23,11 @@ The kernels, written for the H100 but kept plain (chapter 2 makes matmuls fast):
   Bk columns of d are staged in shared memory, each thread keeps a TM x TN micro-tile of
   S in registers. Threads along a warp write consecutive columns of S: coalesced stores.
   With causal, a tile entirely above the diagonal is filled with -inf without any loads.
-* row softmax: one block per row of S; three strided, coalesced sweeps over the row
-  (max m, sum l = sum exp(S - m), write P = exp(S - m) / l), each followed by a
-  shared-memory tree reduction. The second and third sweeps re-read a row the first one
-  just read (16 KiB at Nk = 4096), which L2 serves.
+* row softmax: one block per row of S. The row is read once, in coalesced strides, into
+  registers (up to 32 entries a thread: rows up to 4096 at 128 threads); the max m and
+  the sum l = sum exp(S - m) are tree reductions in shared memory; P = exp(S - m) / l is
+  written once. Longer rows are swept three times (max, sum, write), the re-reads served
+  mostly by L2.
 * weighted sum: a block computes a Br x Bd tile of O; P and V tiles of Bk keys staged in
   shared memory, TM x TN outputs a thread. With causal, key tiles entirely past the
   diagonal are skipped (P is 0 there).
@@ -73,6 +74,7 @@ __all__ = [
     "io_model_bytes",
     "make_scores",
     "make_row_softmax",
+    "softmax_regs",
     "make_weighted_sum",
     "ptx_targets",
 ]
@@ -95,7 +97,9 @@ class Tiles:
     bd        columns of O (head dim) a block of the weighted-sum kernel computes
     bk        the reduction chunk staged in shared memory: d for S, keys for O
     tm, tn    the micro-tile a thread keeps in registers (tm rows, tn columns)
-    softmax_threads   threads a row of the softmax kernel (a power of two)
+    softmax_threads   T: threads a row of the softmax kernel (a power of two)
+    softmax_regs      the most entries of a row a thread holds in registers (a power of
+                      two); rows up to softmax_threads * softmax_regs are read once
     """
 
     br: int = 64
@@ -105,6 +109,7 @@ class Tiles:
     tm: int = 4
     tn: int = 4
     softmax_threads: int = 128
+    softmax_regs: int = 32
 
     @property
     def scores_threads(self) -> int:
@@ -117,7 +122,7 @@ class Tiles:
 
 PRODUCTION_TILES = Tiles()
 # The simulator runs every thread in Python: few threads, small tiles.
-SIMULATOR_TILES = Tiles(br=32, bc=32, bd=32, bk=16, tm=4, tn=4, softmax_threads=8)
+SIMULATOR_TILES = Tiles(br=32, bc=32, bd=32, bk=16, tm=4, tn=4, softmax_threads=8, softmax_regs=4)
 
 
 def default_tiles() -> Tiles:
@@ -130,7 +135,7 @@ def check_tiles(tiles) -> Tiles:
         return default_tiles()
     if not isinstance(tiles, Tiles):
         raise TypeError(f"tiles: expected a Tiles or None, got {type(tiles).__name__}")
-    for name in ("br", "bc", "bd", "bk", "tm", "tn", "softmax_threads"):
+    for name in ("br", "bc", "bd", "bk", "tm", "tn", "softmax_threads", "softmax_regs"):
         value = getattr(tiles, name)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"tiles.{name}: expected a positive int, got {value!r}")
@@ -144,6 +149,9 @@ def check_tiles(tiles) -> Tiles:
     t = tiles.softmax_threads
     if t > 1024 or t & (t - 1):
         raise ValueError(f"tiles.softmax_threads: expected a power of two in 1..1024, got {t}")
+    r = tiles.softmax_regs
+    if r > 64 or r & (r - 1):
+        raise ValueError(f"tiles.softmax_regs: expected a power of two in 1..64, got {r}")
     shared = 4 * max((tiles.br + tiles.bc) * (tiles.bk + 1), tiles.br * (tiles.bk + 1) + tiles.bk * tiles.bd)
     if shared > SHARED_LIMIT_BYTES:
         raise ValueError(f"tiles: the tiles need {shared} bytes of shared memory (at most {SHARED_LIMIT_BYTES})")
@@ -259,14 +267,20 @@ def make_scores(br: int, bc: int, bk: int, tm: int, tn: int):
 # --------------------------------------------------------------------------- step 2: P = softmax(S)
 
 @functools.lru_cache(maxsize=None)
-def make_row_softmax(threads: int):
-    """The row-softmax kernel: one block of ``threads`` threads per row of S.
+def make_row_softmax(threads: int, regs: int):
+    """The row-softmax kernel: one block of T = ``threads`` threads per row of S.
 
-    Launch: grid (Nq, B*H), block ``threads``; arguments s (BH, Nq, Nk), p (BH, Nq, Nk),
-    lse (BH, Nq). Writes P = exp(S - m) / l and L = m + log(l) with m the row max and
-    l = sum exp(S - m); a row with no finite entry gets P = 0 and L = -inf.
+    Launch: grid (Nq, B*H), block T; arguments s (BH, Nq, Nk), p (BH, Nq, Nk), lse (BH, Nq).
+    Writes P = exp(S - m) / l and L = m + log(l), with m the row max and l = sum exp(S - m);
+    a row with no finite entry gets P = 0 and L = -inf.
+
+    A row of at most R*T entries (R = ``regs``) is read once into registers (thread t
+    holds entries t, t + T, ..., t + (R-1)T: each load is a coalesced sweep of the row), so
+    S is read once and P written once, as the IO model counts. A longer row is swept three
+    times (max, sum, write), the second and third reads served mostly by L2.
     """
     T = threads
+    R = regs
 
     @cuda.jit(fastmath=True)
     def row_softmax_kernel(s, p, lse):
@@ -276,13 +290,22 @@ def make_row_softmax(threads: int):
         tid = cuda.threadIdx.x
         red_m = cuda.shared.array(T, float32)
         red_l = cuda.shared.array(T, float32)
+        x = cuda.local.array(R, float32)
+        in_registers = nk <= R * T             # the same for the whole block
 
-        # Sweep 1: m = max_j S[i, j] (strided: a warp reads 32 consecutive floats).
+        # m = max_j S[i, j]: a per-thread max, then a tree reduction in shared memory.
         m = LOWEST
-        for j in range(tid, nk, T):
-            x = s[bh, i, j]
-            if x > m:
-                m = x
+        if in_registers:
+            for u in range(R):
+                j = tid + u * T
+                x[u] = s[bh, i, j] if j < nk else LOWEST
+                if x[u] > m:
+                    m = x[u]
+        else:
+            for j in range(tid, nk, T):
+                xj = s[bh, i, j]
+                if xj > m:
+                    m = xj
         red_m[tid] = m
         cuda.syncthreads()
         stride = T // 2
@@ -303,10 +326,18 @@ def make_row_softmax(threads: int):
                 lse[bh, i] = NEG_INF
             return
 
-        # Sweep 2: l = sum_j exp(S[i, j] - m)   (exp(-inf - m) = 0 for masked entries).
+        # l = sum_j exp(S[i, j] - m)   (exp(-inf - m) = 0 for masked entries; l >= 1).
         l = float32(0)
-        for j in range(tid, nk, T):
-            l += math.exp(s[bh, i, j] - m)
+        if in_registers:
+            for u in range(R):
+                e = float32(0)
+                if tid + u * T < nk:
+                    e = math.exp(x[u] - m)
+                x[u] = e
+                l += e
+        else:
+            for j in range(tid, nk, T):
+                l += math.exp(s[bh, i, j] - m)
         red_l[tid] = l
         cuda.syncthreads()
         stride = T // 2
@@ -315,16 +346,32 @@ def make_row_softmax(threads: int):
                 red_l[tid] += red_l[tid + stride]
             cuda.syncthreads()
             stride //= 2
-        l = red_l[0]                         # l >= 1: the max entry contributes exp(0)
+        l = red_l[0]
 
-        # Sweep 3: P[i, j] = exp(S[i, j] - m) / l.
+        # P[i, j] = exp(S[i, j] - m) / l.
         inv_l = float32(1) / l
-        for j in range(tid, nk, T):
-            p[bh, i, j] = math.exp(s[bh, i, j] - m) * inv_l
+        if in_registers:
+            for u in range(R):
+                j = tid + u * T
+                if j < nk:
+                    p[bh, i, j] = x[u] * inv_l
+        else:
+            for j in range(tid, nk, T):
+                p[bh, i, j] = math.exp(s[bh, i, j] - m) * inv_l
         if tid == 0:
             lse[bh, i] = m + math.log(l)
 
     return row_softmax_kernel
+
+
+def softmax_regs(nk: int, tiles: "Tiles") -> int:
+    """R for a row of ``nk`` entries: the smallest power of two with R*T >= Nk, at most
+    ``tiles.softmax_regs`` (longer rows take the three-sweep path)."""
+    need = max(1, cdiv(nk, tiles.softmax_threads))
+    r = 1
+    while r < need and r < tiles.softmax_regs:
+        r *= 2
+    return r
 
 
 # --------------------------------------------------------------------------- step 3: O = P V
@@ -442,7 +489,7 @@ def _launch_row_softmax(ds, dp, dl, shape_s, tiles):
     b, h, nq, nk = shape_s
     if b * h == 0 or nq == 0:
         return
-    kern = make_row_softmax(tiles.softmax_threads)
+    kern = make_row_softmax(tiles.softmax_threads, softmax_regs(nk, tiles))
     kern[(nq, b * h), tiles.softmax_threads](_as_heads(ds, shape_s), _as_heads(dp, shape_s),
                                              dl.reshape(b * h, nq))
 
@@ -558,11 +605,14 @@ _A2 = "float32[:, ::1]"
 def ptx_targets():
     """Every kernel at its production tiles, for CI's compile-to-PTX check."""
     t = PRODUCTION_TILES
+    regs = sorted({1, 8, t.softmax_regs})
     return [
         (f"naive scores fp32 Br={t.br} Bc={t.bc} Bk={t.bk} {t.tm}x{t.tn}",
          make_scores(t.br, t.bc, t.bk, t.tm, t.tn), f"void({_A3}, {_A3}, {_A3}, float32, boolean)"),
-        (f"naive row softmax fp32 threads={t.softmax_threads}",
-         make_row_softmax(t.softmax_threads), f"void({_A3}, {_A3}, {_A2})"),
+    ] + [
+        (f"naive row softmax fp32 threads={t.softmax_threads} regs={r}",
+         make_row_softmax(t.softmax_threads, r), f"void({_A3}, {_A3}, {_A2})") for r in regs
+    ] + [
         (f"naive weighted sum fp32 Br={t.br} Bd={t.bd} Bk={t.bk} {t.tm}x{t.tn}",
          make_weighted_sum(t.br, t.bd, t.bk, t.tm, t.tn), f"void({_A3}, {_A3}, {_A3}, boolean)"),
     ]

@@ -24,19 +24,21 @@ from kernels.runtime import on_simulator, to_device
 from kernels.testing import MAX_N, assert_close, attention_cases, case_with
 
 # Tiles the tests draw: small ones in the simulator (ragged N crosses several tiles),
-# the production ones and a few others on the GPU.
+# the production ones and a few others on the GPU. Rows longer than
+# softmax_threads * softmax_regs take the softmax kernel's three-sweep path: each set of
+# tiles leaves both paths reachable.
 if on_simulator():
     TILE_CHOICES = [
-        Tiles(br=32, bc=32, bd=32, bk=16, tm=4, tn=4, softmax_threads=8),
-        Tiles(br=16, bc=8, bd=8, bk=4, tm=2, tn=2, softmax_threads=4),
-        Tiles(br=8, bc=16, bd=16, bk=8, tm=1, tn=2, softmax_threads=16),
+        Tiles(br=32, bc=32, bd=32, bk=16, tm=4, tn=4, softmax_threads=8, softmax_regs=4),
+        Tiles(br=16, bc=8, bd=8, bk=4, tm=2, tn=2, softmax_threads=4, softmax_regs=2),
+        Tiles(br=8, bc=16, bd=16, bk=8, tm=1, tn=2, softmax_threads=16, softmax_regs=1),
     ]
     SIM_N = 48  # keeps the module within a minute in the simulator
 else:
     TILE_CHOICES = [
         PRODUCTION_TILES,
-        Tiles(br=32, bc=64, bd=32, bk=16, tm=2, tn=4, softmax_threads=256),
-        Tiles(br=64, bc=32, bd=128, bk=8, tm=4, tn=8, softmax_threads=32),
+        Tiles(br=32, bc=64, bd=32, bk=16, tm=2, tn=4, softmax_threads=256, softmax_regs=1),
+        Tiles(br=64, bc=32, bd=128, bk=8, tm=4, tn=8, softmax_threads=32, softmax_regs=4),
     ]
     SIM_N = MAX_N
 tile_choices = st.sampled_from(TILE_CHOICES)
@@ -176,6 +178,7 @@ def test_head_dim_over_128_is_refused():
     (dict(tiles=(64, 64)), TypeError, "tiles"),
     (dict(tiles=Tiles(br=30, tm=4)), ValueError, "tiles"),
     (dict(tiles=Tiles(softmax_threads=48)), ValueError, "tiles.softmax_threads"),
+    (dict(tiles=Tiles(softmax_regs=3)), ValueError, "tiles.softmax_regs"),
     (dict(tiles=Tiles(br=128, bc=128, tm=2, tn=2)), ValueError, "threads"),
     (dict(tiles=Tiles(br=128, bc=128, bk=64, tm=8, tn=8)), ValueError, "shared memory"),
 ])
@@ -205,6 +208,17 @@ def test_step_helpers_check_their_arguments():
         scores(q, k, out=cuda.device_array((1, 2, 4, 5), np.float32))
     with pytest.raises(ValueError, match="lse_out: expected shape"):
         row_softmax(s, lse_out=cuda.device_array((1, 2, 5), np.float32))
+
+
+def test_long_rows_take_the_three_sweep_path_and_agree():
+    # Nk = 13: more than softmax_threads * softmax_regs = 8 (three sweeps), less than 16
+    # (the row is held in registers).
+    case = case_with((1, 1, 5, 3), (1, 1, 13, 3), magnitude=3.0, seed=7)
+    s = oracle_scores(case.q, case.k, False, None, np.float32)
+    for tiles in (Tiles(softmax_threads=4, softmax_regs=2), Tiles(softmax_threads=4, softmax_regs=4)):
+        p, lse = row_softmax(s, tiles=tiles)
+        assert_close(p, ref.softmax(s), ref.softmax(s, dtype=np.float32), name="P")
+        assert_close(lse, ref.logsumexp(s), ref.logsumexp(s, dtype=np.float32), name="L")
 
 
 # --------------------------------------------------------------------------- the IO model
