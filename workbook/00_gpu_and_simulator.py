@@ -1,0 +1,479 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 0. The GPU and the simulator
+#
+# FlashAttention is an answer to one question: *where do the bytes live, and how often do
+# they move?* Before we write attention, this chapter builds the picture the rest of the
+# course relies on:
+#
+# 1. the memory hierarchy of a GPU (HBM, L2, shared memory, registers) and how fast each is;
+# 2. threads, warps, blocks, barriers, shared memory and occupancy, through two small kernels;
+# 3. how to run every chapter with a GPU or without one (the Numba CUDA simulator), and
+#    what the simulator cannot tell you;
+# 4. how the course times kernels and counts their FLOPs and bytes, and the roofline that
+#    turns those counts into an expectation.
+#
+# The kernels of this chapter live in `kernels/gpu_basics.py`; the tests in
+# `tests/test_gpu_basics.py`.
+
+# %%
+import inspect
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import kernels  # chooses the GPU or the simulator, before Numba is imported
+from kernels import gpu_basics
+from kernels.runtime import device_name, on_simulator, time_fn
+from kernels.testing import assert_close, check_exercise, random_array
+from numba import cuda
+
+print(f"running on: {device_name()}  (simulator: {on_simulator()})")
+
+# %% tags=["parameters"]
+# Tiny sizes in the simulator (every GPU thread is a Python thread there), real ones on a GPU.
+N_COPY = 2**12 if on_simulator() else 2**26
+REPEAT = 3 if on_simulator() else 30
+
+# %% [markdown]
+# ## 1. Where the bytes live
+#
+# A GPU is many small processors (the H100 has 132 *streaming multiprocessors*, SMs) in
+# front of one large, comparatively slow memory. Every level closer to the arithmetic units
+# is smaller and faster:
+#
+# | level | size on the H100 | bandwidth | who sees it |
+# |---|---|---|---|
+# | HBM3 (global memory) | 80 GB | **2.97 TB/s** device copy, measured on an H100 by this chapter's bench | every thread of every block |
+# | L2 cache | 50 MB | several TB/s (not measured here) | every SM |
+# | shared memory / L1 | 256 KB a SM, up to 227 KB shared memory a block | about 33 TB/s over all SMs (128 B per clock per SM; derived from the architecture, not measured) | the threads of one block |
+# | registers | 64K 32-bit registers a SM (256 KB), up to 255 a thread | the operands of every instruction | one thread |
+#
+# The fp32 arithmetic side: cuBLAS reaches **51.2 TFLOP/s** on an fp32 8192³ matmul with
+# TF32 off, measured on the same H100 (the datasheet says 66.9). Dividing the two measured
+# ceilings: the GPU can do about 51.2e12 / 2.97e12 ≈ **17 FLOPs for every byte** it reads
+# from HBM. A kernel that does fewer FLOPs per byte than that waits for memory.
+#
+# Standard attention writes the N×N score matrix S and the probabilities P to HBM and
+# reads them back; FlashAttention keeps them in shared memory and registers. Same FLOPs,
+# far fewer bytes: that is the whole course in one sentence.
+
+# %%
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyBboxPatch
+
+
+def draw_memory_hierarchy(ax):
+    levels = [  # name, size, bandwidth, scope, colour
+        ("registers", "64K x 32-bit a SM (256 KB); up to 255 a thread", "operands of every instruction",
+         "private to a thread", "#2ca02c"),
+        ("shared memory / L1", "256 KB a SM (up to 227 KB shared a block)",
+         "~33 TB/s all SMs (128 B/clock/SM, derived)", "shared by a block", "#1f77b4"),
+        ("L2 cache", "50 MB", "several TB/s", "shared by the GPU", "#9467bd"),
+        ("HBM3 (global memory)", "80 GB", "2.97 TB/s device copy, measured on an H100",
+         "every thread, every block", "#d62728"),
+    ]
+    for i, (name, size, bw, scope, color) in enumerate(levels):
+        w, y = 0.45 + 0.17 * i, 3 - i
+        ax.add_patch(FancyBboxPatch((0.5 - w / 2, y + 0.08), w, 0.84, boxstyle="round,pad=0.01",
+                                    facecolor=color, alpha=0.25, edgecolor=color, linewidth=2))
+        ax.text(0.5, y + 0.66, name, ha="center", va="center", fontsize=12, weight="bold")
+        ax.text(0.5, y + 0.42, size, ha="center", va="center", fontsize=9)
+        ax.text(0.5, y + 0.2, f"{bw}; {scope}", ha="center", va="center", fontsize=8.5)
+    ax.annotate("", xy=(0.02, 3.9), xytext=(0.02, 0.1), arrowprops=dict(arrowstyle="->", lw=1.5))
+    ax.text(0.035, 2.0, "faster, smaller, closer to the FMA units", rotation=90, va="center", fontsize=9)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 4)
+    ax.axis("off")
+    ax.set_title("H100 memory hierarchy (132 SMs)", fontsize=13)
+
+
+fig, ax = plt.subplots(figsize=(9, 5.2))
+draw_memory_hierarchy(ax)
+plt.show()
+
+# %% [markdown]
+# ## 2. Threads, warps, blocks, the grid
+#
+# A kernel is a function that many threads run at once. You launch it on a **grid** of
+# **blocks**, each of **threads**: `kernel[blocks, threads_per_block](args...)`.
+#
+# * `cuda.threadIdx.x` is a thread's number inside its block, `cuda.blockIdx.x` the block's
+#   number in the grid, `cuda.blockDim.x` and `cuda.gridDim.x` the sizes.
+# * 32 consecutive threads of a block form a **warp**: they execute one instruction together.
+#   When they load 32 consecutive float32s, the hardware serves all 32 with one 128-byte
+#   transaction (a **coalesced** load); scattered addresses cost many transactions.
+# * A **block** (at most 1024 threads) runs on one SM, shares that SM's **shared memory**,
+#   and can wait at a **barrier**, `cuda.syncthreads()`. Blocks cannot wait for each other.
+#
+# Let us ask each thread who it is.
+
+# %%
+@cuda.jit
+def whoami(block_ids, thread_ids, warp_ids, global_ids):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x  # the global index, cuda.grid(1)
+    block_ids[i] = cuda.blockIdx.x
+    thread_ids[i] = cuda.threadIdx.x
+    warp_ids[i] = cuda.threadIdx.x // 32
+    global_ids[i] = i
+
+
+blocks, threads = 2, 64
+arrays = [cuda.device_array(blocks * threads, np.int32) for _ in range(4)]
+whoami[blocks, threads](*arrays)
+block_ids, thread_ids, warp_ids, global_ids = (a.copy_to_host() for a in arrays)
+for i in (0, 1, 31, 32, 63, 64, 127):
+    print(f"global {global_ids[i]:>3} = block {block_ids[i]} x {threads} + thread {thread_ids[i]:>2}"
+          f"   (warp {warp_ids[i]} of its block)")
+
+# %% [markdown]
+# ## 3. The copy kernel: coalesced, grid-stride
+#
+# The simplest kernel that moves bytes: copy a vector. Each thread starts at its global
+# index and steps by the number of threads in the whole grid (a **grid-stride loop**), so
+# a grid sized for the machine (a few blocks per SM) covers a vector of any length.
+# Thread `t` of a warp touches element `base + t`: a warp reads 32 consecutive floats.
+#
+# ```
+# element:  0 1 2 ... 255 | 256 ... 511 | ... | G-1 | G G+1 ...      (G = threads in the grid)
+# thread:   block 0       | block 1     | ... |     | block 0 again (next step of the loop)
+# ```
+#
+# The module's version takes `ITEMS` elements a step, a block-width apart, so each thread
+# has several loads in flight before its first store (still coalesced):
+
+# %%
+print(inspect.getsource(gpu_basics.make_copy))
+
+# %%
+rng = np.random.default_rng(0)
+x = random_array(rng, (N_COPY,))
+for items in (1, 4):
+    y = gpu_basics.copy(x, items=items)
+    assert np.array_equal(y, x)
+print(f"copied {N_COPY} floats exactly, 1 and 4 elements a step; "
+      f"bytes moved: {2 * 4 * N_COPY:,} (every element read once and written once)")
+
+# %% [markdown]
+# ## 4. Shared memory and barriers: a block reduction
+#
+# Summing is the first thing that needs threads to cooperate. Each block loads its
+# `THREADS` elements into **shared memory**, then halves the number of active threads at
+# every step: thread `t` adds element `t + half` to element `t`. Between steps every thread
+# waits at `cuda.syncthreads()`, so nobody reads a partial sum before it is written.
+#
+# ```
+# step 0:  a0 a1 a2 a3 a4 a5 a6 a7      (THREADS = 8)
+# step 1:  a0+a4 a1+a5 a2+a6 a3+a7      half = 4
+# step 2:  (a0+a4)+(a2+a6)  (a1+a5)+(a3+a7)        half = 2
+# step 3:  the block's sum                          half = 1
+# ```
+#
+# The barrier sits *outside* `if t < half`: every thread of the block must reach the same
+# barrier. A barrier inside a branch that some threads skip is undefined behaviour on a GPU
+# (a hang, or garbage); the simulator does not notice.
+
+# %%
+print(inspect.getsource(gpu_basics.make_block_sum))
+
+# %%
+x = random_array(np.random.default_rng(1), (1000,))
+threads = 64
+got = gpu_basics.block_sums(x, threads=threads)
+padded = np.zeros(-(-len(x) // threads) * threads)
+padded[: len(x)] = x
+exact = padded.reshape(-1, threads).sum(axis=1)                                  # float64 oracle
+baseline = padded.astype(np.float32).reshape(-1, threads).sum(axis=1, dtype=np.float32)
+assert_close(got, exact, baseline, name="block sums")
+print(f"{len(got)} block sums agree with the float64 oracle within the float32 tolerance rule")
+
+# %% [markdown]
+# ## 5. Occupancy: how many warps an SM keeps busy
+#
+# An SM hides the latency of a memory load (hundreds of cycles) by switching to another
+# warp that is ready. The more warps resident on an SM, the more latency it can hide. What
+# limits the count is whichever resource runs out first: threads (2048 a SM on the H100),
+# blocks (32 a SM), registers (65536 a SM), shared memory (228 KB a SM, plus 1 KB the
+# system reserves a block). The course's fused kernels trade occupancy for tiles: bigger
+# tiles in shared memory and registers mean fewer bytes from HBM but fewer resident blocks.
+
+# %%
+def occupancy(threads_per_block, registers_per_thread, shared_bytes_per_block):
+    """Resident blocks and warps a SM on the H100 (allocation granularity ignored)."""
+    limits = {
+        "threads": 2048 // threads_per_block,
+        "blocks": 32,
+        "registers": 65536 // (registers_per_thread * threads_per_block),
+        "shared memory": (228 * 1024) // (shared_bytes_per_block + 1024),
+    }
+    blocks = min(limits.values())
+    warps = blocks * threads_per_block // 32
+    return blocks, warps, min(limits, key=limits.get)
+
+
+print(f"{'kernel':<44}{'blocks/SM':>10}{'warps/SM':>10}  limited by")
+for name, args in [("copy: 256 threads, 16 regs, no shared", (256, 16, 0)),
+                   ("block sum: 256 threads, 16 regs, 1 KB", (256, 16, 1024)),
+                   ("a fused tile: 128 threads, 128 regs, 40 KB", (128, 128, 40 * 1024)),
+                   ("a big tile: 256 threads, 255 regs, 96 KB", (256, 255, 96 * 1024))]:
+    blocks, warps, limit = occupancy(*args)
+    print(f"{name:<44}{blocks:>10}{warps:>10}  {limit}")
+
+# %% [markdown]
+# ## 6. With a GPU or without one
+#
+# Every chapter runs in two ways, chosen once when `kernels` is imported:
+#
+# | `WORKBOOK_DEVICE` | what runs |
+# |---|---|
+# | unset (`auto`) | the GPU when the CUDA driver reports one, else the simulator |
+# | `gpu` | real CUDA: kernels compile to PTX and run on the device (compiling needs no GPU) |
+# | `sim` | the **Numba CUDA simulator**: every GPU thread becomes a Python thread on the CPU |
+#
+# ```bash
+# python -m pytest -n 2 --nbmake tests workbook     # tests and notebooks (simulator without a GPU)
+# WORKBOOK_DEVICE=sim jupyter lab                  # the notebooks, forced into the simulator
+# python -m kernels --chapters 0                   # this chapter's bench
+# python -m kernels.ptx_check                      # compile every kernel for the H100 (sm_90)
+# ```
+#
+# Notebooks read `on_simulator()` in their `parameters` cell and pick tiny sizes there.
+#
+# ### What the simulator cannot tell you
+#
+# * **Types.** The simulator runs the kernel as Python: a float64 written into a float32
+#   array, an unsupported function, a shared-memory size that is not a compile-time
+#   constant all run fine. `python -m kernels.ptx_check` compiles every kernel with Numba's
+#   real CUDA compiler (`numba.cuda.compile_ptx`, target sm_90) without needing a GPU, and
+#   warns when a kernel spills to local memory.
+# * **Precision.** `math.exp` in the simulator is Python's float64 `exp`; on the GPU it is
+#   float32 (and approximate with `fastmath=True`). A simulator pass can hide a precision
+#   problem; the tests therefore always compare to a float64 oracle with a tolerance set
+#   by float32 arithmetic, and run again on a GPU.
+# * **Races and barriers.** Simulated threads interleave differently from warps: a missing
+#   `cuda.syncthreads()` or a barrier inside a divergent branch may pass here.
+#   On a GPU, `compute-sanitizer --tool racecheck` and `--tool synccheck` find them
+#   (`--tool memcheck` finds out-of-bounds accesses).
+# * **Speed.** Simulator timings measure Python. The bench labels them and writes them to
+#   `bench-out/`, never over the committed GPU results in `workbook/results/`.
+
+# %%
+# The PTX check for this chapter's kernels, in a process with the simulator off:
+env = dict(os.environ, WORKBOOK_DEVICE="gpu")
+env.pop("NUMBA_ENABLE_CUDASIM", None)
+proc = subprocess.run([sys.executable, "-m", "kernels.ptx_check", "gpu_basics"], env=env,
+                      capture_output=True, text=True, timeout=600)
+print(proc.stdout[-2000:] or proc.stderr[-2000:])
+
+# %%
+# In the simulator, exp inside a "kernel" is Python's float64 exp:
+@cuda.jit
+def exp_kernel(x, out):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        out[i] = math.exp(x[i])
+
+
+x = np.array([10.0, -10.0, 0.5], np.float32)
+out = np.zeros_like(x)
+exp_kernel[1, 32](x, out)
+print("kernel exp:", out, "| float32 exp:", np.exp(x), "| float64 exp:", np.exp(x.astype(np.float64)))
+
+# %% [markdown]
+# ## 7. How the course times
+#
+# `kernels.runtime.time_fn` (and the bench harness built on it) follows the same rules for
+# every kernel and every peer:
+#
+# * **CUDA events** recorded on the GPU around the call, so the time is what the device
+#   spent (in the simulator: the host clock, and the numbers are labelled as such);
+# * **warm-up** runs first (compilation, caches, clocks), then the **median** of many runs,
+#   with the 10th and 90th percentiles to show the spread;
+# * **rotating input sets**: two to four different inputs in turn, so a repeated input does
+#   not sit in the 50 MB L2 and make HBM look faster than it is;
+# * **random data, never zeros** (zeros hide bugs, and can make the hardware look better);
+# * **peers in the same run**: cuBLAS through CuPy, PyTorch's attention backends, so a
+#   ratio compares like with like on one device at one time.
+
+# %%
+print(inspect.getsource(time_fn))
+
+# %%
+sets = [(random_array(np.random.default_rng(s), (N_COPY,)),) for s in range(2)]
+t = time_fn(lambda a: gpu_basics.copy(a), sets, warmup=1, repeat=REPEAT)
+print(f"copy of {N_COPY} floats (host arrays, so transfers included): median {t.median_ms:.3f} ms, "
+      f"p10-p90 spread {t.spread:.0%}, clock: {t.clock}")
+
+# %% [markdown]
+# ## 8. How the course counts
+#
+# * **FLOPs** of attention forward: $4 \cdot B \cdot H \cdot N^2 \cdot d$ (2 for each
+#   multiply-add of $S = QK^\top$ and as many for $O = PV$), halved when causal; backward
+#   2.5× that. The count is the model's, the same for every kernel and peer.
+# * **Bytes** from the IO model: what must cross between HBM and the chip. The standard
+#   forward reads Q, K, V, writes and reads S and P, writes O: $4Nd + 4N^2$ elements a
+#   head. A fused forward's compulsory traffic is $4Nd + N$ (Q, K, V, O and the logsumexp).
+# * **Arithmetic intensity** = FLOPs / bytes. The **roofline**: a kernel of intensity $I$
+#   cannot beat $\min(\text{peak FLOP/s},\ I \times \text{bandwidth})$.
+#
+# For the standard forward in fp32 the intensity is about $d/4$ when $N \gg d$: 16 FLOP/B at
+# $d = 64$, just under the ridge, and that is the *best* case. Every extra elementwise pass
+# over S (scaling, masking, the row max, the exponentials, the normalisation) adds $2N^2$
+# elements of traffic and no matmul FLOPs, and the naive kernels of chapter 1 make several;
+# a fused kernel's compulsory traffic is so small that only its arithmetic bounds it.
+
+# %%
+print(inspect.getsource(gpu_basics.attention_flops))
+PEAK_TFLOPS, HBM_TBS = 51.2, 2.97  # measured on an H100 (cuBLAS fp32 TF32 off; device copy)
+B, H, N, d = 4, 16, 4096, 64
+flops = gpu_basics.attention_flops(B, H, N, N, d)
+for name, nbytes in [("standard forward (S, P in HBM)", gpu_basics.standard_forward_bytes(B, H, N, d)),
+                     ("fused forward, compulsory bytes", gpu_basics.fused_forward_compulsory_bytes(B, H, N, d))]:
+    ai = gpu_basics.arithmetic_intensity(flops, nbytes)
+    bound = min(PEAK_TFLOPS, ai * HBM_TBS)
+    print(f"{name:<34} {nbytes / 1e9:8.2f} GB  intensity {ai:8.1f} FLOP/B  roofline bound {bound:5.1f} TFLOP/s")
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 4.2))
+ai = np.logspace(-1, 3, 200)
+ax.loglog(ai, np.minimum(PEAK_TFLOPS, ai * HBM_TBS), color="black")
+ax.axvline(PEAK_TFLOPS / HBM_TBS, color="grey", linestyle=":")
+ax.text(PEAK_TFLOPS / HBM_TBS * 1.1, 1, f"ridge {PEAK_TFLOPS / HBM_TBS:.0f} FLOP/B", fontsize=8)
+for name, nbytes, color in [("standard fwd", gpu_basics.standard_forward_bytes(B, H, N, d), "tab:red"),
+                            ("fused fwd (compulsory)", gpu_basics.fused_forward_compulsory_bytes(B, H, N, d), "tab:blue")]:
+    x_ai = gpu_basics.arithmetic_intensity(flops, nbytes)
+    ax.plot([x_ai], [min(PEAK_TFLOPS, x_ai * HBM_TBS)], "o", color=color, label=name)
+ax.set_xlabel("arithmetic intensity (FLOP / byte of HBM traffic)")
+ax.set_ylabel("attainable TFLOP/s (fp32)")
+ax.set_title(f"fp32 roofline, H100 ceilings measured ({PEAK_TFLOPS} TFLOP/s, {HBM_TBS} TB/s); "
+             f"B={B} H={H} N={N} d={d}", fontsize=9)
+ax.legend(fontsize=8)
+ax.grid(True, which="both", alpha=0.3)
+plt.show()
+
+# %% [markdown]
+# ## 9. The measured results
+#
+# `python -m kernels --chapters 0` measures, in one run: the copy kernel's bandwidth
+# against the driver's device-to-device copy and CuPy's copy kernel over N (bytes read +
+# written), the cuBLAS fp32 ceiling (8192³, TF32 off) that every chapter's "% FMA" column
+# divides by, and Numba's launch overhead. The committed results below come from an H100.
+
+# %%
+from kernels.bench.harness import read_csv
+
+results = Path(kernels.__file__).resolve().parent.parent / "workbook" / "results"
+csv_path, png_path = results / "gpu_basics.csv", results / "gpu_basics.png"
+if csv_path.exists():
+    env, rows = read_csv(csv_path)
+    print(f"device: {env.get('device')}; driver {env.get('driver', '?')}; {env.get('timings', '')}")
+    for r in rows:
+        rate = f"{r['tflops']:.1f} TFLOP/s" if r["flops"] > 0 else (
+            f"{r['gbps']:.0f} GB/s" if r["model_bytes"] > 0 else f"{r['median_ms'] * 1e3:.1f} µs")
+        print(f"  {r['kernel']:<38} {r['config']:<34} {rate}")
+    if png_path.exists():
+        from IPython.display import Image, display
+
+        display(Image(filename=str(png_path)))
+else:
+    print("GPU results are not committed yet: run `python -m kernels --chapters 0` on a GPU.")
+
+# %% [markdown]
+# ## 10. Exercises
+#
+# ### Exercise 1: the grid-stride index
+#
+# Write the list of elements thread `thread` of block `block` copies, in order, for a grid
+# of `grid_dim` blocks of `block_dim` threads and a vector of `n` elements (one element a
+# step). The checker verifies that all threads together cover every element exactly once
+# and that neighbouring threads start on neighbouring elements (coalesced).
+
+# %%
+def my_grid_stride_indices(block, thread, block_dim, grid_dim, n):
+    # Your code here: start at the global index, step by the number of threads in the grid.
+    raise NotImplementedError
+
+
+# %%
+from hypothesis import strategies as st
+
+launches = st.tuples(st.integers(1, 64), st.integers(1, 8), st.integers(0, 600))
+
+
+def grid_stride_property(indices_fn):
+    def prop(case):
+        block_dim, grid_dim, n = case
+        seen = [i for b in range(grid_dim) for t in range(block_dim)
+                for i in indices_fn(b, t, block_dim, grid_dim, n)]
+        assert sorted(seen) == list(range(n)), "every element exactly once"
+        if n >= 2 and block_dim >= 2:
+            assert list(indices_fn(0, 1, block_dim, grid_dim, n))[:1] == [1], "thread 1 starts at element 1"
+    return prop
+
+
+_ = check_exercise(grid_stride_property(my_grid_stride_indices), launches)
+# The module's solution passes:
+_ = check_exercise(grid_stride_property(gpu_basics.grid_stride_indices), launches)
+
+# %% [markdown]
+# ### Exercise 2: the arithmetic intensity of standard attention
+#
+# Write the FLOPs per byte of HBM traffic of the standard (unfused) attention forward, for
+# `b` batches, `h` heads, sequence length `n`, head dim `d` and `bpe` bytes per element,
+# using the counts of section 8. Is it above or below the ridge of about 17 FLOP/B?
+
+# %%
+def my_standard_intensity(b, h, n, d, bpe):
+    # Your code here: FLOPs (4 B H N^2 d) over bytes ((4Nd + 4N^2) elements a head).
+    raise NotImplementedError
+
+
+# %%
+shapes = st.tuples(st.integers(1, 8), st.integers(1, 16), st.integers(1, 8192), st.integers(1, 256),
+                   st.sampled_from([2, 4]))
+
+
+def intensity_property(fn):
+    def prop(case):
+        b, h, n, d, bpe = case
+        expected = gpu_basics.arithmetic_intensity(gpu_basics.attention_flops(b, h, n, n, d),
+                                                   gpu_basics.standard_forward_bytes(b, h, n, d, bpe))
+        got = fn(b, h, n, d, bpe)
+        assert math.isclose(got, expected, rel_tol=1e-9), f"got {got}, expected {expected}"
+    return prop
+
+
+_ = check_exercise(intensity_property(my_standard_intensity), shapes)
+_ = check_exercise(intensity_property(lambda b, h, n, d, bpe: gpu_basics.arithmetic_intensity(
+    gpu_basics.attention_flops(b, h, n, n, d), gpu_basics.standard_forward_bytes(b, h, n, d, bpe))), shapes)
+
+# %% [markdown]
+# ## What to take into the next chapters
+#
+# * HBM is big and slow (2.97 TB/s measured), shared memory and registers small and fast;
+#   fp32 arithmetic runs at about 17 FLOPs per HBM byte: count bytes first.
+# * Threads in warps of 32, blocks on one SM with shared memory and barriers, a grid of
+#   independent blocks; coalesced loads; occupancy limited by registers and shared memory.
+# * The simulator runs everything everywhere, but checks no types, computes exp in float64
+#   and misses races: the PTX check, the GPU test run and compute-sanitizer cover that.
+# * Time with events, warm-up, medians and rotating random inputs; count FLOPs by the
+#   formula and bytes by the IO model; compare with peers measured in the same run.
+#
+# Next: chapter 1 writes attention the obvious way, and counts what it costs.
