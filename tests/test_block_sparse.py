@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kernels import reference as ref
 from kernels import sparsity_patterns as sp
-from kernels.block_sparse import block_sparse_attention, tile_lists
+from kernels.block_sparse import block_sparse_attention, block_sparse_attention_backward, tile_lists
 from kernels.runtime import on_simulator
 from kernels.testing import MAX_BH, MAX_D, assert_close, random_array
 
@@ -157,6 +157,65 @@ def test_lists_are_compact_and_drop_tiles_above_the_diagonal():
     assert lists.row_ptr.tolist() == [0, 1, 2, 3, 4] and lists.col_idx.tolist() == [0, 0, 1, 1]
 
 
+# --------------------------------------------------------------------------- backward
+
+def check_backward(c):
+    q, k, v, mask = build(c)
+    do = random_array(np.random.default_rng(c["seed"] + 1), q.shape)
+    kw = dict(causal=c["causal"], scale=c["scale"], block_mask=mask)
+    o64, lse64 = ref.attention(q, k, v, **kw)
+    o, lse = o64.astype(np.float32), lse64.astype(np.float32)   # the forward's outputs, rounded
+    got = block_sparse_attention_backward(q, k, v, o, lse, do, mask, causal=c["causal"], scale=c["scale"],
+                                          block_m=c["block_m"], block_n=c["block_n"])
+    exact = ref.attention_backward(q, k, v, o64, lse64, do, **kw)
+    base = ref.attention_backward(q, k, v, o, lse, do, dtype=np.float32, **kw)
+    for g, e, bl, name in zip(got, exact, base, ("dQ", "dK", "dV")):
+        assert g.dtype == np.float32
+        assert_close(g, e, bl, name=name)
+    return got
+
+
+@given(sparse_cases(max_n=min(MAX_N, 32)))
+@example(case(nq=1, nk=1, d=1, density=1.0))
+@example(case(nq=20, nk=7, d=5, causal=True, kind="random", layout="head", h=2, density=0.8))  # empty rows
+@example(case(nq=9, nk=17, d=3, bq=8, bk=16, block_m=4, block_n=8, layout="batch-head", b=2, h=1))
+@example(case(nq=12, nk=12, d=4, kind="butterfly", causal=True, magnitude=3.0, scale=1.3))
+def test_backward_matches_oracle(c):
+    check_backward(c)
+
+
+def test_backward_is_deterministic_and_empty_mask_gives_zero_gradients():
+    c = case(b=1, h=2, nq=14, nk=11, d=3, causal=True, density=0.6, seed=5)
+    first = check_backward(c)
+    again = check_backward(c)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    rng = np.random.default_rng(2)
+    q, k, v, do = (random_array(rng, (1, 1, 10, 3)) for _ in range(4))
+    mask = ref.BlockMask(np.zeros((3, 3), bool), 4, 4)
+    o, lse = block_sparse_attention(q, k, v, mask)
+    for g in block_sparse_attention_backward(q, k, v, o, lse, do, mask):
+        assert np.array_equal(g, np.zeros_like(g))
+
+
+def test_dense_mask_backward_equals_dense_backward():
+    """Every tile kept: chapter 5's backward (the oracle without a mask until it exists)."""
+    rng = np.random.default_rng(8)
+    q, do = random_array(rng, (1, 2, 13, 5)), random_array(rng, (1, 2, 13, 5))
+    k, v = random_array(rng, (1, 2, 10, 5)), random_array(rng, (1, 2, 10, 5))
+    mask = sp.dense(13, 10, block=8)
+    for causal in (False, True):
+        o, lse = block_sparse_attention(q, k, v, mask, causal=causal)
+        got = block_sparse_attention_backward(q, k, v, o, lse, do, mask, causal=causal)
+        try:
+            from kernels.flash_backward import flash_attention_backward
+        except ImportError:
+            want = ref.attention_backward(q, k, v, o, lse, do, causal=causal)
+        else:
+            want = flash_attention_backward(q, k, v, o, lse, do, causal=causal)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- bad input
 
 def _inputs(nq=8, nk=8, d=4):
@@ -198,3 +257,19 @@ def test_bad_arrays_name_the_argument():
         block_sparse_attention(q, k, v, mask, scale=-1.0)
     with pytest.raises(TypeError, match="flags"):
         ref.BlockMask(np.ones((2, 2), np.int32), 4, 4)
+
+
+def test_backward_bad_input_names_the_argument():
+    q, k, v = _inputs()
+    mask = ref.BlockMask(np.ones((2, 2), bool), 4, 4)
+    o, lse = block_sparse_attention(q, k, v, mask)
+    with pytest.raises(ValueError, match="do"):
+        block_sparse_attention_backward(q, k, v, o, lse, o[:, :, :3], mask)
+    with pytest.raises(ValueError, match="lse"):
+        block_sparse_attention_backward(q, k, v, o, lse[:, :1], o, mask)
+    with pytest.raises(TypeError, match="o"):
+        block_sparse_attention_backward(q, k, v, o.astype(np.float64), lse, o, mask)
+    with pytest.raises(ValueError, match="block_mask"):
+        block_sparse_attention_backward(q, k, v, o, lse, o, ref.BlockMask(np.ones((3, 2), bool), 4, 4))
+    with pytest.raises(ValueError, match="block_mask"):
+        block_sparse_attention_backward(q, k, v, o, lse, o, mask, block_n=8)

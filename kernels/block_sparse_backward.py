@@ -1,0 +1,466 @@
+"""Chapter 6: block-sparse FlashAttention, backward pass.
+
+Chapter 5's recomputing backward, walking kept tiles only. With P = exp(S - L) rebuilt
+from Q, K and the saved logsumexp L, and D = rowsum(dO * O):
+
+    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = scale dS K,   dK = scale dS^T Q
+
+Two kernels, no atomics, so the result is deterministic (bit for bit, run to run):
+
+* dQ, Q tile outer (grid Tr x B*H): a block owns Br query rows, walks the kept key tiles
+  of its row (the forward's CSR lists), accumulates its Br x d slice of dQ in registers.
+  It also computes D for its rows (from dO and O) and writes it out for the second kernel.
+* dK and dV, K/V tile outer (grid Tc x B*H): a block owns Bc keys, walks the kept query
+  tiles of its column (the CSC lists: the transposed mask), accumulates its Bc x d slices
+  of dK and dV in registers. It recomputes P^T and dS^T tile by tile.
+
+P is computed twice (once per kernel), the price of not needing atomics for dQ. Tiles
+wholly above the causal diagonal are not in the lists; the diagonal's tiles, the ragged
+last tiles, and rows that see nothing are masked per element (P = 0 there by a branch,
+never exp(S - (-inf))). The lists and the tile choice are the forward's (kernels.block_sparse).
+
+Register tiling as in the forward: thread (ty, tx) owns R consecutive rows (query rows
+in the dQ kernel, key rows in the dK/dV kernel) and the columns tx, tx + TC, ...; the
+operand read along the rows is stored transposed (adjacent words), the one read along
+the columns is stored transposed with an XOR swizzle (column c at c ^ (dd mod 32)), so
+that the same buffer also serves, conflict-free, as the untransposed operand of dQ += dS K
+(and of dK += dS^T Q, dV += P^T dO).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint64
+
+from kernels.block_sparse import (SHARED_LIMIT, KernelConfig, _lists_for, fit_tiles, padded_head_dim)
+from kernels.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, device_empty,
+                             on_simulator, to_device)
+
+__all__ = ["block_sparse_attention_backward", "make_backward_dq", "make_backward_dkdv", "backward_config",
+           "BACKWARD_CONFIGS", "ptx_targets"]
+
+# Production tiles for the H100 by padded head dim: (Br, Bc, R, TC), used by both kernels.
+# dQ kernel shared floats: Qt D*Br + dOt D*Br + Kt D*Bc + Vt D*Bc + dS Br*Bc.
+# dK/dV kernel: Kt D*Bc + Vt D*Bc + Qt D*Br + dOt D*Br + P^T, dS^T 2*Bc*Br + L, D 2*Br.
+BACKWARD_CONFIGS = {
+    32: (32, 32, 4, 16),   # dQ 20 KB, dK/dV 24 KB, 128 threads
+    64: (32, 32, 4, 16),   # dQ 36 KB, dK/dV 40 KB, 128 threads: 4x2 scores, 4x4 outputs
+    128: (16, 16, 2, 8),   # dQ 33 KB, dK/dV 34 KB, 64 threads: 2x2 scores, 2x16 outputs
+}
+SIM_CONFIG = (8, 8, 2, 4)
+
+
+def shared_bytes_dq(Br, Bc, D):
+    return 4 * (2 * D * Br + 2 * D * Bc + Br * Bc)
+
+
+def shared_bytes_dkdv(Br, Bc, D):
+    return 4 * (2 * D * Bc + 2 * D * Br + 2 * Bc * Br + 2 * Br)
+
+
+def backward_config(d, block_mask, block_m=None, block_n=None) -> KernelConfig:
+    """The backward kernels' tiles for head dim ``d`` and this mask (R is RM for dQ, RN for dK/dV)."""
+    if on_simulator():
+        Br, Bc, R, TC = SIM_CONFIG
+    else:
+        Br, Bc, R, TC = BACKWARD_CONFIGS[32 if d <= 32 else (64 if d <= 64 else 128)]
+    Br, Bc, R, TC = fit_tiles(block_mask, Br, Bc, R, TC, block_m, block_n)
+    R = min(R, Br, Bc)
+    TC = min(TC, Br, Bc)
+    return KernelConfig(Br, Bc, R, TC, padded_head_dim(d, TC))
+
+
+# --------------------------------------------------------------------------- dQ (and D)
+
+@functools.lru_cache(maxsize=None)
+def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
+    """dQ kernel: grid (Tr, B*H), (Br/RM)*TC threads; also writes D = rowsum(dO * O)."""
+    if Br % RM or Bc % TC or D % TC or Bc & (Bc - 1) or Br < TC:
+        raise ValueError(f"make_backward_dq: need RM | Br, TC | Bc, TC | D, TC <= Br, Bc a power of two; "
+                         f"got Br={Br} Bc={Bc} D={D} RM={RM} TC={TC}")
+    if shared_bytes_dq(Br, Bc, D) > SHARED_LIMIT:
+        raise ValueError(f"make_backward_dq: {shared_bytes_dq(Br, Bc, D)} bytes of shared memory > 48 KB")
+    TR = Br // RM
+    NT = TR * TC
+    CN = Bc // TC
+    DN = D // TC
+    SWM = min(32, Bc) - 1
+    QT_SIZE, KT_SIZE, DS_SIZE = D * Br, D * Bc, Br * Bc
+
+    @cuda.jit(fastmath=True)
+    def block_sparse_backward_dq(q, k, v, o, lse, do, dq, delta, row_ptr, col_idx, nq, nk, d, groups,
+                                 scale, causal):
+        qt = cuda.shared.array(QT_SIZE, float32)   # scale * Q^T [dd, r]
+        dot = cuda.shared.array(QT_SIZE, float32)  # dO^T        [dd, r]
+        kt = cuda.shared.array(KT_SIZE, float32)   # K^T swizzled [dd, c ^ (dd & SWM)]
+        vt = cuda.shared.array(KT_SIZE, float32)   # V^T swizzled
+        ds = cuda.shared.array(DS_SIZE, float32)   # dS [r, c]; first the D partial sums [r, tx]
+
+        tid = int32(cuda.threadIdx.x)
+        ty = tid // TC
+        tx = tid - ty * TC
+        rt = int32(cuda.blockIdx.x)
+        bh = int32(cuda.blockIdx.y)
+        tr = int32(cuda.gridDim.x)
+        q0 = rt * Br
+        g = bh % groups
+        shift = nk - nq
+        r0 = ty * RM
+        utx = uint64(tx)
+
+        for idx in range(tid, Br * D, NT):
+            r = idx // D
+            dd = idx - r * D
+            qv = float32(0.0)
+            dov = float32(0.0)
+            if q0 + r < nq and dd < d:
+                qv = q[bh, q0 + r, dd] * scale
+                dov = do[bh, q0 + r, dd]
+            qt[dd * Br + r] = qv
+            dot[dd * Br + r] = dov
+
+        Lr = cuda.local.array(RM, float32)
+        Dr = cuda.local.array(RM, float32)
+        acc = cuda.local.array((RM, DN), float32)
+        s = cuda.local.array((RM, CN), float32)
+        dp = cuda.local.array((RM, CN), float32)
+        a = cuda.local.array(RM, float32)
+        a2 = cuda.local.array(RM, float32)
+        b = cuda.local.array(CN, float32)
+        b2 = cuda.local.array(CN, float32)
+        w = cuda.local.array(DN, float32)
+
+        # D = rowsum(dO * O): each thread its columns, then the row's TC partial sums.
+        for i in range(RM):
+            qi = q0 + r0 + i
+            part = float32(0.0)
+            Lr[i] = float32(0.0)
+            if qi < nq:
+                Lr[i] = lse[bh, qi]
+                for j in range(DN):
+                    dd = tx + j * TC
+                    if dd < d:
+                        part += do[bh, qi, dd] * o[bh, qi, dd]
+            ds[(r0 + i) * TC + tx] = part
+            for j in range(DN):
+                acc[i, j] = float32(0.0)
+        cuda.syncthreads()
+        for i in range(RM):
+            total = float32(0.0)
+            for t in range(TC):
+                total += ds[(r0 + i) * TC + t]
+            Dr[i] = total
+            qi = q0 + r0 + i
+            if tx == 0 and qi < nq:
+                delta[bh, qi] = total
+
+        start = row_ptr[g * tr + rt]
+        end = row_ptr[g * tr + rt + 1]
+        for it in range(start, end):
+            k0 = col_idx[it] * Bc
+            cuda.syncthreads()                     # done with the previous Kt, Vt, dS (and D partials)
+            for idx in range(tid, Bc * D, NT):
+                c = idx // D
+                dd = idx - c * D
+                kv = float32(0.0)
+                vv = float32(0.0)
+                if k0 + c < nk and dd < d:
+                    kv = k[bh, k0 + c, dd]
+                    vv = v[bh, k0 + c, dd]
+                sw = dd * Bc + (c ^ (dd & SWM))
+                kt[sw] = kv
+                vt[sw] = vv
+            cuda.syncthreads()
+
+            # S = (scale Q) K^T and dP = dO V^T, RM x CN each.
+            for i in range(RM):
+                for j in range(CN):
+                    s[i, j] = float32(0.0)
+                    dp[i, j] = float32(0.0)
+            qa = uint64(r0)
+            kb = uint64(0)
+            for dd in range(D):
+                sw = uint64(dd & SWM)
+                for i in range(RM):
+                    a[i] = qt[qa + uint64(i)]
+                    a2[i] = dot[qa + uint64(i)]
+                for j in range(CN):
+                    col = kb + ((utx + uint64(j * TC)) ^ sw)
+                    b[j] = kt[col]
+                    b2[j] = vt[col]
+                for i in range(RM):
+                    for j in range(CN):
+                        s[i, j] += a[i] * b[j]
+                        dp[i, j] += a2[i] * b2[j]
+                qa += uint64(Br)
+                kb += uint64(Bc)
+
+            # P = exp(S - L) where allowed, 0 elsewhere; dS = P * (dP - D).
+            for i in range(RM):
+                qi = q0 + r0 + i
+                for j in range(CN):
+                    kj = k0 + tx + j * TC
+                    val = float32(0.0)
+                    if qi < nq and kj < nk and (causal == 0 or kj <= qi + shift):
+                        val = math.exp(s[i, j] - Lr[i]) * (dp[i, j] - Dr[i])
+                    ds[(r0 + i) * Bc + tx + j * TC] = val
+            cuda.syncthreads()
+
+            # dQ += dS K, with K[c, dd] read from the swizzled Kt[dd, c].
+            pa = uint64(r0 * Bc)
+            for c in range(Bc):
+                uc = uint64(c)
+                for i in range(RM):
+                    a[i] = ds[pa + uint64(i * Bc)]
+                for j in range(DN):
+                    col = utx + uint64(j * TC)
+                    w[j] = kt[col * uint64(Bc) + (uc ^ (col & uint64(SWM)))]
+                for i in range(RM):
+                    for j in range(DN):
+                        acc[i, j] += a[i] * w[j]
+                pa += uint64(1)
+
+        for i in range(RM):
+            qi = q0 + r0 + i
+            if qi < nq:
+                for j in range(DN):
+                    dd = tx + j * TC
+                    if dd < d:
+                        dq[bh, qi, dd] = acc[i, j] * scale
+
+    return block_sparse_backward_dq
+
+
+# --------------------------------------------------------------------------- dK, dV
+
+@functools.lru_cache(maxsize=None)
+def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
+    """dK/dV kernel: grid (Tc, B*H), (Bc/RN)*TC threads."""
+    if Bc % RN or Br % TC or D % TC or Br & (Br - 1):
+        raise ValueError(f"make_backward_dkdv: need RN | Bc, TC | Br, TC | D and Br a power of two; "
+                         f"got Br={Br} Bc={Bc} D={D} RN={RN} TC={TC}")
+    if shared_bytes_dkdv(Br, Bc, D) > SHARED_LIMIT:
+        raise ValueError(f"make_backward_dkdv: {shared_bytes_dkdv(Br, Bc, D)} bytes of shared memory > 48 KB")
+    TY = Bc // RN
+    NT = TY * TC
+    QN = Br // TC          # query columns of S^T a thread owns
+    DN = D // TC
+    SWM = min(32, Br) - 1
+    KT_SIZE, QT_SIZE, PT_SIZE = D * Bc, D * Br, Bc * Br
+
+    @cuda.jit(fastmath=True)
+    def block_sparse_backward_dkdv(q, k, v, lse, do, delta, dk, dv, col_ptr, row_idx, nq, nk, d, groups,
+                                   scale, causal):
+        kts = cuda.shared.array(KT_SIZE, float32)  # scale * K^T [dd, c]
+        vts = cuda.shared.array(KT_SIZE, float32)  # V^T [dd, c]
+        qts = cuda.shared.array(QT_SIZE, float32)  # Q^T swizzled [dd, r ^ (dd & SWM)]
+        dots = cuda.shared.array(QT_SIZE, float32)  # dO^T swizzled
+        pts = cuda.shared.array(PT_SIZE, float32)  # P^T [c, r]
+        dsts = cuda.shared.array(PT_SIZE, float32)  # dS^T [c, r]
+        ls = cuda.shared.array(Br, float32)        # L of the query tile
+        dls = cuda.shared.array(Br, float32)       # D of the query tile
+
+        tid = int32(cuda.threadIdx.x)
+        ty = tid // TC
+        tx = tid - ty * TC
+        ct = int32(cuda.blockIdx.x)                # key tile index (of Tc)
+        bh = int32(cuda.blockIdx.y)
+        tcn = int32(cuda.gridDim.x)
+        k0 = ct * Bc
+        g = bh % groups
+        shift = nk - nq
+        c0 = ty * RN
+        utx = uint64(tx)
+
+        for idx in range(tid, Bc * D, NT):
+            c = idx // D
+            dd = idx - c * D
+            kv = float32(0.0)
+            vv = float32(0.0)
+            if k0 + c < nk and dd < d:
+                kv = k[bh, k0 + c, dd] * scale
+                vv = v[bh, k0 + c, dd]
+            kts[dd * Bc + c] = kv
+            vts[dd * Bc + c] = vv
+
+        dka = cuda.local.array((RN, DN), float32)
+        dva = cuda.local.array((RN, DN), float32)
+        st = cuda.local.array((RN, QN), float32)
+        dpt = cuda.local.array((RN, QN), float32)
+        a = cuda.local.array(RN, float32)
+        a2 = cuda.local.array(RN, float32)
+        b = cuda.local.array(QN, float32)
+        b2 = cuda.local.array(QN, float32)
+        w = cuda.local.array(DN, float32)
+        w2 = cuda.local.array(DN, float32)
+        for i in range(RN):
+            for j in range(DN):
+                dka[i, j] = float32(0.0)
+                dva[i, j] = float32(0.0)
+
+        start = col_ptr[g * tcn + ct]
+        end = col_ptr[g * tcn + ct + 1]
+        for it in range(start, end):
+            q0 = row_idx[it] * Br
+            cuda.syncthreads()                     # done with the previous Q, dO, P^T, dS^T
+            for idx in range(tid, Br * D, NT):
+                r = idx // D
+                dd = idx - r * D
+                qv = float32(0.0)
+                dov = float32(0.0)
+                if q0 + r < nq and dd < d:
+                    qv = q[bh, q0 + r, dd]
+                    dov = do[bh, q0 + r, dd]
+                sw = dd * Br + (r ^ (dd & SWM))
+                qts[sw] = qv
+                dots[sw] = dov
+            for r in range(tid, Br, NT):
+                lv = float32(0.0)
+                dlv = float32(0.0)
+                if q0 + r < nq:
+                    lv = lse[bh, q0 + r]
+                    dlv = delta[bh, q0 + r]
+                ls[r] = lv
+                dls[r] = dlv
+            cuda.syncthreads()
+
+            # S^T = (scale K) Q^T and dP^T = V dO^T, RN x QN each.
+            for i in range(RN):
+                for j in range(QN):
+                    st[i, j] = float32(0.0)
+                    dpt[i, j] = float32(0.0)
+            ka = uint64(c0)
+            qb = uint64(0)
+            for dd in range(D):
+                sw = uint64(dd & SWM)
+                for i in range(RN):
+                    a[i] = kts[ka + uint64(i)]
+                    a2[i] = vts[ka + uint64(i)]
+                for j in range(QN):
+                    col = qb + ((utx + uint64(j * TC)) ^ sw)
+                    b[j] = qts[col]
+                    b2[j] = dots[col]
+                for i in range(RN):
+                    for j in range(QN):
+                        st[i, j] += a[i] * b[j]
+                        dpt[i, j] += a2[i] * b2[j]
+                ka += uint64(Bc)
+                qb += uint64(Br)
+
+            # P^T = exp(S^T - L), dS^T = P^T * (dP^T - D), 0 where not allowed.
+            for i in range(RN):
+                kj = k0 + c0 + i
+                for j in range(QN):
+                    r = tx + j * TC
+                    qi = q0 + r
+                    p = float32(0.0)
+                    dsv = float32(0.0)
+                    if qi < nq and kj < nk and (causal == 0 or kj <= qi + shift):
+                        p = math.exp(st[i, j] - ls[r])
+                        dsv = p * (dpt[i, j] - dls[r])
+                    pts[(c0 + i) * Br + r] = p
+                    dsts[(c0 + i) * Br + r] = dsv
+            cuda.syncthreads()
+
+            # dV += P^T dO, dK += dS^T Q; dO[r, dd], Q[r, dd] read from the swizzled transposes.
+            pa = uint64(c0 * Br)
+            for r in range(Br):
+                ur = uint64(r)
+                for i in range(RN):
+                    a[i] = pts[pa + uint64(i * Br)]
+                    a2[i] = dsts[pa + uint64(i * Br)]
+                for j in range(DN):
+                    col = utx + uint64(j * TC)
+                    at = col * uint64(Br) + (ur ^ (col & uint64(SWM)))
+                    w[j] = dots[at]
+                    w2[j] = qts[at]
+                for i in range(RN):
+                    for j in range(DN):
+                        dva[i, j] += a[i] * w[j]
+                        dka[i, j] += a2[i] * w2[j]
+                pa += uint64(1)
+
+        for i in range(RN):
+            kj = k0 + c0 + i
+            if kj < nk:
+                for j in range(DN):
+                    dd = tx + j * TC
+                    if dd < d:
+                        dk[bh, kj, dd] = dka[i, j] * scale
+                        dv[bh, kj, dd] = dva[i, j]
+
+    return block_sparse_backward_dkdv
+
+
+DQ_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
+          "float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], int32[::1], int32[::1], "
+          "int32, int32, int32, int32, float32, int32)")
+DKDV_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
+            "float32[:, :, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], int32[::1], "
+            "int32[::1], int32, int32, int32, int32, float32, int32)")
+
+
+# --------------------------------------------------------------------------- the launcher
+
+def block_sparse_attention_backward(q, k, v, o, lse, do, block_mask, *, causal=False, scale=None,
+                                    block_m=None, block_n=None, lists=None):
+    """Gradients (dQ, dK, dV) of block-sparse attention for the upstream gradient dO.
+
+    q: (B, H, Nq, d); k, v: (B, H, Nk, d); o, do: (B, H, Nq, d); lse: (B, H, Nq), the
+    forward's O and L for the same ``block_mask``, ``causal`` and ``scale``. Rows that see
+    nothing (L = -inf) and keys no query sees get zero gradients. ``block_m``/``block_n``
+    override the tiles (powers of two dividing the mask's blocks); ``lists`` reuses a
+    ``tile_lists(...)`` built for these tiles. Deterministic: no atomics.
+    """
+    b, h, nq, nk, d, _ = check_qkv(q, k, v)
+    for x, name in ((o, "o"), (do, "do")):
+        shape, _ = check_array(x, name, ndim=4)
+        if shape != (b, h, nq, d):
+            raise ValueError(f"{name}: expected shape {(b, h, nq, d)} like q, got {shape}")
+    shape, _ = check_array(lse, "lse", ndim=3)
+    if shape != (b, h, nq):
+        raise ValueError(f"lse: expected shape {(b, h, nq)}, got {shape}")
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    cfg = backward_config(d, block_mask, block_m, block_n)
+    tl = _lists_for(block_mask, lists, b, h, nq, nk, causal, cfg.Br, cfg.Bc)
+    kind = ArrayKind(q)
+    dq = device_empty((b, h, nq, d))
+    dk = device_empty((b, h, nk, d))
+    dv = device_empty((b, h, nk, d))
+    if b * h * nq == 0 and b * h * nk > 0:   # no queries: nothing flows back to the keys
+        zeros = np.zeros((b, h, nk, d), np.float32)
+        return kind.give_back(dq), kind.give_back(cuda.to_device(zeros)), kind.give_back(cuda.to_device(zeros))
+    if b * h * nq == 0:
+        return kind.give_back(dq), kind.give_back(dk), kind.give_back(dv)
+    names = ("q", "k", "v", "o", "lse", "do")
+    qd, kd, vd, od, ld, dod = (to_device(x, n) for x, n in zip((q, k, v, o, lse, do), names))
+    delta = device_empty((b * h, nq))
+    row_ptr, col_idx, col_ptr, row_idx = tl.device()
+    bhn = b * h
+    args3 = dict(q=qd.reshape(bhn, nq, d), k=kd.reshape(bhn, nk, d), v=vd.reshape(bhn, nk, d))
+    common = (np.int32(nq), np.int32(nk), np.int32(d), np.int32(tl.groups), np.float32(scale), np.int32(causal))
+    kern_dq = make_backward_dq(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
+    kern_dq[(cdiv(nq, cfg.Br), bhn), (cfg.Br // cfg.RM) * cfg.TC](
+        args3["q"], args3["k"], args3["v"], od.reshape(bhn, nq, d), ld.reshape(bhn, nq), dod.reshape(bhn, nq, d),
+        dq.reshape(bhn, nq, d), delta, row_ptr, col_idx, *common)
+    if nk > 0:
+        kern_kv = make_backward_dkdv(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
+        kern_kv[(cdiv(nk, cfg.Bc), bhn), (cfg.Bc // cfg.RM) * cfg.TC](
+            args3["q"], args3["k"], args3["v"], ld.reshape(bhn, nq), dod.reshape(bhn, nq, d), delta,
+            dk.reshape(bhn, nk, d), dv.reshape(bhn, nk, d), col_ptr, row_idx, *common)
+    return kind.give_back(dq), kind.give_back(dk), kind.give_back(dv)
+
+
+def ptx_targets():
+    """Both backward kernels at their production tiles, for the sm_90 PTX check."""
+    out = []
+    for D0, (Br, Bc, R, TC) in BACKWARD_CONFIGS.items():
+        for D in sorted({D0 // 2, D0}) if D0 == 32 else (D0,):
+            tag = f"fp32 Br={Br} Bc={Bc} D={D} R={R} TC={TC}"
+            out.append((f"block-sparse bwd dQ {tag}", make_backward_dq(Br, Bc, D, R, TC), DQ_SIG))
+            out.append((f"block-sparse bwd dK dV {tag}", make_backward_dkdv(Br, Bc, D, R, TC), DKDV_SIG))
+    return out
