@@ -1,0 +1,853 @@
+"""Chapter 5: the recomputing FlashAttention backward.
+
+The forward saved only O and the row logsumexp L. The backward never stores the N x N
+matrices S or P: it recomputes them, one tile at a time, from Q, K and L:
+
+    S  = scale * Q K^T                     (recomputed)
+    P  = exp(S - L)                        (recomputed; 0 where masked, 0 on rows with L = -inf)
+    dV = P^T dO
+    dP = dO V^T
+    D  = rowsum(dO * O)                    (= rowsum(P * dP): the softmax Jacobian's diagonal term)
+    dS = P * (dP - D)
+    dQ = scale * dS K
+    dK = scale * dS^T Q
+
+Three kernels, launched in this order:
+
+1. ``delta``: the pre-pass D = rowsum(dO * O), one float per query row.
+2. ``dkdv``: K/V tiles outer. One block owns Bc key rows: it keeps K_j and V_j in shared
+   memory and the accumulators dK_j and dV_j in registers, and streams the query side
+   (Q_i, dO_i, L_i, D_i) tile by tile (Tr tiles of Br rows). dK_j and dV_j are each
+   written once, by the one block that owns them: no atomics.
+3. ``dq``: Q tiles outer. One block owns Br query rows: it keeps Q_i, dO_i in shared
+   memory and the accumulator dQ_i in registers, streams K_j, V_j, and recomputes S, P,
+   dP and dS a second time. Every element of dQ is summed by one thread in a fixed order,
+   so the result is bitwise identical from run to run (deterministic). The price: S and
+   dP are computed twice, 14 N^2 d FLOPs in place of 10 N^2 d.
+
+   The other design, atomics, adds each block's partial dQ_i += scale * dS K_j into dQ
+   with float32 atomic adds from the dkdv kernel: no recomputation, but the order of the
+   additions depends on which block gets there first, so dQ changes in its last bits
+   from run to run. ``dq_mode="atomic"`` selects it, to measure what determinism costs.
+
+Each thread owns a register micro-tile of every product ("register tiling"): for a
+product with an R x C result and NT threads, thread t owns TM x TN entries, strided so
+that the threads of a warp read consecutive shared-memory words. Shared-memory rows are
+padded by one float (row stride d + 1) so that reading a column does not hit one bank.
+
+Tile sizes are compile-time constants: each kernel comes from a cached factory
+(``make_dkdv``, ``make_dq``, ``make_delta``) that closes over them. Above 48 KB of shared
+memory a block, the kernels use dynamic shared memory with the per-kernel limit raised
+(``kernels.shared_memory`` when it is available).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int32, uint64
+
+from kernels.runtime import (
+    ArrayKind,
+    cdiv,
+    check_array,
+    check_flag,
+    check_qkv,
+    check_scale,
+    device_empty,
+    on_simulator,
+    to_device,
+)
+
+try:  # dynamic shared memory above 48 KB (chapter 4's helper)
+    from kernels import shared_memory as _shared_memory
+except ImportError:  # pragma: no cover
+    _shared_memory = None
+
+__all__ = [
+    "flash_attention_backward",
+    "Tiles",
+    "default_tiles",
+    "make_delta",
+    "make_dkdv",
+    "make_dq",
+    "head_dim_bucket",
+    "shared_bytes",
+    "ptx_targets",
+    "DQ_MODES",
+]
+
+STATIC_SHARED_LIMIT = 48 * 1024
+MAX_GRID_Y = 65535
+HEAD_DIM_BUCKETS = (8, 16, 32, 64, 128)
+DQ_MODES = ("separate", "atomic")
+
+# A dead row (padding past Nq, or L = -inf) gets this "logsumexp": exp(S - BIG) is 0 for
+# any finite S, and no infinity ever enters the fast-math kernel.
+_DEAD_ROW_L = 1.0e30
+
+
+def head_dim_bucket(d: int) -> int:
+    """The compile-time head dim D a kernel is built for: the smallest bucket >= d (zero padded)."""
+    for bucket in HEAD_DIM_BUCKETS:
+        if d <= bucket:
+            return bucket
+    raise ValueError(f"q: expected head dim d <= {HEAD_DIM_BUCKETS[-1]}, got {d}")
+
+
+def _split(rows: int, cols: int, threads: int):
+    """A register micro-tile (TM, TN) for an rows x cols result over ``threads`` threads.
+
+    Each thread owns TM x TN entries; the threads form a (rows/TM) x (cols/TN) grid.
+    Prefers the squarest micro-tile (fewest shared-memory loads per multiply-add).
+    Returns None when the shapes do not divide.
+    """
+    if (rows * cols) % threads:
+        return None
+    per_thread = rows * cols // threads
+    best = None
+    for tm in range(1, per_thread + 1):
+        if per_thread % tm or rows % tm:
+            continue
+        tn = per_thread // tm
+        if cols % tn:
+            continue
+        key = (tm + tn, tm)
+        if best is None or key < best[0]:
+            best = (key, (tm, tn))
+    return None if best is None else best[1]
+
+
+def _need_split(rows, cols, threads, what):
+    split = _split(rows, cols, threads)
+    if split is None:
+        raise ValueError(f"tiles: {what} ({rows} x {cols}) does not split evenly over {threads} threads")
+    return split
+
+
+# --------------------------------------------------------------------------- shared memory
+
+
+def _dkdv_layout(BC, BR, D, merged=False):
+    """Offsets (in floats) of the dkdv kernel's shared tiles: K_j, V_j, Q_i, dO_i, P, dS, L_i, D_i.
+
+    ``merged``: P and dS share one buffer (P first, then dS), which saves Br x Bc floats
+    for two more barriers a step.
+    """
+    LD, LP = D + 1, BC + 1
+    o_k = 0
+    o_v = o_k + BC * LD
+    o_q = o_v + BC * LD
+    o_do = o_q + BR * LD
+    o_p = o_do + BR * LD
+    o_ds = o_p if merged else o_p + BR * LP
+    o_l = o_ds + BR * LP
+    o_d = o_l + BR
+    return (o_k, o_v, o_q, o_do, o_p, o_ds, o_l, o_d), o_d + BR
+
+
+def _dkdv_merged(BC, BR, D) -> bool:
+    """Merge the P and dS buffers when that is what keeps the block within 48 KB of static
+    shared memory (above 48 KB either way, dynamic shared memory takes both buffers)."""
+    two = 4 * _dkdv_layout(BC, BR, D, False)[1]
+    one = 4 * _dkdv_layout(BC, BR, D, True)[1]
+    return two > STATIC_SHARED_LIMIT >= one
+
+
+def _dq_layout(BR, BC, D):
+    """Offsets (in floats) of the dq kernel's shared tiles: Q_i, dO_i, K_j, V_j, dS, L_i, D_i."""
+    LD, LP = D + 1, BC + 1
+    o_q = 0
+    o_do = o_q + BR * LD
+    o_k = o_do + BR * LD
+    o_v = o_k + BC * LD
+    o_ds = o_v + BC * LD
+    o_l = o_ds + BR * LP
+    o_d = o_l + BR
+    return (o_q, o_do, o_k, o_v, o_ds, o_l, o_d), o_d + BR
+
+
+def _raise_dynamic_limit(kernel, signature: str, args, nbytes: int):
+    """Let ``kernel`` (compiled for ``signature``) use ``nbytes`` of dynamic shared memory.
+
+    numba-cuda has no public API for the per-kernel limit (numba-cuda#94); its driver layer
+    does it. A no-op in the simulator and at or below 48 KB.
+    """
+    if on_simulator() or nbytes <= STATIC_SHARED_LIMIT:
+        return
+    if _shared_memory is not None:
+        _shared_memory.allow_dynamic_shared_memory(kernel, args, nbytes)
+        return
+    key = (id(kernel), signature, int(nbytes))
+    if key in _RAISED:
+        return
+    from cuda.bindings import driver as binding
+    from numba.cuda.cudadrv.driver import driver
+
+    compiled = kernel.compile(signature)
+    cufunc = compiled._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, int(nbytes), cufunc.handle, cufunc.device.id)
+    _RAISED.add(key)
+
+
+_RAISED: set = set()
+
+
+# --------------------------------------------------------------------------- tiles
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes of the two main kernels (compile-time constants of their factories).
+
+    dkdv kernel: ``block_k`` = Bc key rows a block owns, ``block_q`` = Br query rows per
+    step, ``threads`` per block. dq kernel: ``dq_block_q`` = Br query rows a block owns,
+    ``dq_block_k`` = Bc key rows per step, ``dq_threads``.
+    """
+
+    block_k: int = 64
+    block_q: int = 16
+    threads: int = 128
+    dq_block_q: int = 64
+    dq_block_k: int = 16
+    dq_threads: int = 128
+    merged: bool | None = None      # P and dS in one shared buffer; None: only when needed
+
+    def label(self) -> str:
+        merged = "" if self.merged is None else f" merged={self.merged}"
+        return (f"dkdv Bc={self.block_k} Br={self.block_q} t={self.threads}{merged} | "
+                f"dq Br={self.dq_block_q} Bc={self.dq_block_k} t={self.dq_threads}")
+
+    def dkdv_merged(self, D: int) -> bool:
+        return _dkdv_merged(self.block_k, self.block_q, D) if self.merged is None else bool(self.merged)
+
+
+def shared_bytes(tiles: Tiles, D: int):
+    """(dkdv bytes, dq bytes) of shared memory a block needs at head dim bucket D."""
+    _, dkdv = _dkdv_layout(tiles.block_k, tiles.block_q, D, tiles.dkdv_merged(D))
+    _, dq = _dq_layout(tiles.dq_block_q, tiles.dq_block_k, D)
+    return 4 * dkdv, 4 * dq
+
+
+def _check_tiles(tiles, D: int, dq_mode: str):
+    if not isinstance(tiles, Tiles):
+        raise TypeError(f"tiles: expected a flash_backward.Tiles or None, got {type(tiles).__name__}")
+    for name in ("block_k", "block_q", "threads", "dq_block_q", "dq_block_k", "dq_threads"):
+        value = getattr(tiles, name)
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"tiles: expected {name} a positive int, got {value!r}")
+    if tiles.merged is not None and not isinstance(tiles.merged, (bool, np.bool_)):
+        raise TypeError(f"tiles: expected merged True, False or None, got {tiles.merged!r}")
+    for name in ("threads", "dq_threads"):
+        if getattr(tiles, name) > 1024:
+            raise ValueError(f"tiles: expected {name} <= 1024, got {getattr(tiles, name)}")
+    _need_split(tiles.block_q, tiles.block_k, tiles.threads, "dkdv S tile Br x Bc")
+    _need_split(tiles.block_k, D, tiles.threads, "dkdv dK/dV tile Bc x d")
+    if dq_mode == "atomic":
+        _need_split(tiles.block_q, D, tiles.threads, "dkdv atomic dQ tile Br x d")
+    else:
+        _need_split(tiles.dq_block_q, tiles.dq_block_k, tiles.dq_threads, "dq S tile Br x Bc")
+        _need_split(tiles.dq_block_q, D, tiles.dq_threads, "dq dQ tile Br x d")
+    limit = _max_shared_bytes()
+    for what, nbytes in zip(("dkdv", "dq"), shared_bytes(tiles, D)):
+        if what == "dq" and dq_mode == "atomic":
+            continue
+        if nbytes > limit:
+            raise ValueError(f"tiles: the {what} kernel needs {nbytes} bytes of shared memory at d <= {D}, "
+                             f"more than the {limit} this device allows")
+
+
+def _max_shared_bytes() -> int:
+    if on_simulator():
+        return 227 * 1024
+    if _shared_memory is not None:
+        return _shared_memory.max_dynamic_shared_bytes()
+    try:
+        dev = cuda.get_current_device()
+        return int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    except Exception:
+        return STATIC_SHARED_LIMIT
+
+
+# Production tiles by head-dim bucket (GPU). The bench sweeps the candidates in
+# ``kernels/bench/flash_backward.py``; these are the ones that fit 48 KB of static shared memory.
+_GPU_TILES = {
+    8: Tiles(64, 64, 128, 64, 64, 128),
+    16: Tiles(64, 64, 128, 64, 64, 128),
+    32: Tiles(64, 32, 128, 64, 32, 128),
+    64: Tiles(64, 16, 128, 64, 16, 128),
+    128: Tiles(32, 8, 128, 32, 8, 128),
+}
+# The simulator runs every thread in Python: small blocks.
+_SIM_TILES = Tiles(8, 8, 16, 8, 8, 16)
+
+
+def default_tiles(d: int) -> Tiles:
+    """The tiles the launcher uses for head dim d when none are given."""
+    return _SIM_TILES if on_simulator() else _GPU_TILES[head_dim_bucket(d)]
+
+
+# --------------------------------------------------------------------------- kernel 1: D
+
+
+@functools.lru_cache(maxsize=None)
+def make_delta(D: int, rows: int = 4):
+    """D = rowsum(dO * O): one warp-sized group of 32 threads a query row, ``rows`` rows a block.
+
+    Grid: (ceil(Nq / rows), B*H). Lanes read consecutive columns (coalesced), then a tree
+    reduction in shared memory adds the 32 partial sums.
+    """
+    LANES = 32
+    NT = LANES * rows
+
+    @cuda.jit(fastmath=True)
+    def delta(o, do, out, nq):
+        part = cuda.shared.array(NT, float32)
+        t = cuda.threadIdx.x
+        lane = t % LANES
+        r = t // LANES
+        bh = cuda.blockIdx.y
+        row = cuda.blockIdx.x * rows + r
+        d = o.shape[2]
+        acc = float32(0.0)
+        if row < nq:
+            for e in range(lane, d, LANES):
+                acc += o[bh, row, e] * do[bh, row, e]
+        part[t] = acc
+        cuda.syncthreads()
+        width = LANES // 2
+        while width > 0:
+            if lane < width:
+                part[t] += part[t + width]
+            cuda.syncthreads()
+            width //= 2
+        if lane == 0 and row < nq:
+            out[bh, row] = part[t]
+
+    return delta, NT
+
+
+# --------------------------------------------------------------------------- kernel 2: dK, dV
+
+
+def _unroll(n: int) -> int:
+    """How many steps of an n-long reduction loop to write out (the compiler unrolls them)."""
+    return 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
+
+
+@functools.lru_cache(maxsize=None)
+def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_dq: bool = False,
+              merged: bool = False):
+    """The K/V-tile-outer kernel: grid (Tc = ceil(Nk / Bc), B*H), NT threads a block.
+
+    Block j keeps K_j, V_j (Bc x D) in shared memory and dK_j, dV_j in registers, and for
+    each query tile i (Br rows) recomputes S and P, then accumulates dV_j += P^T dO_i and
+    dK_j += dS^T Q_i. With ``atomic_dq`` it also adds scale * dS K_j into dQ_i atomically.
+
+    Shared-memory offsets in the hot loops are unsigned (uint64): Numba adds a
+    negative-index wraparound to every signed index, which costs integer instructions
+    on every load.
+    """
+    AM, AN = _need_split(BR, BC, NT, "S tile Br x Bc")      # S, dP: Br x Bc
+    RA, CA = BR // AM, BC // AN                             # thread grid of S: RA x CA
+    BM, BN = _need_split(BC, D, NT, "dK/dV tile Bc x d")    # dV, dK: Bc x D
+    RB, CB = BC // BM, D // BN
+    if atomic_dq:
+        QM, QN = _need_split(BR, D, NT, "dQ tile Br x d")   # dQ_i partial: Br x D
+    else:
+        QM, QN = 1, 1
+    RQ, CQ = BR // QM, D // QN
+    LD, LP = D + 1, BC + 1                                  # padded row strides
+    (O_K, O_V, O_Q, O_DO, O_P, O_DS, O_L, O_D), TOTAL = _dkdv_layout(BC, BR, D, merged)
+    SHARED = 0 if dynamic else TOTAL
+    UD, UR, UC = _unroll(D), _unroll(BR), _unroll(BC)
+    DEAD = float32(_DEAD_ROW_L)
+    ALIVE = float32(-1.0e30)
+
+    @cuda.jit(fastmath=True)
+    def dkdv(q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal):
+        sm = cuda.shared.array(SHARED, float32)
+        t = int32(cuda.threadIdx.x)
+        j = int32(cuda.blockIdx.x)
+        bh = int32(cuda.blockIdx.y)
+        d = int32(q.shape[2])
+        c0 = j * int32(BC)
+        off = nk - nq                                   # causal: key c visible to row r iff c <= r + off
+
+        # K_j and V_j: loaded once, zero padded past Nk and past d.
+        for idx in range(t, BC * D, NT):
+            c = int32(idx) // int32(D)
+            e = int32(idx) - c * int32(D)
+            kv = float32(0.0)
+            vv = float32(0.0)
+            if c0 + c < nk and e < d:
+                kv = k[bh, c0 + c, e]
+                vv = v[bh, c0 + c, e]
+            sm[uint64(O_K + c * LD + e)] = kv
+            sm[uint64(O_V + c * LD + e)] = vv
+
+        acc_dv = cuda.local.array((BM, BN), float32)
+        acc_dk = cuda.local.array((BM, BN), float32)
+        for a in range(BM):
+            for b in range(BN):
+                acc_dv[a, b] = float32(0.0)
+                acc_dk[a, b] = float32(0.0)
+        s = cuda.local.array((AM, AN), float32)
+        dp = cuda.local.array((AM, AN), float32)
+        qa = cuda.local.array(AM, float32)
+        da = cuda.local.array(AM, float32)
+        kb = cuda.local.array(AN, float32)
+        vb = cuda.local.array(AN, float32)
+        pv = cuda.local.array(BM, float32)
+        sv = cuda.local.array(BM, float32)
+        ov = cuda.local.array(BN, float32)
+        xv = cuda.local.array(BN, float32)
+        qacc = cuda.local.array((QM, QN), float32)
+        sq = cuda.local.array(QM, float32)
+        kq = cuda.local.array(QN, float32)
+
+        ty_a = t // int32(CA)
+        tx_a = t - ty_a * int32(CA)
+        ty_b = t // int32(CB)
+        tx_b = t - ty_b * int32(CB)
+        ty_q = t // int32(CQ)
+        tx_q = t - ty_q * int32(CQ)
+        # This thread's first element in each shared tile it reads (unsigned offsets).
+        u_qa = uint64(O_Q + ty_a * LD)                  # Q_i row ty_a         (S)
+        u_da = uint64(O_DO + ty_a * LD)                 # dO_i row ty_a        (dP)
+        u_kb = uint64(O_K + tx_a * LD)                  # K_j row tx_a         (S)
+        u_vb = uint64(O_V + tx_a * LD)                  # V_j row tx_a         (dP)
+        u_pb = uint64(O_P + ty_b)                       # P column ty_b        (dV)
+        u_sb = uint64(O_DS + ty_b)                      # dS column ty_b       (dK)
+        u_ob = uint64(O_DO + tx_b)                      # dO_i column tx_b     (dV)
+        u_xb = uint64(O_Q + tx_b)                       # Q_i column tx_b      (dK)
+        u_sq = uint64(O_DS + ty_q * LP)                 # dS row ty_q          (dQ)
+        u_kq = uint64(O_K + tx_q)                       # K_j column tx_q      (dQ)
+
+        # Causal tile skipping: query tiles entirely above this key tile see none of it.
+        i_start = int32(0)
+        if causal != 0:
+            first_row = c0 - off
+            if first_row > 0:
+                i_start = first_row // int32(BR)
+        tr = (nq + int32(BR - 1)) // int32(BR)
+
+        for i in range(i_start, tr):
+            r0 = int32(i) * int32(BR)
+            cuda.syncthreads()                          # the previous step is done with Q_i, dO_i
+            for idx in range(t, BR * D, NT):
+                r = int32(idx) // int32(D)
+                e = int32(idx) - r * int32(D)
+                qv = float32(0.0)
+                gv = float32(0.0)
+                if r0 + r < nq and e < d:
+                    qv = q[bh, r0 + r, e]
+                    gv = do[bh, r0 + r, e]
+                sm[uint64(O_Q + r * LD + e)] = qv
+                sm[uint64(O_DO + r * LD + e)] = gv
+            for r in range(t, BR, NT):
+                lv = DEAD
+                dv_ = float32(0.0)
+                if r0 + r < nq:
+                    lrow = lse[bh, r0 + r]
+                    if lrow > ALIVE:                    # L = -inf: the row sees nothing, P = 0
+                        lv = lrow
+                    dv_ = delta[bh, r0 + r]
+                sm[uint64(O_L + r)] = lv
+                sm[uint64(O_D + r)] = dv_
+            cuda.syncthreads()
+
+            # S = Q_i K_j^T and dP = dO_i V_j^T, each thread an AM x AN micro-tile.
+            for a in range(AM):
+                for b in range(AN):
+                    s[a, b] = float32(0.0)
+                    dp[a, b] = float32(0.0)
+            for e0 in range(0, D, UD):
+                for u in range(UD):
+                    ue = uint64(e0 + u)
+                    for a in range(AM):
+                        qa[a] = sm[u_qa + uint64(a * RA * LD) + ue]
+                        da[a] = sm[u_da + uint64(a * RA * LD) + ue]
+                    for b in range(AN):
+                        kb[b] = sm[u_kb + uint64(b * CA * LD) + ue]
+                        vb[b] = sm[u_vb + uint64(b * CA * LD) + ue]
+                    for a in range(AM):
+                        for b in range(AN):
+                            s[a, b] += qa[a] * kb[b]
+                            dp[a, b] += da[a] * vb[b]
+
+            # P = exp(scale * S - L) (0 where masked), dS = P * (dP - D), kept in s and dp.
+            for a in range(AM):
+                r = ty_a + int32(a * RA)
+                row = r0 + r
+                lrow = sm[uint64(O_L + r)]
+                drow = sm[uint64(O_D + r)]
+                for b in range(AN):
+                    c = tx_a + int32(b * CA)
+                    col = c0 + c
+                    p = float32(0.0)
+                    if col < nk and (causal == 0 or col <= row + off):
+                        p = math.exp(s[a, b] * scale - lrow)
+                    s[a, b] = p
+                    dp[a, b] = p * (dp[a, b] - drow)
+                    sm[uint64(O_P + r * LP + c)] = p
+                    if not merged:
+                        sm[uint64(O_DS + r * LP + c)] = dp[a, b]
+            cuda.syncthreads()
+
+            if merged:
+                # dV_j += P^T dO_i; then dS replaces P in the same buffer; dK_j += dS^T Q_i.
+                for r0_ in range(0, BR, UR):
+                    for u in range(UR):
+                        r = r0_ + u
+                        for a in range(BM):
+                            pv[a] = sm[u_pb + uint64(r * LP + a * RB)]
+                        for b in range(BN):
+                            ov[b] = sm[u_ob + uint64(r * LD + b * CB)]
+                        for a in range(BM):
+                            for b in range(BN):
+                                acc_dv[a, b] += pv[a] * ov[b]
+                cuda.syncthreads()
+                for a in range(AM):
+                    for b in range(AN):
+                        sm[uint64(O_DS + (ty_a + a * RA) * LP + tx_a + b * CA)] = dp[a, b]
+                cuda.syncthreads()
+                for r0_ in range(0, BR, UR):
+                    for u in range(UR):
+                        r = r0_ + u
+                        for a in range(BM):
+                            sv[a] = sm[u_sb + uint64(r * LP + a * RB)]
+                        for b in range(BN):
+                            xv[b] = sm[u_xb + uint64(r * LD + b * CB)]
+                        for a in range(BM):
+                            for b in range(BN):
+                                acc_dk[a, b] += sv[a] * xv[b]
+            else:
+                # dV_j += P^T dO_i and dK_j += dS^T Q_i, each thread a BM x BN micro-tile.
+                for r0_ in range(0, BR, UR):
+                    for u in range(UR):
+                        r = r0_ + u
+                        for a in range(BM):
+                            pv[a] = sm[u_pb + uint64(r * LP + a * RB)]
+                            sv[a] = sm[u_sb + uint64(r * LP + a * RB)]
+                        for b in range(BN):
+                            ov[b] = sm[u_ob + uint64(r * LD + b * CB)]
+                            xv[b] = sm[u_xb + uint64(r * LD + b * CB)]
+                        for a in range(BM):
+                            for b in range(BN):
+                                acc_dv[a, b] += pv[a] * ov[b]
+                                acc_dk[a, b] += sv[a] * xv[b]
+
+            if atomic_dq:
+                # dQ_i += scale * dS K_j, added atomically: other key blocks add to the same rows.
+                for a in range(QM):
+                    for b in range(QN):
+                        qacc[a, b] = float32(0.0)
+                for cc in range(0, BC, UC):
+                    for u in range(UC):
+                        c = cc + u
+                        for a in range(QM):
+                            sq[a] = sm[u_sq + uint64(a * RQ * LP + c)]
+                        for b in range(QN):
+                            kq[b] = sm[u_kq + uint64(c * LD + b * CQ)]
+                        for a in range(QM):
+                            for b in range(QN):
+                                qacc[a, b] += sq[a] * kq[b]
+                for a in range(QM):
+                    row = r0 + ty_q + int32(a * RQ)
+                    if row < nq:
+                        for b in range(QN):
+                            e = tx_q + int32(b * CQ)
+                            if e < d:
+                                cuda.atomic.add(dq, (bh, row, e), qacc[a, b] * scale)
+
+        for a in range(BM):
+            c = c0 + ty_b + int32(a * RB)
+            if c < nk:
+                for b in range(BN):
+                    e = tx_b + int32(b * CB)
+                    if e < d:
+                        dv[bh, c, e] = acc_dv[a, b]
+                        dk[bh, c, e] = acc_dk[a, b] * scale
+
+    return dkdv
+
+
+# --------------------------------------------------------------------------- kernel 3: dQ
+
+
+@functools.lru_cache(maxsize=None)
+def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
+    """The Q-tile-outer kernel: grid (Tr = ceil(Nq / Br), B*H), NT threads a block.
+
+    Block i keeps Q_i, dO_i (Br x D), L_i and D_i in shared memory and dQ_i in registers;
+    for each key tile j it recomputes S, P, dP and dS and accumulates dQ_i += dS K_j.
+    Each dQ entry is summed by one thread in a fixed order: bitwise reproducible.
+    """
+    AM, AN = _need_split(BR, BC, NT, "S tile Br x Bc")      # S, dP: Br x Bc
+    RA, CA = BR // AM, BC // AN
+    QM, QN = _need_split(BR, D, NT, "dQ tile Br x d")       # dQ: Br x D
+    RQ, CQ = BR // QM, D // QN
+    LD, LP = D + 1, BC + 1
+    (O_Q, O_DO, O_K, O_V, O_DS, O_L, O_D), TOTAL = _dq_layout(BR, BC, D)
+    SHARED = 0 if dynamic else TOTAL
+    UD, UC = _unroll(D), _unroll(BC)
+    DEAD = float32(_DEAD_ROW_L)
+    ALIVE = float32(-1.0e30)
+
+    @cuda.jit(fastmath=True)
+    def dq_kernel(q, k, v, do, lse, delta, dq, nq, nk, scale, causal):
+        sm = cuda.shared.array(SHARED, float32)
+        t = int32(cuda.threadIdx.x)
+        # The last query tiles see the most keys under causal masking: start them first.
+        i = int32(cuda.gridDim.x) - int32(1) - int32(cuda.blockIdx.x)
+        bh = int32(cuda.blockIdx.y)
+        d = int32(q.shape[2])
+        r0 = i * int32(BR)
+        off = nk - nq
+
+        for idx in range(t, BR * D, NT):
+            r = int32(idx) // int32(D)
+            e = int32(idx) - r * int32(D)
+            qv = float32(0.0)
+            gv = float32(0.0)
+            if r0 + r < nq and e < d:
+                qv = q[bh, r0 + r, e]
+                gv = do[bh, r0 + r, e]
+            sm[uint64(O_Q + r * LD + e)] = qv
+            sm[uint64(O_DO + r * LD + e)] = gv
+        for r in range(t, BR, NT):
+            lv = DEAD
+            dv_ = float32(0.0)
+            if r0 + r < nq:
+                lrow = lse[bh, r0 + r]
+                if lrow > ALIVE:
+                    lv = lrow
+                dv_ = delta[bh, r0 + r]
+            sm[uint64(O_L + r)] = lv
+            sm[uint64(O_D + r)] = dv_
+
+        acc = cuda.local.array((QM, QN), float32)
+        for a in range(QM):
+            for b in range(QN):
+                acc[a, b] = float32(0.0)
+        s = cuda.local.array((AM, AN), float32)
+        dp = cuda.local.array((AM, AN), float32)
+        qa = cuda.local.array(AM, float32)
+        da = cuda.local.array(AM, float32)
+        kb = cuda.local.array(AN, float32)
+        vb = cuda.local.array(AN, float32)
+        sv = cuda.local.array(QM, float32)
+        kv = cuda.local.array(QN, float32)
+
+        ty_a = t // int32(CA)
+        tx_a = t - ty_a * int32(CA)
+        ty_q = t // int32(CQ)
+        tx_q = t - ty_q * int32(CQ)
+        u_qa = uint64(O_Q + ty_a * LD)
+        u_da = uint64(O_DO + ty_a * LD)
+        u_kb = uint64(O_K + tx_a * LD)
+        u_vb = uint64(O_V + tx_a * LD)
+        u_sq = uint64(O_DS + ty_q * LP)
+        u_kq = uint64(O_K + tx_q)
+
+        # Causal tile skipping: key tiles entirely right of this query tile's last row.
+        last_col = nk - int32(1)
+        if causal != 0:
+            last_col = min(last_col, r0 + int32(BR - 1) + off)
+        tc = int32(0)
+        if last_col >= 0:
+            tc = last_col // int32(BC) + int32(1)
+
+        for j in range(tc):
+            c0 = int32(j) * int32(BC)
+            cuda.syncthreads()                          # the previous step is done with K_j, V_j
+            for idx in range(t, BC * D, NT):
+                c = int32(idx) // int32(D)
+                e = int32(idx) - c * int32(D)
+                kv_ = float32(0.0)
+                vv = float32(0.0)
+                if c0 + c < nk and e < d:
+                    kv_ = k[bh, c0 + c, e]
+                    vv = v[bh, c0 + c, e]
+                sm[uint64(O_K + c * LD + e)] = kv_
+                sm[uint64(O_V + c * LD + e)] = vv
+            cuda.syncthreads()
+
+            for a in range(AM):
+                for b in range(AN):
+                    s[a, b] = float32(0.0)
+                    dp[a, b] = float32(0.0)
+            for e0 in range(0, D, UD):
+                for u in range(UD):
+                    ue = uint64(e0 + u)
+                    for a in range(AM):
+                        qa[a] = sm[u_qa + uint64(a * RA * LD) + ue]
+                        da[a] = sm[u_da + uint64(a * RA * LD) + ue]
+                    for b in range(AN):
+                        kb[b] = sm[u_kb + uint64(b * CA * LD) + ue]
+                        vb[b] = sm[u_vb + uint64(b * CA * LD) + ue]
+                    for a in range(AM):
+                        for b in range(AN):
+                            s[a, b] += qa[a] * kb[b]
+                            dp[a, b] += da[a] * vb[b]
+
+            for a in range(AM):
+                r = ty_a + int32(a * RA)
+                row = r0 + r
+                lrow = sm[uint64(O_L + r)]
+                drow = sm[uint64(O_D + r)]
+                for b in range(AN):
+                    c = tx_a + int32(b * CA)
+                    col = c0 + c
+                    p = float32(0.0)
+                    if col < nk and (causal == 0 or col <= row + off):
+                        p = math.exp(s[a, b] * scale - lrow)
+                    sm[uint64(O_DS + r * LP + c)] = p * (dp[a, b] - drow)
+            cuda.syncthreads()
+
+            # dQ_i += dS K_j, each thread a QM x QN micro-tile.
+            for cc in range(0, BC, UC):
+                for u in range(UC):
+                    c = cc + u
+                    for a in range(QM):
+                        sv[a] = sm[u_sq + uint64(a * RQ * LP + c)]
+                    for b in range(QN):
+                        kv[b] = sm[u_kq + uint64(c * LD + b * CQ)]
+                    for a in range(QM):
+                        for b in range(QN):
+                            acc[a, b] += sv[a] * kv[b]
+
+        for a in range(QM):
+            row = r0 + ty_q + int32(a * RQ)
+            if row < nq:
+                for b in range(QN):
+                    e = tx_q + int32(b * CQ)
+                    if e < d:
+                        dq[bh, row, e] = acc[a, b] * scale
+
+    return dq_kernel
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+def _check_like(x, name, shape, what):
+    got, _ = check_array(x, name, ndim=len(shape), dtypes=(np.float32,))
+    if tuple(got) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} ({what}), got {tuple(got)}")
+
+
+def flash_attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, tiles=None,
+                             dq_mode="separate"):
+    """Gradients (dq, dk, dv) of attention for the upstream gradient ``do``.
+
+    q: (B, H, Nq, d), k and v: (B, H, Nk, d), o and do: (B, H, Nq, d), lse: (B, H, Nq)
+    (natural log, -inf on rows that see nothing), all float32, the o and lse that the
+    forward (``kernels.flash_forward.flash_attention``) returned. ``causal`` masks
+    bottom-right aligned; ``scale`` defaults to 1/sqrt(d). ``tiles`` overrides the tile
+    sizes (a ``Tiles``). ``dq_mode``: "separate" (a second, Q-tile-outer kernel;
+    deterministic, the default) or "atomic" (float32 atomic adds from the K/V-tile-outer
+    kernel; no recomputation, run-to-run differences in the last bits).
+
+    NumPy in, NumPy out; device arrays in, device arrays out.
+    """
+    B, H, nq, nk, d, _ = check_qkv(q, k, v)
+    _check_like(o, "o", (B, H, nq, d), "the forward output, like q")
+    _check_like(lse, "lse", (B, H, nq), "the forward logsumexp, (B, H, Nq)")
+    _check_like(do, "do", (B, H, nq, d), "the gradient of o, like q")
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    if not isinstance(dq_mode, str) or dq_mode not in DQ_MODES:
+        raise ValueError(f"dq_mode: expected one of {DQ_MODES}, got {dq_mode!r}")
+    D = head_dim_bucket(d)
+    tiles = default_tiles(d) if tiles is None else tiles
+    _check_tiles(tiles, D, dq_mode)
+
+    kind = ArrayKind(q)
+    bh = B * H
+    if bh > MAX_GRID_Y:
+        raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
+    if bh == 0 or nq == 0 or nk == 0:
+        # Nothing to attend: every gradient is zero (or empty).
+        shapes = ((B, H, nq, d), (B, H, nk, d), (B, H, nk, d))
+        if not kind.on_device:
+            return tuple(np.zeros(s, np.float32) for s in shapes)
+        outs = []
+        for s in shapes:
+            host = np.zeros(s, np.float32)
+            outs.append(kind.give_back(cuda.to_device(host)) if host.size else kind.give_back(device_empty(s)))
+        return tuple(outs)
+
+    dq_, dk_, dv_ = _launch(
+        to_device(q, "q").reshape(bh, nq, d), to_device(k, "k").reshape(bh, nk, d),
+        to_device(v, "v").reshape(bh, nk, d), to_device(o, "o").reshape(bh, nq, d),
+        to_device(lse, "lse").reshape(bh, nq), to_device(do, "do").reshape(bh, nq, d),
+        nq, nk, D, causal, scale, tiles, dq_mode)
+    return tuple(kind.give_back(x.reshape(B, H, x.shape[1], d)) for x in (dq_, dk_, dv_))
+
+
+def _launch(q, k, v, o, lse, do, nq, nk, D, causal, scale, tiles, dq_mode):
+    """Launch the three kernels on (B*H, N, d) device arrays; returns device (dq, dk, dv)."""
+    bh, d = q.shape[0], q.shape[2]
+    delta = device_empty((bh, nq))
+    dk = device_empty((bh, nk, d))
+    dv = device_empty((bh, nk, d))
+    atomic = dq_mode == "atomic"
+    if atomic:
+        dq = cuda.to_device(np.zeros((bh, nq, d), np.float32))
+    else:
+        dq = device_empty((bh, nq, d))
+    n_q, n_k = np.int32(nq), np.int32(nk)
+    sc, ca = np.float32(scale), np.int32(1 if causal else 0)
+
+    kern, rows_nt = make_delta(D)
+    kern[(cdiv(nq, rows_nt // 32), bh), rows_nt](o, do, delta, n_q)
+
+    dkdv_bytes, dq_bytes = shared_bytes(tiles, D)
+    dyn = dkdv_bytes > STATIC_SHARED_LIMIT and not on_simulator()
+    kern = make_dkdv(tiles.block_k, tiles.block_q, D, tiles.threads, dyn, atomic, tiles.dkdv_merged(D))
+    args = (q, k, v, do, lse, delta, dq, dk, dv, n_q, n_k, sc, ca)
+    if dyn:
+        _raise_dynamic_limit(kern, DKDV_SIG, args, dkdv_bytes)
+    kern[(cdiv(nk, tiles.block_k), bh), tiles.threads, 0, dkdv_bytes if dyn else 0](*args)
+
+    if not atomic:
+        dyn = dq_bytes > STATIC_SHARED_LIMIT and not on_simulator()
+        kern = make_dq(tiles.dq_block_q, tiles.dq_block_k, D, tiles.dq_threads, dyn)
+        args = (q, k, v, do, lse, delta, dq, n_q, n_k, sc, ca)
+        if dyn:
+            _raise_dynamic_limit(kern, DQ_SIG, args, dq_bytes)
+        kern[(cdiv(nq, tiles.dq_block_q), bh), tiles.dq_threads, 0, dq_bytes if dyn else 0](*args)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- PTX targets
+
+_A3 = "float32[:, :, ::1]"
+_A2 = "float32[:, ::1]"
+DELTA_SIG = f"void({_A3}, {_A3}, {_A2}, int32)"
+DKDV_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3}, int32, int32, float32, int32)"
+DQ_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, int32, int32, float32, int32)"
+
+
+def ptx_targets():
+    """(label, dispatcher, signature) for every kernel at its production tiles, d = 16..128."""
+    targets = []
+    for D in (16, 32, 64, 128):
+        t = _GPU_TILES[D]
+        targets.append((f"flash bwd delta fp32 d={D}", make_delta(D)[0], DELTA_SIG))
+        targets.append((f"flash bwd dkdv fp32 Bc={t.block_k} Br={t.block_q} t={t.threads} d={D}",
+                        make_dkdv(t.block_k, t.block_q, D, t.threads, False, False,
+                                  _dkdv_merged(t.block_k, t.block_q, D)), DKDV_SIG))
+        targets.append((f"flash bwd dq fp32 Br={t.dq_block_q} Bc={t.dq_block_k} t={t.dq_threads} d={D}",
+                        make_dq(t.dq_block_q, t.dq_block_k, D, t.dq_threads), DQ_SIG))
+    t = _GPU_TILES[64]
+    targets.append((f"flash bwd dkdv+atomic dQ fp32 Bc={t.block_k} Br={t.block_q} t={t.threads} d=64",
+                    make_dkdv(t.block_k, t.block_q, 64, t.threads, False, True,
+                              _dkdv_merged(t.block_k, t.block_q, 64)), DKDV_SIG))
+    return targets

@@ -1,0 +1,220 @@
+"""Chapter 5: the recomputing FlashAttention backward against the oracle's closed form.
+
+Every gradient is compared with ``kernels.reference.attention_backward`` in float64 under
+the tolerance rule (at most 2x the error of the same computation in plain float32 NumPy),
+for random upstream gradients dO. The o and lse given to the backward are the forward's
+(the oracle's, rounded to float32, or chapter 4's kernel's), exactly as in training.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kernels import reference as ref
+from kernels.flash_backward import (
+    DQ_MODES,
+    Tiles,
+    _split,
+    default_tiles,
+    flash_attention_backward,
+    head_dim_bucket,
+)
+from kernels.runtime import on_simulator
+from kernels.testing import assert_close, attention_cases, case_with, random_array
+
+SIM = on_simulator()
+# Simulated threads are slow: small shapes and tiles there; larger ones on the GPU.
+MAX_N = 20 if SIM else 300
+MAX_D = 12 if SIM else 128
+TILE_CHOICES = (
+    [None, Tiles(16, 4, 16, 4, 16, 16), Tiles(4, 8, 8, 8, 4, 8, merged=True)]
+    if SIM else
+    [None, Tiles(64, 32, 128, 64, 32, 128), Tiles(32, 16, 128, 32, 16, 128, merged=True),
+     Tiles(64, 16, 128, 64, 16, 128, merged=False), Tiles(32, 8, 128, 32, 8, 128)]
+)
+
+
+def _forward_and_grad(case, seed=1):
+    """The forward's (o, lse) in float32 from the oracle, and a random upstream gradient."""
+    o, lse = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale)
+    do = random_array(np.random.default_rng(seed), o.shape)
+    return o.astype(np.float32), lse.astype(np.float32), do
+
+
+def _check_gradients(case, got, o, lse, do):
+    kw = dict(causal=case.causal, scale=case.scale)
+    exact = ref.attention_backward(case.q, case.k, case.v, o, lse, do, **kw)
+    baseline = ref.attention_backward(case.q, case.k, case.v, o, lse, do, dtype=np.float32, **kw)
+    for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, baseline):
+        assert_close(g, e, b, name=name)
+
+
+def _usable(tiles, d):
+    """Whether a drawn tile configuration splits evenly at this head dim."""
+    if tiles is None:
+        return True
+    from kernels.flash_backward import _check_tiles
+
+    try:
+        _check_tiles(tiles, head_dim_bucket(d), "separate")
+    except ValueError:
+        return False
+    return True
+
+
+@given(case=attention_cases(max_n=MAX_N, max_d=MAX_D), tiles=st.sampled_from(TILE_CHOICES),
+       seed=st.integers(0, 2**16))
+@example(case=case_with((1, 1, 1, 3), (1, 1, 1, 3)), tiles=None, seed=0)                   # N = 1
+@example(case=case_with((1, 2, 9, 5), (1, 2, 17, 5), causal=True), tiles=None, seed=1)     # Nq < Nk, one past a tile
+@example(case=case_with((2, 1, 17, 7), (2, 1, 6, 7), causal=True), tiles=None, seed=2)     # Nq > Nk: masked rows
+@example(case=case_with((1, 1, 13, 8), (1, 1, 11, 8), scale=0.37, magnitude=30.0), tiles=None, seed=3)  # big logits
+@example(case=case_with((1, 1, 9, 4), (1, 1, 12, 4), causal=True), tiles=Tiles(4, 8, 8, 8, 4, 8, merged=True),
+         seed=4)                                                                            # P and dS share a buffer
+def test_gradients_match_the_oracle(case, tiles, seed):
+    if not _usable(tiles, case.q.shape[-1]):
+        tiles = None
+    o, lse, do = _forward_and_grad(case, seed)
+    got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=case.causal,
+                                   scale=case.scale, tiles=tiles)
+    _check_gradients(case, got, o, lse, do)
+
+
+@pytest.mark.parametrize("d", [16, 32] if SIM else [16, 32, 64, 128])
+def test_every_head_dim_bucket(d):
+    case = case_with((1, 1, 10, d), (1, 1, 13, d), causal=True, seed=d)
+    o, lse, do = _forward_and_grad(case)
+    got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=True)
+    _check_gradients(case, got, o, lse, do)
+
+
+def test_fully_masked_rows_give_zero_dq_and_no_nan():
+    # Causal with Nq > Nk: query rows 0..Nq-Nk-1 see no key (L = -inf).
+    case = case_with((1, 2, 12, 5), (1, 2, 4, 5), causal=True, seed=7)
+    o, lse, do = _forward_and_grad(case)
+    assert np.isneginf(lse[..., :8]).all()
+    dq, dk, dv = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=True)
+    for g in (dq, dk, dv):
+        assert not np.isnan(g).any()
+    assert (dq[..., :8, :] == 0).all()
+    _check_gradients(case, (dq, dk, dv), o, lse, do)
+
+
+@pytest.mark.parametrize("nq, nk", [(0, 5), (5, 0), (0, 0)])
+def test_empty_sequences(nq, nk):
+    case = case_with((2, 1, nq, 3), (2, 1, nk, 3), causal=True)
+    o, lse, do = _forward_and_grad(case)
+    dq, dk, dv = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=True)
+    assert dq.shape == (2, 1, nq, 3) and dk.shape == (2, 1, nk, 3) and dv.shape == (2, 1, nk, 3)
+    for g in (dq, dk, dv):
+        assert (g == 0).all()
+
+
+def test_consumes_the_logsumexp_of_the_chapter_4_forward():
+    forward = pytest.importorskip("kernels.flash_forward", reason="chapter 4's forward is not written yet")
+    for causal, (nq, nk) in ((False, (11, 14)), (True, (14, 9))):
+        case = case_with((1, 2, nq, 6), (1, 2, nk, 6), causal=causal, seed=nq)
+        o, lse = forward.flash_attention(case.q, case.k, case.v, causal=causal)
+        do = random_array(np.random.default_rng(5), o.shape)
+        got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=causal)
+        _check_gradients(case, got, o, lse, do)
+
+
+def test_separate_dq_kernel_is_bitwise_deterministic():
+    case = case_with((1, 2, 19, 8), (1, 2, 21, 8), causal=True, seed=11)
+    o, lse, do = _forward_and_grad(case)
+    runs = [flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=True) for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert np.array_equal(a, b)
+
+
+def test_atomic_dq_is_stable_within_tolerance():
+    # Atomic adds land in whatever order the blocks reach them: dQ may differ in its last
+    # bits from run to run, but every run meets the tolerance; dK and dV stay bitwise equal.
+    case = case_with((1, 1, 17, 8), (1, 1, 26, 8), seed=12)
+    o, lse, do = _forward_and_grad(case)
+    runs = [flash_attention_backward(case.q, case.k, case.v, o, lse, do, dq_mode="atomic") for _ in range(3)]
+    for got in runs:
+        _check_gradients(case, got, o, lse, do)
+    for other in runs[1:]:
+        assert np.array_equal(runs[0][1], other[1]) and np.array_equal(runs[0][2], other[2])
+        assert np.allclose(runs[0][0], other[0], rtol=0, atol=1e-5 * np.abs(runs[0][0]).max())
+
+
+def test_device_arrays_in_device_arrays_out():
+    from numba import cuda
+
+    case = case_with((1, 1, 9, 4), (1, 1, 7, 4), seed=13)
+    o, lse, do = _forward_and_grad(case)
+    args = [cuda.to_device(x) for x in (case.q, case.k, case.v, o, lse, do)]
+    got = flash_attention_backward(*args)
+    assert all(not isinstance(g, np.ndarray) for g in got)
+    _check_gradients(case, [g.copy_to_host() for g in got], o, lse, do)
+
+
+def test_micro_tiles_split_the_threads():
+    for rows, cols, threads in [(16, 64, 128), (64, 64, 128), (8, 8, 16), (32, 128, 128)]:
+        tm, tn = _split(rows, cols, threads)
+        assert rows % tm == 0 and cols % tn == 0 and (rows // tm) * (cols // tn) == threads
+    assert _split(3, 5, 4) is None
+    if not SIM:
+        assert default_tiles(64) != default_tiles(128)
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _good():
+    case = case_with((1, 2, 5, 4), (1, 2, 6, 4))
+    o, lse, do = _forward_and_grad(case)
+    return dict(q=case.q, k=case.k, v=case.v, o=o, lse=lse, do=do)
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("q", np.zeros((2, 5, 4), np.float32), ValueError),
+    ("k", np.zeros((1, 2, 6, 3), np.float32), ValueError),
+    ("v", np.zeros((1, 2, 7, 4), np.float32), ValueError),
+    ("o", np.zeros((1, 2, 6, 4), np.float32), ValueError),
+    ("o", np.zeros((1, 2, 5, 4), np.float64), TypeError),
+    ("lse", np.zeros((1, 2, 5, 1), np.float32), ValueError),
+    ("lse", np.zeros((1, 2, 4), np.float32), ValueError),
+    ("lse", np.zeros((1, 2, 5), np.float64), TypeError),
+    ("do", np.zeros((1, 2, 5, 3), np.float32), ValueError),
+    ("do", np.zeros((1, 2, 5, 4), np.float16), TypeError),
+    ("do", [[1.0]], TypeError),
+])
+def test_bad_arrays_are_named(name, value, error):
+    args = _good()
+    args[name] = value
+    if name == "k":  # k and v changed together, so that it is k that disagrees with q
+        args["v"] = value
+    with pytest.raises(error, match=rf"^{name}\b"):
+        flash_attention_backward(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("o"), args.pop("lse"),
+                                 args.pop("do"))
+
+
+@pytest.mark.parametrize("kwargs, name, error", [
+    (dict(causal=1), "causal", TypeError),
+    (dict(scale=-1.0), "scale", ValueError),
+    (dict(scale="big"), "scale", TypeError),
+    (dict(tiles=(64, 16)), "tiles", TypeError),
+    (dict(tiles=Tiles(16, 4, 5, 4, 16, 16)), "tiles", ValueError),
+    (dict(tiles=Tiles(0, 4, 16, 4, 16, 16)), "tiles", ValueError),
+    (dict(tiles=Tiles(16, 4, 16, 4, 16, 16, merged="yes")), "tiles", TypeError),
+    (dict(dq_mode="fast"), "dq_mode", ValueError),
+])
+def test_bad_options_are_named(kwargs, name, error):
+    with pytest.raises(error, match=rf"^{name}\b"):
+        flash_attention_backward(*_good().values(), **kwargs)
+
+
+def test_head_dim_above_128_is_refused():
+    case = case_with((1, 1, 2, 129), (1, 1, 2, 129))
+    o = np.zeros_like(case.q)
+    lse = np.zeros((1, 1, 2), np.float32)
+    with pytest.raises(ValueError, match=r"^q\b"):
+        flash_attention_backward(case.q, case.k, case.v, o, lse, o)
+
+
+def test_dq_modes_are_listed():
+    assert DQ_MODES == ("separate", "atomic")
