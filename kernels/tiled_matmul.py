@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint64
 
 from kernels.runtime import ArrayKind, cdiv, check_array, device_empty, is_device_array, on_simulator, to_device
 
@@ -43,6 +43,7 @@ __all__ = ["matmul", "make_naive", "make_shared_tiles", "make_register_tiles", "
            "ptx_targets", "default_tiles"]
 
 SIG = "void(float32[:, ::1], float32[:, ::1], float32[:, ::1])"
+SIG3 = "void(float32[::1], float32[::1], float32[::1], int32, int32, int32)"
 
 # 16-byte aligned shared tiles let the compiler use 128-bit shared loads; the simulator
 # does not support the alignment argument (and has no use for it).
@@ -140,82 +141,107 @@ def make_register_tiles(BM: int = 128, BN: int = 128, BK: int = 8, TM: int = 8, 
     PAD = 4                               # As row padding (floats): conflict-free transposed stores
     BMP = BM + PAD
 
+    A_BUF = BK * BMP                      # floats in one As buffer
+    B_BUF = BK * BN
+    A_SMEM = 2 * A_BUF                    # shapes must be compile-time constants
+    B_SMEM = 2 * B_BUF
+
+    @cuda.jit(device=True, inline="always")
+    def k_step(As, Bs, ao, bo, fa, fb, acc):
+        """One k-step: TM + TN shared loads into registers, then TM * TN FMAs from registers.
+        ``ao``, ``bo``: where this thread's A column and B row start in As, Bs."""
+        for i in range(TM):
+            fa[i] = As[ao + uint64((i // VM) * STEP_M + i % VM)]
+        for j in range(TN):
+            fb[j] = Bs[bo + uint64((j // VN) * STEP_N + j % VN)]
+        for i in range(TM):
+            for j in range(TN):
+                acc[i, j] += fa[i] * fb[j]
+
     @cuda.jit
-    def register_tile_kernel(a, b, c):
-        As = cuda.shared.array((2, BK, BMP), float32, alignment=ALIGN)   # A tile, transposed: As[k, m]
-        Bs = cuda.shared.array((2, BK, BN), float32, alignment=ALIGN)    # B tile: Bs[k, n]
-        acc = cuda.local.array((TM, TN), float32)
-        fa = cuda.local.array(TM, float32)
-        fb = cuda.local.array(TN, float32)
-        ra = cuda.local.array(LA, float32)    # next k-tile of A, on its way to shared memory
+    def register_tile_kernel(a, b, c, M, N, K):
+        # a, b, c are the matrices flattened (row-major): A[m, k] = a[m * K + k]. Flat
+        # unsigned (uint64) offsets, because Numba adds a negative-index wraparound to every
+        # signed index, which costs instructions and hides from the compiler that a thread's
+        # shared loads are contiguous (it then cannot issue them as 128-bit loads).
+        #
+        # Two buffers each: As[buf * A_BUF + k * BMP + m] = A[m0 + m, k0 + k] (transposed),
+        # Bs[buf * B_BUF + k * BN + n] = B[k0 + k, n0 + n].
+        As = cuda.shared.array(A_SMEM, float32, alignment=ALIGN)
+        Bs = cuda.shared.array(B_SMEM, float32, alignment=ALIGN)
+        acc = cuda.local.array((TM, TN), float32)   # the thread's TM x TN micro-tile of C
+        fa = cuda.local.array(TM, float32)          # A[its rows, k] for one k-step
+        fb = cuda.local.array(TN, float32)          # B[k, its columns] for one k-step
+        ra = cuda.local.array(LA, float32)          # next k-tile of A, on its way to shared memory
         rb = cuda.local.array(LB, float32)
 
-        M = int32(c.shape[0])
-        N = int32(c.shape[1])
-        K = int32(a.shape[1])
         tid = int32(cuda.threadIdx.x)
         tx = tid % int32(THREADS_N)
         ty = tid // int32(THREADS_N)
         m0 = int32(cuda.blockIdx.y) * int32(BM)
         n0 = int32(cuda.blockIdx.x) * int32(BN)
+        ua = uint64(ty * int32(VM))                 # first of this thread's rows in the tile
+        ub = uint64(tx * int32(VN))                 # first of its columns
+        uK = uint64(K)
+        uN = uint64(N)
+        rows_inside = m0 + int32(BM) <= M           # the whole block tile lies inside A / B
+        cols_inside = n0 + int32(BN) <= N
 
         for i in range(TM):
             for j in range(TN):
                 acc[i, j] = float32(0.0)
 
-        # k-tile 0 -> registers -> shared buffer 0
-        for r in range(LA):
-            e = tid + int32(r * NT)
-            mm = e // int32(BK)
-            kk = e % int32(BK)
-            gm = m0 + mm
-            ra[r] = a[gm, kk] if (gm < M and kk < K) else float32(0.0)
-        for r in range(LB):
-            e = tid + int32(r * NT)
-            kk = e // int32(BN)
-            nn = e % int32(BN)
-            gn = n0 + nn
-            rb[r] = b[kk, gn] if (kk < K and gn < N) else float32(0.0)
-        for r in range(LA):
-            e = tid + int32(r * NT)
-            As[0, e % int32(BK), e // int32(BK)] = ra[r]
-        for r in range(LB):
-            e = tid + int32(r * NT)
-            Bs[0, e // int32(BN), e % int32(BN)] = rb[r]
-        cuda.syncthreads()
-
         tiles = (K + int32(BK - 1)) // int32(BK)
-        for t in range(tiles):
-            cur = t & 1
-            k_next = (t + int32(1)) * int32(BK)
-            more = k_next < K
-            if more:  # start fetching k-tile t + 1 while computing on k-tile t
-                for r in range(LA):
-                    e = tid + int32(r * NT)
-                    gm = m0 + e // int32(BK)
-                    gk = k_next + e % int32(BK)
-                    ra[r] = a[gm, gk] if (gm < M and gk < K) else float32(0.0)
-                for r in range(LB):
-                    e = tid + int32(r * NT)
-                    gk = k_next + e // int32(BN)
-                    gn = n0 + e % int32(BN)
-                    rb[r] = b[gk, gn] if (gk < K and gn < N) else float32(0.0)
-            for kk in range(BK):
-                for i in range(TM):
-                    fa[i] = As[cur, kk, (i // VM) * STEP_M + ty * VM + (i % VM)]
-                for j in range(TN):
-                    fb[j] = Bs[cur, kk, (j // VN) * STEP_N + tx * VN + (j % VN)]
-                for i in range(TM):
-                    for j in range(TN):
-                        acc[i, j] += fa[i] * fb[j]
+        for t in range(-1, tiles):
+            # Fetch k-tile t + 1 into registers (0 outside the matrix); the loads are in
+            # flight while the block computes on k-tile t below.
+            k_next = (int32(t) + int32(1)) * int32(BK)
+            more = k_next < K or t < 0
             if more:
-                nxt = 1 - cur
+                k_inside = k_next + int32(BK) <= K
+                if rows_inside and k_inside:        # interior tile: no masks
+                    for r in range(LA):
+                        e = tid + int32(r * NT)     # element e of the BM x BK tile, row-major
+                        ra[r] = a[uint64(m0 + e // int32(BK)) * uK + uint64(k_next + e % int32(BK))]
+                else:
+                    for r in range(LA):
+                        e = tid + int32(r * NT)
+                        gm = m0 + e // int32(BK)
+                        gk = k_next + e % int32(BK)
+                        ra[r] = a[uint64(gm) * uK + uint64(gk)] if (gm < M and gk < K) else float32(0.0)
+                if cols_inside and k_inside:
+                    for r in range(LB):
+                        e = tid + int32(r * NT)     # element e of the BK x BN tile, row-major
+                        rb[r] = b[uint64(k_next + e // int32(BN)) * uN + uint64(n0 + e % int32(BN))]
+                else:
+                    for r in range(LB):
+                        e = tid + int32(r * NT)
+                        gk = k_next + e // int32(BN)
+                        gn = n0 + e % int32(BN)
+                        rb[r] = b[uint64(gk) * uN + uint64(gn)] if (gk < K and gn < N) else float32(0.0)
+            if t >= 0:
+                cur = uint64(t & 1)
+                a_k = cur * uint64(A_BUF) + ua
+                b_k = cur * uint64(B_BUF) + ub
+                # The BK k-steps of this tile, two per trip (fewer loop instructions, and the
+                # second step's shared loads can overlap the first step's FMAs).
+                kk = uint64(0)
+                while kk + uint64(1) < uint64(BK):
+                    k_step(As, Bs, a_k + kk * uint64(BMP), b_k + kk * uint64(BN), fa, fb, acc)
+                    k_step(As, Bs, a_k + (kk + uint64(1)) * uint64(BMP), b_k + (kk + uint64(1)) * uint64(BN),
+                           fa, fb, acc)
+                    kk += uint64(2)
+                if BK % 2 == 1:
+                    k_step(As, Bs, a_k + uint64((BK - 1) * BMP), b_k + uint64((BK - 1) * BN), fa, fb, acc)
+            if more:
+                # Buffer (t + 1) & 1 was last read in step t - 1, before the last barrier.
+                nxt = uint64((t + 1) & 1)
                 for r in range(LA):
                     e = tid + int32(r * NT)
-                    As[nxt, e % int32(BK), e // int32(BK)] = ra[r]
+                    As[nxt * uint64(A_BUF) + uint64((e % int32(BK)) * int32(BMP) + e // int32(BK))] = ra[r]
                 for r in range(LB):
                     e = tid + int32(r * NT)
-                    Bs[nxt, e // int32(BN), e % int32(BN)] = rb[r]
+                    Bs[nxt * uint64(B_BUF) + uint64(e)] = rb[r]
             cuda.syncthreads()
 
         for i in range(TM):
@@ -224,7 +250,7 @@ def make_register_tiles(BM: int = 128, BN: int = 128, BK: int = 8, TM: int = 8, 
                 for j in range(TN):
                     gn = n0 + int32((j // VN) * STEP_N) + tx * int32(VN) + int32(j % VN)
                     if gn < N:
-                        c[gm, gn] = acc[i, j]
+                        c[uint64(gm) * uN + uint64(gn)] = acc[i, j]
 
     register_tile_kernel.threads = NT
     return register_tile_kernel
@@ -317,7 +343,8 @@ def matmul(a, b, *, rung: int = 3, out=None, block=None, tile=None, register_til
     else:
         BM, BN, BK, TM, TN = (int(x) for x in register_tiles)
         kern = make_register_tiles(BM, BN, BK, TM, TN)
-        kern[(cdiv(N, BN), cdiv(M, BM)), kern.threads](da, db, dc)
+        kern[(cdiv(N, BN), cdiv(M, BM)), kern.threads](
+            da.reshape(M * K), db.reshape(K * N), dc.reshape(M * N), M, N, K)
     return kind.give_back(dc) if out is None else out
 
 
@@ -330,5 +357,5 @@ def ptx_targets():
         ("matmul rung 2 fp32 T=32", make_shared_tiles(32), SIG),
     ]
     for name, cfg in RUNG3_CONFIGS.items():
-        targets.append((f"matmul rung 3 fp32 {name}", make_register_tiles(*cfg), SIG))
+        targets.append((f"matmul rung 3 fp32 {name}", make_register_tiles(*cfg), SIG3))
     return targets
