@@ -278,7 +278,8 @@ _ = check_exercise(lambda c: check_merge_tree(merge, c), merge_tree_cases())
 #  1. online pass   each thread: chunk max mc, lc = sum exp(x - max(m, mc)),
 #                   then (m, l) = merge((m, l), (mc, lc))      -> one (m, l) a thread
 #  2. tree          shared memory, log2(TPR) steps:  s = TPR/2, TPR/4, ..., 1
-#                   thread t < s: state[t] = merge(state[t], state[t + s]);  barrier
+#                   barrier; thread t < s: state[t] = merge(state[t], state[t + s])
+#                   (a block barrier while s >= 32, a warp barrier for the last 5 steps)
 #  3. write pass    p = exp(x - m) / l  from the registers (row read from HBM once)
 #                   thread 0 of the row also writes L = m + log l
 # ```
