@@ -60,7 +60,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint64
 
 from kernels.runtime import (
     ArrayKind,
@@ -161,26 +161,46 @@ def check_tiles(tiles, D: int) -> Tiles:
 
 # --------------------------------------------------------------------------- the kernel
 
-def _make_xor_shuffle(threads):
-    """x from the thread whose index differs from ours in the bits of ``lane_mask``.
+def _make_row_reductions(TX, threads):
+    """row_max(x), row_sum(x): reduce x over the TX neighbouring threads that share a row.
 
-    On a GPU this is one warp shuffle. The simulator has no shuffles: there every thread
-    swaps through shared memory between two barriers (all threads call it together)."""
+    On a GPU: a butterfly of log2(TX) warp shuffles (``shfl_xor``), no shared memory, no
+    barrier. The simulator has no shuffles: there the threads swap values through shared
+    memory between barriers (every thread calls these together, as a warp would)."""
     if not on_simulator():
         @cuda.jit(device=True, inline=True)
-        def xor_shuffle(x, lane_mask):
-            return cuda.shfl_xor_sync(0xFFFFFFFF, x, lane_mask)
-        return xor_shuffle
+        def row_max(x):
+            lane_mask = TX // 2
+            while lane_mask > 0:
+                x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, lane_mask))
+                lane_mask //= 2
+            return x
 
-    @cuda.jit(device=True)
-    def xor_shuffle(x, lane_mask):
+        @cuda.jit(device=True, inline=True)
+        def row_sum(x):
+            lane_mask = TX // 2
+            while lane_mask > 0:
+                x += cuda.shfl_xor_sync(0xFFFFFFFF, x, lane_mask)
+                lane_mask //= 2
+            return x
+        return row_max, row_sum
+
+    def exchange(x):
         swap = cuda.shared.array(threads, float32)
         tid = cuda.threadIdx.x
         cuda.syncthreads()
         swap[tid] = x
         cuda.syncthreads()
-        return swap[tid ^ lane_mask]
-    return xor_shuffle
+        return swap[tid - tid % TX: tid - tid % TX + TX]
+
+    @cuda.jit(device=True)
+    def row_max(x):
+        return max(exchange(x))
+
+    @cuda.jit(device=True)
+    def row_sum(x):
+        return float32(sum(exchange(x)))
+    return row_max, row_sum
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,8 +216,10 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int):
     THREADS = TY * TX
     RN = Bc // TX                 # columns of S a thread owns
     RD = D // TX                  # columns of O a thread owns
+    RB = max(RN, RD)
+    LOG2_D = D.bit_length() - 1   # D is a power of two
     Q_OFF, K_OFF, V_OFF, P_OFF, Q_STRIDE, K_STRIDE, P_STRIDE, _ = _layout(Br, Bc, D, TX)
-    xor_shuffle = _make_xor_shuffle(THREADS)
+    row_max, row_sum = _make_row_reductions(TX, THREADS)
 
     @cuda.jit(fastmath=True)
     def flash_forward(q, k, v, o, lse, d, scale, causal):
@@ -207,26 +229,36 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int):
         tid = int32(cuda.threadIdx.x)
         tx = tid % TX                             # which of the TX threads of a row
         ty = tid // TX                            # which group of rows
-        bh = cuda.blockIdx.y                      # (batch, head)
+        bh = uint64(cuda.blockIdx.y)              # (batch, head)
         q0 = int32(cuda.blockIdx.x) * Br          # first query row of this tile (tile i)
         diag = n_k - n_q                          # causal: row r sees key c iff c <= r + diag
+        # Shared-memory indices in the hot loops are unsigned: Numba checks every signed
+        # index for a negative value (Python's a[-1]); an unsigned one skips that check.
+        tx_u = uint64(tx)
+        ty_u = uint64(ty)
 
-        # ---- Q_i: Br x d from HBM, once, into shared memory (transposed, zero-padded)
+        qh = q[bh]                                # this head's Q, K, V: (N, d) views
+        kh = k[bh]
+        vh = v[bh]
+
+        # ---- Q_i: Br x d from HBM, once, into shared memory (transposed, zero-padded).
+        # Consecutive threads read consecutive elements of a row (coalesced); D is a power
+        # of two, so element e of the tile is row e >> LOG2_D, column e & (D - 1).
         for e in range(tid, Br * D, THREADS):
-            r = e // D
-            c = e % D
+            r = e >> LOG2_D
+            c = e & (D - 1)
             x = float32(0.0)
             if q0 + r < n_q and c < d:
-                x = float32(q[bh, q0 + r, c])
-            smem[Q_OFF + c * Q_STRIDE + r] = x
+                x = float32(qh[uint64(q0 + r), uint64(c)])
+            smem[uint64(Q_OFF + c * Q_STRIDE + r)] = x
 
-        # ---- on-chip state of this thread's TM rows
+        # ---- on-chip state of this thread's TM rows (registers: every index is a constant)
         m = cuda.local.array(TM, float32)         # running max (raw scores)
         l = cuda.local.array(TM, float32)         # running sum (this thread's columns)
         acc = cuda.local.array((TM, RD), float32)  # running output O (unnormalised)
         s = cuda.local.array((TM, RN), float32)   # this tile's scores S
         a = cuda.local.array(TM, float32)         # operand registers
-        b = cuda.local.array(RD if RD > RN else RN, float32)
+        b = cuda.local.array(RB, float32)
         for i in range(TM):
             m[i] = MASKED
             l[i] = float32(0.0)
@@ -244,29 +276,33 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int):
             # -- K_j (transposed) and V_j: Bc x d from HBM into shared memory
             cuda.syncthreads()                    # everyone is done with the last tile
             for e in range(tid, Bc * D, THREADS):
-                r = e // D
-                c = e % D
+                r = e >> LOG2_D
+                c = e & (D - 1)
                 kx = float32(0.0)
                 vx = float32(0.0)
                 if k0 + r < n_k and c < d:
-                    kx = float32(k[bh, k0 + r, c])
-                    vx = float32(v[bh, k0 + r, c])
-                smem[K_OFF + c * K_STRIDE + r] = kx
-                smem[V_OFF + r * D + c] = vx
+                    kx = float32(kh[uint64(k0 + r), uint64(c)])
+                    vx = float32(vh[uint64(k0 + r), uint64(c)])
+                smem[uint64(K_OFF + c * K_STRIDE + r)] = kx
+                smem[uint64(V_OFF + r * D + c)] = vx
             cuda.syncthreads()
 
             # -- S = Q_i K_j^T: a TM x RN register tile a thread
             for i in range(TM):
                 for j in range(RN):
                     s[i, j] = float32(0.0)
+            q_c = uint64(Q_OFF) + ty_u            # walks down Qt[c, ty + TY*i], c = 0 .. D-1
+            k_c = uint64(K_OFF) + tx_u            # walks down Kt[c, tx + TX*j]
             for c in range(D):
                 for i in range(TM):
-                    a[i] = smem[Q_OFF + c * Q_STRIDE + ty + TY * i]
+                    a[i] = smem[q_c + uint64(TY * i)]
                 for j in range(RN):
-                    b[j] = smem[K_OFF + c * K_STRIDE + tx + TX * j]
+                    b[j] = smem[k_c + uint64(TX * j)]
                 for i in range(TM):
                     for j in range(RN):
                         s[i, j] += a[i] * b[j]
+                q_c += uint64(Q_STRIDE)
+                k_c += uint64(K_STRIDE)
 
             # -- mask: only the tiles the ragged end of K or the causal diagonal crosses
             if k0 + Bc > n_k or (causal and k0 + Bc - 1 > q0 + diag):
@@ -278,14 +314,12 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int):
                             s[i, j] = MASKED
 
             # -- online softmax: new max, rescale l and O, P = exp(scale (S - m'))
+            p_t = uint64(P_OFF + tx * P_STRIDE) + ty_u        # Pt[tx, ty]
             for i in range(TM):
                 mx = m[i]
                 for j in range(RN):
                     mx = max(mx, s[i, j])
-                off = TX // 2
-                while off > 0:                    # max across the TX threads of the row
-                    mx = max(mx, xor_shuffle(mx, off))
-                    off //= 2
+                mx = row_max(mx)                  # across the TX threads of the row
                 live = mx > MASKED                # has this row seen any key yet?
                 alpha = math.exp((m[i] - mx) * scale)
                 m[i] = mx
@@ -295,26 +329,27 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int):
                 for j in range(RN):
                     p = math.exp((s[i, j] - mx) * scale) if live else float32(0.0)
                     l[i] += p
-                    smem[P_OFF + (tx + TX * j) * P_STRIDE + ty + TY * i] = p
+                    smem[p_t + uint64(TX * j * P_STRIDE + TY * i)] = p
             cuda.syncthreads()                    # P_ij complete in shared memory
 
             # -- O += P V_j: a TM x RD register tile a thread
+            p_r = uint64(P_OFF) + ty_u            # walks down Pt[r, ty + TY*i], r = 0 .. Bc-1
+            v_r = uint64(V_OFF) + tx_u            # walks down V[r, tx + TX*c]
             for r in range(Bc):
                 for i in range(TM):
-                    a[i] = smem[P_OFF + r * P_STRIDE + ty + TY * i]
+                    a[i] = smem[p_r + uint64(TY * i)]
                 for c in range(RD):
-                    b[c] = smem[V_OFF + r * D + tx + TX * c]
+                    b[c] = smem[v_r + uint64(TX * c)]
                 for i in range(TM):
                     for c in range(RD):
                         acc[i, c] += a[i] * b[c]
+                p_r += uint64(P_STRIDE)
+                v_r += uint64(D)
 
         # ---- epilogue: l across the row's threads, O / l, L = scale m + log l
+        oh = o[bh]
         for i in range(TM):
-            total = l[i]
-            off = TX // 2
-            while off > 0:
-                total += xor_shuffle(total, off)
-                off //= 2
+            total = row_sum(l[i])
             row = q0 + ty + TY * i
             if row < n_q:
                 if total > float32(0.0):
@@ -326,9 +361,9 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int):
                 for c in range(RD):
                     col = tx + TX * c
                     if col < d:
-                        o[bh, row, col] = acc[i, c] * inv
+                        oh[uint64(row), uint64(col)] = acc[i, c] * inv
                 if tx == 0:
-                    lse[bh, row] = lse_row
+                    lse[bh, uint64(row)] = lse_row
 
     return flash_forward
 

@@ -1,0 +1,213 @@
+"""Chapter 4: the fused FlashAttention forward against the float64 oracle.
+
+O and the row logsumexp L, for drawn shapes (ragged N, Nq != Nk, odd d, N = 0 and 1),
+causal or not, drawn scales and logit magnitudes (up to about 1e4), float32 and float16
+inputs, drawn tile configurations; device arrays in and out; the launcher's validation.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kernels import reference as ref
+from kernels.flash_forward import (
+    SWEEP_D64,
+    SWEEP_D128,
+    Tiles,
+    default_tiles,
+    flash_attention,
+    head_dim_tile,
+    shared_bytes,
+)
+from kernels.runtime import is_device_array, on_simulator
+from kernels.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
+from kernels.testing import assert_close, attention_cases, case_with
+
+SIM = on_simulator()
+BOTH_DTYPES = (np.float32, np.float16)
+
+
+def check(case, tiles=None):
+    """Run the kernel on ``case`` and compare O and L with the oracle (the tolerance rule)."""
+    o, lse = flash_attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale, tiles=tiles)
+    exact_o, exact_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale)
+    base_o, base_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale,
+                                   dtype=np.float32)
+    assert o.dtype == np.float32 and lse.dtype == np.float32
+    assert_close(o, exact_o, base_o, name="O")
+    assert_close(lse, exact_l, base_l, name="L")
+    return o, lse
+
+
+# --------------------------------------------------------------------------- the oracle
+
+# One past a tile of the default configuration (simulator Br = Bc = 8; GPU 128 / 64).
+ONE_PAST = 9 if SIM else 129
+
+
+@given(attention_cases(dtypes=BOTH_DTYPES))
+@example(case_with((1, 1, 1, 4), (1, 1, 1, 4)))                               # N = 1
+@example(case_with((1, 2, 5, 3), (1, 2, 11, 3)))                              # Nq < Nk, odd d
+@example(case_with((2, 1, 11, 7), (2, 1, 5, 7), causal=True))                 # Nq > Nk: empty rows
+@example(case_with((1, 1, ONE_PAST, 16), (1, 1, ONE_PAST, 16), causal=True))  # one past a tile
+@example(case_with((1, 1, 12, 16), (1, 1, 12, 16), magnitude=100.0))          # logits ~ +-1e4
+@example(case_with((1, 1, 12, 16), (1, 1, 12, 16), magnitude=100.0, causal=True, scale=1.0))
+@example(case_with((1, 1, 10, 8), (1, 1, 13, 8), dtype=np.float16, causal=True))
+@example(case_with((1, 1, 0, 8), (1, 1, 5, 8)))                               # Nq = 0
+@example(case_with((1, 1, 6, 8), (1, 1, 0, 8), causal=True))                  # Nk = 0: all rows empty
+def test_matches_oracle(case):
+    check(case)
+
+
+def tile_configs():
+    """Tile configurations the kernel must handle: tiny ones in the simulator, the bench's
+    production candidates and random valid ones on a GPU."""
+    pow2 = st.sampled_from([1, 2, 4, 8, 16])
+
+    @st.composite
+    def draw(draw):
+        if not SIM and draw(st.booleans()):
+            return draw(st.sampled_from(SWEEP_D64 + SWEEP_D128))
+        tx = draw(st.sampled_from([1, 2, 4, 8] if SIM else [4, 8, 16, 32]))
+        tm = draw(pow2)
+        rows = draw(st.sampled_from([1, 2, 4] if SIM else [4, 8, 16, 32]))   # threads along rows
+        bc = tx * draw(st.sampled_from([1, 2, 3] if SIM else [1, 2, 4]))
+        tiles = Tiles(Br=tm * rows, Bc=bc, TM=tm, TX=tx)
+        if SIM and tiles.threads > 32 or not SIM and (tiles.threads % 32 or tiles.threads > 1024):
+            return Tiles(Br=8, Bc=8, TM=2, TX=4) if SIM else SWEEP_D64[0]
+        return tiles
+    return draw()
+
+
+@settings(max_examples=6 if SIM else 300)
+@given(case=attention_cases(max_n=24 if SIM else 300, max_d=16 if SIM else 128, dtypes=BOTH_DTYPES),
+       tiles=tile_configs())
+@example(case=case_with((1, 1, 7, 5), (1, 1, 9, 5), causal=True), tiles=Tiles(Br=1, Bc=1, TM=1, TX=1))
+@example(case=case_with((1, 1, 9, 3), (1, 1, 20, 3), causal=True), tiles=Tiles(Br=4, Bc=8, TM=1, TX=8))
+@example(case=case_with((1, 1, 17, 6), (1, 1, 6, 6), causal=True), tiles=Tiles(Br=2, Bc=3, TM=2, TX=1))
+def test_drawn_tiles(case, tiles):
+    if SIM and tiles.threads > 32:
+        tiles = default_tiles(case.q.shape[-1])
+    check(case, tiles)
+
+
+def test_fully_masked_rows_are_zero_with_minus_inf_lse():
+    """Causal with Nq > Nk: query i sees nothing when i + (Nk - Nq) < 0: O = 0, L = -inf."""
+    case = case_with((1, 2, 13, 4), (1, 2, 5, 4), causal=True, seed=3)
+    o, lse = check(case)
+    empty = np.arange(13) + (5 - 13) < 0
+    assert np.all(o[:, :, empty] == 0)
+    assert np.all(np.isneginf(lse[:, :, empty]))
+    assert np.all(np.isfinite(lse[:, :, ~empty]))
+
+
+@pytest.mark.parametrize("nq,nk", [(0, 0), (0, 3), (4, 0)])
+def test_empty_sequences(nq, nk):
+    case = case_with((2, 1, nq, 6), (2, 1, nk, 6))
+    o, lse = flash_attention(case.q, case.k, case.v)
+    assert o.shape == (2, 1, nq, 6) and lse.shape == (2, 1, nq)
+    assert np.all(o == 0) and np.all(np.isneginf(lse))
+
+
+def test_float16_inputs_use_the_rounded_values():
+    """float16 in: the result is the attention of the float16 values, computed in float32."""
+    case = case_with((1, 2, 10, 8), (1, 2, 14, 8), dtype=np.float16, causal=True, seed=5)
+    o, lse = check(case)
+    assert o.dtype == np.float32
+
+
+def test_lse_rebuilds_the_probabilities():
+    """What chapter 5 relies on: P = exp(scale * S - L) has rows summing to 1."""
+    case = case_with((1, 1, 9, 8), (1, 1, 12, 8), causal=True, seed=7)
+    _, lse = flash_attention(case.q, case.k, case.v, causal=True)
+    scale = 1 / math.sqrt(8)
+    s = scale * (case.q.astype(np.float64) @ np.swapaxes(case.k.astype(np.float64), -1, -2))
+    s = np.where(ref.causal_mask(9, 12), s, -np.inf)
+    p = np.exp(s - lse[..., None].astype(np.float64))
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_device_arrays_in_device_arrays_out():
+    from numba import cuda
+
+    case = case_with((1, 2, 10, 8), (1, 2, 7, 8), causal=True, seed=11)
+    dq, dk, dv = (cuda.to_device(x) for x in (case.q, case.k, case.v))
+    o, lse = flash_attention(dq, dk, dv, causal=True)
+    assert is_device_array(o) and is_device_array(lse)
+    o_host, lse_host = flash_attention(case.q, case.k, case.v, causal=True)
+    np.testing.assert_array_equal(o.copy_to_host(), o_host)
+    np.testing.assert_array_equal(lse.copy_to_host(), lse_host)
+
+
+# --------------------------------------------------------------------------- tiles, shared memory
+
+def test_shared_memory_budget():
+    """Qt D x (Br+1), Kt D x (Bc+1), V Bc x D, Pt Bc x (Br + 32/TX), float32."""
+    t = Tiles(Br=128, Bc=64, TM=8, TX=8)
+    assert shared_bytes(t, 64) == 4 * (64 * 129 + 64 * 65 + 64 * 64 + 64 * 132)
+    assert shared_bytes(Tiles(Br=64, Bc=32, TM=4, TX=8), 128) == 4 * (128 * 65 + 128 * 33 + 32 * 128 + 32 * 68)
+    for tiles, d in [(t, 64) for t in SWEEP_D64] + [(t, 128) for t in SWEEP_D128]:
+        assert shared_bytes(tiles, d) <= 227 * 1024
+        assert tiles.threads % 32 == 0 and tiles.threads <= 1024
+
+
+def test_head_dim_tile():
+    assert head_dim_tile(64, 8) == 64 and head_dim_tile(65, 8) == 128 and head_dim_tile(3, 8) == max(8, 1 if SIM else 16)
+
+
+def test_dynamic_shared_memory_limit_small_or_simulated_is_a_no_op():
+    # At or below 48 KB nothing is needed; in the simulator there is no limit to raise.
+    allow_dynamic_shared_memory(object(), (), STATIC_LIMIT_BYTES)
+    if SIM:
+        allow_dynamic_shared_memory(object(), (), 100 * 1024)
+
+
+@pytest.mark.skipif(SIM, reason="needs a GPU: the limit is a driver attribute")
+def test_dynamic_shared_memory_above_48kb_launches():
+    tiles = Tiles(Br=128, Bc=64, TM=8, TX=8)
+    assert shared_bytes(tiles, 64) > STATIC_LIMIT_BYTES
+    check(case_with((1, 2, 300, 64), (1, 2, 257, 64), causal=True), tiles)
+    with pytest.raises(ValueError, match="shared memory"):
+        allow_dynamic_shared_memory(object(), (), 10**7)
+
+
+# --------------------------------------------------------------------------- validation
+
+GOOD = case_with((1, 2, 4, 8), (1, 2, 5, 8))
+
+
+@pytest.mark.parametrize("change,exc,name", [
+    (dict(q=GOOD.q[0]), ValueError, "q"),                                     # rank
+    (dict(k=GOOD.k[..., :4]), ValueError, "k"),                               # head dim differs
+    (dict(v=GOOD.v[:, :, :3]), ValueError, "v"),                              # v shape != k shape
+    (dict(k=np.concatenate([GOOD.k, GOOD.k], axis=1)), ValueError, "k"),      # heads differ
+    (dict(q=GOOD.q.astype(np.float64), k=GOOD.k.astype(np.float64), v=GOOD.v.astype(np.float64)),
+     TypeError, "q"),                                                         # dtype
+    (dict(q=GOOD.q.astype(np.int32)), TypeError, "q"),
+    (dict(q=GOOD.q.astype(np.float16)), TypeError, "q, k, v"),                # mixed dtypes
+    (dict(q=np.ones((1, 1, 2, 129), np.float32), k=np.ones((1, 1, 2, 129), np.float32),
+          v=np.ones((1, 1, 2, 129), np.float32)), ValueError, "head dim"),    # d > 128
+    (dict(q=[[[[1.0]]]]), TypeError, "q"),                                    # not an array
+    (dict(scale=0.0), ValueError, "scale"),
+    (dict(scale=-1.0), ValueError, "scale"),
+    (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(scale="0.5"), TypeError, "scale"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(causal="yes"), TypeError, "causal"),
+    (dict(tiles=(64, 64, 4, 8)), TypeError, "tiles"),
+    (dict(tiles=Tiles(Br=8, Bc=8, TM=3, TX=4)), ValueError, "tiles"),         # TM does not divide Br
+    (dict(tiles=Tiles(Br=8, Bc=6, TM=2, TX=4)), ValueError, "tiles"),         # TX does not divide Bc
+    (dict(tiles=Tiles(Br=8, Bc=8, TM=2, TX=3)), ValueError, "tiles"),         # TX not a power of two
+    (dict(tiles=Tiles(Br=8, Bc=64, TM=1, TX=64)), ValueError, "tiles"),       # TX > 32
+    (dict(tiles=Tiles(Br=0, Bc=8, TM=1, TX=4)), ValueError, "tiles"),
+    (dict(tiles=Tiles(Br=2048, Bc=8, TM=1, TX=4)), ValueError, "tiles"),      # too many threads
+])
+def test_bad_inputs_name_the_argument(change, exc, name):
+    args = dict(q=GOOD.q, k=GOOD.k, v=GOOD.v, causal=False, scale=None)
+    args.update(change)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(exc, match=name):
+        flash_attention(q, k, v, **args)
