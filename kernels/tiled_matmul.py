@@ -40,7 +40,7 @@ from numba import cuda, float32, int32, uint64
 from kernels.runtime import ArrayKind, cdiv, check_array, device_empty, is_device_array, on_simulator, to_device
 
 __all__ = ["matmul", "make_naive", "make_shared_tiles", "make_register_tiles", "RUNG3_CONFIGS",
-           "ptx_targets", "default_tiles"]
+           "RUNG3_DEFAULT", "default_tiles", "global_bytes", "ptx_targets"]
 
 SIG = "void(float32[:, ::1], float32[:, ::1], float32[:, ::1])"
 SIG3 = "void(float32[::1], float32[::1], float32[::1], int32, int32, int32)"
@@ -262,7 +262,7 @@ RUNG3_CONFIGS = {
     "128x128x16 8x8": (128, 128, 16, 8, 8),
     "128x64x16 8x4": (128, 64, 16, 8, 4),
 }
-RUNG3_DEFAULT = "128x128x8 8x8"
+RUNG3_DEFAULT = "128x128x16 8x8"
 
 # Small tiles for the simulator (every thread is a Python thread there).
 _SIM_TILES = {1: dict(block=(8, 8)), 2: dict(tile=8), 3: dict(register_tiles=(16, 16, 4, 4, 4))}
@@ -346,6 +346,27 @@ def matmul(a, b, *, rung: int = 3, out=None, block=None, tile=None, register_til
         kern[(cdiv(N, BN), cdiv(M, BM)), kern.threads](
             da.reshape(M * K), db.reshape(K * N), dc.reshape(M * N), M, N, K)
     return kind.give_back(dc) if out is None else out
+
+
+# --------------------------------------------------------------------------- counting
+
+def global_bytes(m: int, n: int, k: int, *, rung: int, tile: int = 32, bm: int = 128, bn: int = 128) -> int:
+    """Bytes the kernel's threads request from global memory by its tiling (float32, no
+    cache reuse counted): what each rung is about.
+
+    rung 1: every FMA loads one element of A and one of B: 4 (2 M N K + M N).
+    rung 2: each T x T block loads its A rows and B columns once per k-tile, so A is read
+            ceil(N/T) times and B ceil(M/T) times: 4 (M K ceil(N/T) + K N ceil(M/T) + M N).
+    rung 3: the same with BM x BN block tiles.
+    The compulsory traffic (each matrix once) is 4 (M K + K N + M N).
+    """
+    if rung == 1:
+        return 4 * (2 * m * n * k + m * n)
+    if rung == 2:
+        return 4 * (m * k * cdiv(n, tile) + k * n * cdiv(m, tile) + m * n)
+    if rung == 3:
+        return 4 * (m * k * cdiv(n, bn) + k * n * cdiv(m, bm) + m * n)
+    return 4 * (m * k + k * n + m * n)
 
 
 # --------------------------------------------------------------------------- PTX targets
