@@ -303,8 +303,10 @@ def softmax(x, *, return_lse=False, threads_per_row=None, rows_per_block=None, p
     stays on the device). Rows of any length n >= 0; a row of all -inf gives zeros.
     return_lse: also return L = logsumexp over the last axis (shape x.shape[:-1]; -inf for
     an all -inf or empty row), computed in the same pass.
-    threads_per_row (32..1024, a power of two), rows_per_block, per_thread (floats a thread
-    keeps in registers): the tiles; defaults from ``default_tiles``.
+    threads_per_row (32..1024, a power of two), rows_per_block (threads_per_row *
+    rows_per_block <= 1024), per_thread (1..32 floats a thread keeps in registers): the
+    tiles; defaults from ``default_tiles``. Rows longer than threads_per_row * per_thread
+    are swept in chunks and read twice.
     """
     shape, _ = check_array(x, "x", dtypes=(np.float32,))
     if len(shape) < 1:
@@ -320,15 +322,24 @@ def softmax(x, *, return_lse=False, threads_per_row=None, rows_per_block=None, p
     if rows_per_block is not None:
         rpb = _check_int(rows_per_block, "rows_per_block", 1, 32)
     if per_thread is not None:
-        k = _check_int(per_thread, "per_thread", 1, 64)
+        k = _check_int(per_thread, "per_thread", 1, 32)
     if tpr * rpb > 1024:
         raise ValueError(f"rows_per_block: threads_per_row * rows_per_block must be <= 1024, got {tpr} * {rpb}")
 
+    if n >= 2**31:
+        raise ValueError(f"x: expected rows shorter than 2**31 elements, got {n}")
+
     kind = ArrayKind(x)
-    xd = to_device(x, "x")
-    if rows == 0 or n == 0:                          # nothing to launch
-        p = device_empty(shape)
-        lse = cuda.to_device(np.full(shape[:-1], -np.inf, dtype=np.float32))
+    empty = rows == 0 or n == 0
+    # A host array is copied over; a device array is viewed (and refused if not C-contiguous).
+    xd = to_device(x, "x") if (kind.on_device or not empty) else None
+    if empty:                                        # nothing to launch: empty p, L = log(0) = -inf
+        p = np.empty(shape, np.float32)
+        lse = np.full(shape[:-1], -np.inf, dtype=np.float32)
+        if kind.on_device:
+            p, lse = device_empty(shape), cuda.to_device(lse)
+        else:
+            return (p, lse) if return_lse else p
     else:
         x2 = xd.reshape(rows, n)
         p2 = device_empty((rows, n))
