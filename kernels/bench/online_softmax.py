@@ -124,6 +124,7 @@ def run(ctx) -> list[Result]:
                 [(t,) for t in txs], flops=0, model_bytes=compulsory, is_peer=True,
                 extra={"rows": rows, "n": n}))
             del txs
+            torch.cuda.empty_cache()
         if cp is not None:
             def cupy_softmax(c):
                 e = cp.exp(c - c.max(axis=-1, keepdims=True))
