@@ -98,19 +98,30 @@ def main(argv) -> int:
         print("slides: no decks found")
         return 1
     BUILD.mkdir(exist_ok=True)
+    for deck in decks:  # no stale output can pass the checks below
+        for ext in ("html", "png"):
+            (BUILD / f"{deck.stem}.{ext}").unlink(missing_ok=True)
     marp = marp_bin()
     env = dict(os.environ, CHROME_PATH=chrome_path())
     common = ["--config-file", CONFIG, "--no-stdin", "--browser", "chrome", "--browser-path", env["CHROME_PATH"],
               "--browser-timeout", "120"]
     failures = []
+    # Every deck at once (Marp's input-dir mode) when building all; else one deck at a time.
+    batches = [["--input-dir", SLIDES, "-o", BUILD]] if not argv else \
+        [[deck, "-o", BUILD / f"{deck.stem}.{{ext}}"] for deck in decks]
+    try:
+        for batch in batches:
+            fill = lambda ext: [str(a).replace("{ext}", ext) for a in batch]  # noqa: E731
+            run([marp, *common, *fill("html")], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+            run([marp, *common, "--image", "png", *fill("png")], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    except subprocess.CalledProcessError as exc:
+        print(f"slides: FAILED: marp exited with {exc.returncode}")
+        return 1
     for deck in decks:
         html_path = BUILD / f"{deck.stem}.html"
         png_path = BUILD / f"{deck.stem}.png"
-        try:
-            run([marp, *common, deck, "-o", html_path], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
-            run([marp, *common, "--image", "png", deck, "-o", png_path], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
-        except subprocess.CalledProcessError as exc:
-            failures.append(f"{deck.name}: marp failed ({exc.returncode})")
+        if not (html_path.exists() and png_path.exists()):
+            failures.append(f"{deck.name}: marp wrote no {html_path.name} or {png_path.name}")
             continue
         html = inline_local_images(html_path.read_text(), deck)
         html_path.write_text(html)
