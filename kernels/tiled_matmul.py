@@ -33,6 +33,7 @@ Rung 3 is written for the H100 (see the module's ``ptx_targets`` and PERF.md):
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, int32, uint64
@@ -40,7 +41,8 @@ from numba import cuda, float32, int32, uint64
 from kernels.runtime import ArrayKind, cdiv, check_array, device_empty, is_device_array, on_simulator, to_device
 
 __all__ = ["matmul", "make_naive", "make_shared_tiles", "make_register_tiles", "RUNG3_CONFIGS",
-           "RUNG3_DEFAULT", "default_tiles", "global_bytes", "ptx_targets"]
+           "RUNG3_DEFAULT", "default_tiles", "global_bytes", "load_tile", "tiled_matmul_numpy",
+           "TileCase", "tile_cases", "check_tile_load", "ptx_targets"]
 
 SIG = "void(float32[:, ::1], float32[:, ::1], float32[:, ::1])"
 SIG3 = "void(float32[::1], float32[::1], float32[::1], int32, int32, int32)"
@@ -367,6 +369,82 @@ def global_bytes(m: int, n: int, k: int, *, rung: int, tile: int = 32, bm: int =
     if rung == 3:
         return 4 * (m * k * cdiv(n, bn) + k * n * cdiv(m, bm) + m * n)
     return 4 * (m * k + k * n + m * n)
+
+
+# --------------------------------------------------------------------------- the idea in NumPy
+
+def load_tile(x, r0: int, c0: int, rows: int, cols: int):
+    """The (rows, cols) tile of ``x`` whose top-left corner is (r0, c0), with 0 wherever the
+    tile hangs over the edge of ``x``: the masked load every rung does."""
+    tile = np.zeros((rows, cols), dtype=np.float32)
+    r1, c1 = min(r0 + rows, x.shape[0]), min(c0 + cols, x.shape[1])
+    if r1 > r0 and c1 > c0:
+        tile[: r1 - r0, : c1 - c0] = x[r0:r1, c0:c1]
+    return tile
+
+
+def tiled_matmul_numpy(a, b, bm: int, bn: int, bk: int, load=load_tile):
+    """C = A @ B tile by tile, as the kernels do it: for each BM x BN tile of C, walk K in
+    steps of BK, load an A tile and a B tile (with ``load``: 0 outside), accumulate their
+    product in float32, and store only the part of the C tile that lies inside C."""
+    m, k = a.shape
+    n = b.shape[1]
+    c = np.empty((m, n), dtype=np.float32)
+    for m0 in range(0, m, bm):
+        for n0 in range(0, n, bn):
+            acc = np.zeros((bm, bn), dtype=np.float32)
+            for k0 in range(0, k, bk):
+                a_tile = np.asarray(load(a, m0, k0, bm, bk), dtype=np.float32)
+                b_tile = np.asarray(load(b, k0, n0, bk, bn), dtype=np.float32)
+                assert a_tile.shape == (bm, bk) and b_tile.shape == (bk, bn), (
+                    f"load returned tiles of shape {a_tile.shape} and {b_tile.shape}, "
+                    f"expected {(bm, bk)} and {(bk, bn)}")
+                acc += a_tile @ b_tile
+            c[m0:m0 + bm, n0:n0 + bn] = acc[: min(bm, m - m0), : min(bn, n - n0)]
+    return c
+
+
+@dataclass
+class TileCase:
+    a: np.ndarray
+    b: np.ndarray
+    bm: int
+    bn: int
+    bk: int
+
+    def __repr__(self):
+        return f"TileCase(a={self.a.shape}, b={self.b.shape}, BM={self.bm}, BN={self.bn}, BK={self.bk})"
+
+
+def tile_cases(max_dim: int = 24):
+    """Hypothesis strategy for ``TileCase``: ragged M, N, K (0 and 1 included) and tiles."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw):
+        m, n, k = (draw(st.integers(0, max_dim)) for _ in range(3))
+        bm, bn, bk = (draw(st.sampled_from([1, 2, 3, 4, 8])) for _ in range(3))
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        return TileCase(a, b, bm, bn, bk)
+
+    return cases()
+
+
+def check_tile_load(load, case):
+    """The property: the tiled product built with ``load`` matches the float64 oracle, and
+    ``load`` gives 0 outside the matrix and the matrix inside."""
+    from kernels import reference as ref
+    from kernels.testing import assert_close
+
+    a, b = case.a, case.b
+    edge = load(a, max(a.shape[0] - 1, 0), max(a.shape[1] - 1, 0), case.bm, case.bk)
+    expected = load_tile(a, max(a.shape[0] - 1, 0), max(a.shape[1] - 1, 0), case.bm, case.bk)
+    assert np.array_equal(np.asarray(edge), expected), (
+        f"tile at the bottom-right corner of a: got\n{np.asarray(edge)}\nexpected\n{expected}")
+    got = tiled_matmul_numpy(a, b, case.bm, case.bn, case.bk, load)
+    assert_close(got, ref.matmul(a, b), ref.matmul(a, b, dtype=np.float32), name="C")
 
 
 # --------------------------------------------------------------------------- PTX targets

@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 from kernels import reference as ref
 from kernels.runtime import on_simulator
 from kernels.testing import assert_close, random_array
-from kernels.tiled_matmul import RUNG3_CONFIGS, matmul
+from kernels.tiled_matmul import (
+    RUNG3_CONFIGS,
+    TileCase,
+    check_tile_load,
+    global_bytes,
+    load_tile,
+    matmul,
+    tile_cases,
+)
 
 SIM = on_simulator()
 MAX_DIM = 40 if SIM else 700
@@ -153,3 +161,25 @@ def test_bad_inputs_name_the_argument(a, b, error, name):
 def test_bad_options_name_the_option(kwargs, name):
     with pytest.raises((TypeError, ValueError), match=rf"^{name}:"):
         matmul(A, B, **kwargs)
+
+
+@given(tile_cases())
+def test_numpy_tiling_and_masked_tile_load(case):
+    check_tile_load(load_tile, case)
+
+
+def test_tile_load_checker_rejects_an_unmasked_load():
+    def unmasked(x, r0, c0, rows, cols):
+        return x[r0:r0 + rows, c0:c0 + cols]
+
+    case = TileCase(np.ones((3, 5), np.float32), np.ones((5, 2), np.float32), 2, 2, 4)
+    with pytest.raises(AssertionError):
+        check_tile_load(unmasked, case)
+
+
+def test_global_bytes_per_rung():
+    m, n, k = 64, 48, 40
+    assert global_bytes(m, n, k, rung=1) == 4 * (2 * m * n * k + m * n)
+    assert global_bytes(m, n, k, rung=2, tile=16) == 4 * (m * k * 3 + k * n * 4 + m * n)
+    assert global_bytes(m, n, k, rung=3, bm=32, bn=32) == 4 * (m * k * 2 + k * n * 2 + m * n)
+    assert global_bytes(m, n, k, rung=0) == 4 * (m * k + k * n + m * n)

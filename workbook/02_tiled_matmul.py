@@ -1,0 +1,375 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 2. Tiled matmul
+#
+# Attention is two matrix products around a softmax: `S = Q Kᵀ` and `O = P V`. Before we
+# fuse anything (chapter 4), we need a matmul kernel that runs near the speed of the FMA
+# units, and to understand *why* it does. This chapter climbs a ladder of three kernels for
+#
+# $$C = A B, \qquad A \in \mathbb{R}^{M \times K},\ B \in \mathbb{R}^{K \times N},\ C_{ij} = \sum_k A_{ik} B_{kj}$$
+#
+# (float32, row-major), each one moving the operands one level closer to the arithmetic:
+#
+# | rung | where the operands are when the FMA happens | global bytes per FLOP |
+# |---|---|---|
+# | 1 | global memory (HBM, through the caches) | 4 |
+# | 2 | shared memory (a T x T tile staged by the block) | 4 / T |
+# | 3 | registers (a TM x TN micro-tile of C per thread) | 2 (BM + BN) / (BM BN) |
+#
+# By the end you will know how to count the bytes each rung moves per FLOP, how ragged
+# sizes (M, N, K that no tile divides) are handled with masked loads and stores, and how the
+# register-tiled kernel compares with cuBLAS on an H100.
+
+# %%
+import inspect
+
+import numpy as np
+
+import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
+from kernels import reference as ref
+from kernels.runtime import device_name, on_simulator
+from kernels.testing import assert_close, check_exercise
+from kernels.tiled_matmul import (
+    RUNG3_CONFIGS,
+    RUNG3_DEFAULT,
+    check_tile_load,
+    default_tiles,
+    global_bytes,
+    load_tile,
+    make_naive,
+    make_register_tiles,
+    make_shared_tiles,
+    matmul,
+    tile_cases,
+    tiled_matmul_numpy,
+)
+
+print("running on:", device_name())
+
+# %% tags=["parameters"]
+# Tiny sizes in the simulator (every GPU thread is a Python thread there), real ones on a GPU.
+if on_simulator():
+    M, N, K = 21, 19, 23            # ragged: no tile divides them
+    TIME_SIZE = 0                   # no timing in the simulator
+else:
+    M, N, K = 1000, 1023, 1025
+    TIME_SIZE = 4096
+
+# %% [markdown]
+# ## 1. The NumPy version, and the count
+#
+# Three nested loops: for every output `C[i, j]`, a dot product of row `i` of A with column
+# `j` of B. That is `M N K` multiply-adds (FMAs), `2 M N K` FLOPs.
+
+# %%
+def matmul_loops(a, b):
+    m, k = a.shape
+    n = b.shape[1]
+    c = np.zeros((m, n), dtype=np.float32)
+    for i in range(m):
+        for j in range(n):
+            acc = np.float32(0)
+            for kk in range(k):
+                acc += a[i, kk] * b[kk, j]
+            c[i, j] = acc
+    return c
+
+
+rng = np.random.default_rng(0)
+a = rng.standard_normal((M, K)).astype(np.float32)
+b = rng.standard_normal((K, N)).astype(np.float32)
+small = matmul_loops(a[:5, :7], b[:7, :6])
+assert_close(small, ref.matmul(a[:5, :7], b[:7, :6]), ref.matmul(a[:5, :7], b[:7, :6], dtype=np.float32))
+print("loops agree with the oracle; FLOPs for the full problem:", 2 * M * N * K)
+
+# %% [markdown]
+# Every FMA needs one element of A and one of B. Read naively from memory, that is 8 bytes
+# for 2 FLOPs: **0.25 FLOP per byte**. The H100 does about 51 TFLOP/s of fp32 FMAs (cuBLAS,
+# PERF.md) and moves about 3 TB/s from HBM: a kernel needs about **17 FLOP per byte** of HBM
+# traffic to keep the FMA units busy. The matrices themselves are only `4 (MK + KN + MN)`
+# bytes, so the data *can* be reused: at 4096³ each element of A is used 4096 times. The
+# whole chapter is about arranging that reuse close to the arithmetic.
+#
+# ## 2. Tiles
+#
+# Cut C into tiles. One block of threads owns one tile of C, and walks along K, loading a
+# tile of A and a tile of B at a time:
+#
+# ```
+#                      K                                 N
+#          +-----+-----+-----+--+           +------+------+------+--+
+#          |     |     |     |  |           |      |  B   |      |  |   B tile: BK x BN
+#          +-----+-----+-----+--+           |      | tile |      |  |   (k0 .. k0+BK)
+#   M      |  A tile --> k0    |  K        +------+------+------+--+
+#          +-----+-----+-----+--+           |      |  |   |      |  |
+#          |     |     |     |  |           |      |  v   |      |  |
+#          +-----+-----+-----+--+           +------+------+------+--+
+#                                                                        ragged: the last
+#                        C tile (BM x BN) = sum over k0 of A tile @ B tile   row/column of
+#                                                                        tiles hangs over
+# ```
+#
+# Each element of an A tile is used by BN outputs, each element of a B tile by BM outputs.
+# The tiles at the right and bottom edges hang over the matrix when BM, BN or BK does not
+# divide M, N or K: loads outside the matrix give **0** (a zero adds nothing to a dot
+# product), and stores outside are **skipped**. Here is that idea in NumPy:
+
+# %%
+print(inspect.getsource(load_tile))
+print(inspect.getsource(tiled_matmul_numpy))
+
+# %%
+c_tiles = tiled_matmul_numpy(a, b, 8, 8, 4)
+assert_close(c_tiles, ref.matmul(a, b), ref.matmul(a, b, dtype=np.float32), name="tiled NumPy")
+print(f"tiled NumPy matmul with 8x8x4 tiles agrees with the oracle on a {M}x{K} @ {K}x{N} product")
+
+# %% [markdown]
+# ## 3. Rung 1: one thread per output, straight from global memory
+#
+# Thread `(row, col)` of a 2-D grid computes `C[row, col]`. Threads along x take consecutive
+# columns, so a warp's loads of B are coalesced (32 consecutive floats), and its loads of A
+# are one address (a broadcast). The `if row < M and col < N` is the whole ragged-edge story
+# here: threads past the edge do nothing.
+
+# %%
+print(inspect.getsource(make_naive))
+
+# %% [markdown]
+# Counting per thread: `K` loads of A and `K` of B for `K` FMAs: 8 bytes per 2 FLOPs. The
+# caches (L1, L2) catch much of this reuse on a real GPU, but every load is still an
+# instruction and a trip through the memory pipeline.
+#
+# ## 4. Rung 2: shared-memory tiles
+#
+# A block of T x T threads owns a T x T tile of C. For each k-tile, each thread loads *one*
+# element of A and *one* of B into shared memory (0 outside the matrix), the block waits at
+# a barrier, then each thread runs T FMAs reading shared memory, and waits again before the
+# tile is overwritten. Every element fetched from global memory now serves T FMAs.
+
+# %%
+print(inspect.getsource(make_shared_tiles))
+
+# %% [markdown]
+# Counting: per k-tile the block reads `2 T²` floats from global memory for `T³` FMAs:
+# `T / 4` FLOP per global byte (8 at T = 32). But each FMA still reads **two** values from
+# shared memory: 0.25 FLOP per shared byte. Shared memory is fast, but the H100 serves 128
+# bytes a clock per SM while the SM does 128 FMAs a clock: with 2 shared loads per FMA,
+# shared memory, not arithmetic, is the limit.
+#
+# ## 5. Rung 3: register micro-tiles
+#
+# The fix is the same idea one level down. Each thread computes a small **TM x TN block of
+# C** held in registers (the accumulators `acc`). At each k-step it loads TM values of A (a
+# column of the A tile) and TN values of B (a row of the B tile) into registers, and does
+# all TM x TN FMAs from registers: an outer product.
+#
+# ```
+#   k-step kk:   fa = As[kk, rows of this thread]      (TM values)
+#                fb = Bs[kk, columns of this thread]   (TN values)
+#                acc[i, j] += fa[i] * fb[j]            (TM*TN FMAs, all in registers)
+# ```
+#
+# With 8 x 8 per thread: 64 FMAs per 16 shared loads, 8x fewer shared loads per FMA than
+# rung 2. A 128 x 128 block tile (256 threads) reads `2 * 128 * BK` floats from global memory
+# per `128 * 128 * BK` FMAs: **32 FLOP per global byte**, above the H100's ridge.
+#
+# The details that make it fast on a real GPU (read them in the source below):
+#
+# * **A is stored transposed** in shared memory (`As[k, m]`), so a thread's TM values of A at
+#   one k-step are contiguous, like its TN values of B.
+# * A thread's rows are **runs of 4** (`ty*4 .. ty*4+3`, then the same 64 rows further): the
+#   16 threads of a half-warp read 16 consecutive float4s: no bank conflicts, and the
+#   compiler can issue 128-bit shared loads (`ld.shared.v4.f32`).
+# * **Unsigned flat offsets** (`uint64`): Numba adds a negative-index wraparound to every
+#   signed index, which costs instructions and hides the contiguity from the compiler.
+# * **Two shared buffers**: while the block computes on k-tile t, each thread has already
+#   issued its loads of k-tile t + 1 into registers; one barrier per k-tile.
+# * **Interior tiles skip the masks**: only blocks on the ragged edge pay for the bounds checks.
+# * **Registers, not local memory**: `acc`, `fa`, `fb` are `cuda.local.array`s of constant
+#   size indexed only by unrolled loop indices, so the compiler keeps them in registers.
+#   The PTX of every kernel is checked for `.local` (`python -m kernels.ptx_check`).
+
+# %%
+print(inspect.getsource(make_register_tiles))
+
+# %% [markdown]
+# ## 6. The ladder against the oracle
+#
+# Every rung, on the ragged sizes of the parameters cell, through the public launcher
+# `matmul(a, b, rung=...)` (NumPy in, NumPy out; device arrays in, device array out). The
+# tolerance rule: the error against the float64 oracle must be at most twice that of plain
+# float32 NumPy, plus a few ulps.
+
+# %%
+exact = ref.matmul(a, b)
+baseline = ref.matmul(a, b, dtype=np.float32)
+for rung in (1, 2, 3):
+    c = matmul(a, b, rung=rung)
+    assert_close(c, exact, baseline, name=f"rung {rung}")
+    err = np.max(np.abs(c - exact))
+    print(f"rung {rung} {default_tiles(rung)}: max error {err:.2e} "
+          f"(float32 NumPy: {np.max(np.abs(baseline - exact)):.2e})")
+
+# %% [markdown]
+# Edge cases are part of the contract: an empty inner dimension gives zeros, a 1 x 1 works,
+# and a tile configuration can be chosen by keyword (the tests draw many).
+
+# %%
+print(matmul(np.ones((2, 0), np.float32), np.ones((0, 3), np.float32)))
+print(matmul(np.full((1, 1), 3, np.float32), np.full((1, 1), 2, np.float32), rung=3))
+c = matmul(a, b, rung=3, register_tiles=(8, 16, 4, 4, 4))
+assert_close(c, exact, baseline)
+try:
+    matmul(a, np.ones((K + 1, 3), np.float32))
+except ValueError as exc:
+    print("ValueError:", exc)
+
+# %% [markdown]
+# ## 7. Bytes and FLOPs, counted
+#
+# `global_bytes` counts what each rung's threads request from global memory (no cache
+# reuse counted); the compulsory traffic reads each matrix once. At 4096³:
+
+# %%
+S = 4096
+flops = 2 * S**3
+rows_ = [("compulsory (each matrix once)", global_bytes(S, S, S, rung=0)),
+         ("rung 1: one thread an output", global_bytes(S, S, S, rung=1)),
+         ("rung 2: T = 32 shared tiles", global_bytes(S, S, S, rung=2, tile=32)),
+         ("rung 3: 128 x 128 block tiles", global_bytes(S, S, S, rung=3, bm=128, bn=128))]
+print(f"{'':34}{'GB':>10}{'FLOP/byte':>12}")
+for name, nbytes in rows_:
+    print(f"{name:34}{nbytes / 1e9:>10.2f}{flops / nbytes:>12.2f}")
+print("\nshared-memory loads per FMA: rung 2: 2;  rung 3 (8x8 a thread): 16/64 = 0.25")
+print("H100 fp32 ridge: about 51 TFLOP/s / 3 TB/s = 17 FLOP per HBM byte")
+
+# %% [markdown]
+# Rung 1 asks for 550 GB to do 137 GFLOP: even if L2 served most of it, the load
+# instructions alone keep it far from the FMA ceiling. Rung 2 is above the HBM ridge but
+# bound by shared-memory traffic. Rung 3 is above the ridge with 8x fewer shared loads per
+# FMA: it is limited by how well the inner loop keeps the FMA units fed.
+#
+# ## 8. Results on the H100
+#
+# `python -m kernels --chapters 2` measures all three rungs, every candidate rung-3 tiling
+# (at 4096³) and the launcher against cuBLAS (CuPy) and `torch.matmul`, TF32 off, in the same
+# run. The ratio to cuBLAS is computed from the rows of the same size:
+
+# %%
+from pathlib import Path
+
+from kernels.bench.harness import read_csv
+
+results_dir = Path("results") if Path("results").is_dir() else Path("workbook/results")
+csv_path, png_path = results_dir / "tiled_matmul.csv", results_dir / "tiled_matmul.png"
+if csv_path.exists():
+    env, rows_ = read_csv(csv_path)
+    print("device:", env.get("device"), "| driver:", env.get("driver"), "| date:", env.get("date (UTC)"))
+    cublas = {r["config"]: r["median_ms"] for r in rows_ if r["kernel"].startswith("peer: cuBLAS")}
+    print(f"{'kernel':<40}{'config':<28}{'ms':>9}{'TFLOP/s':>9}{'% FMA':>7}{'x cuBLAS':>10}")
+    for r in rows_:
+        ratio = cublas.get(r["config"], float("nan")) / r["median_ms"]
+        print(f"{r['kernel']:<40.40}{r['config']:<28.28}{r['median_ms']:>9.4g}{r['tflops']:>9.3g}"
+              f"{r['pct_fma_ceiling']:>7.3g}{ratio:>10.3f}")
+    if png_path.exists():
+        from IPython.display import Image, display
+
+        display(Image(str(png_path)))
+else:
+    print("GPU results are not committed yet (workbook/results/tiled_matmul.csv).")
+
+# %% [markdown]
+# The candidate tilings the bench sweeps at 4096³ (the default is the one the measurements
+# pick):
+
+# %%
+for name, cfg in RUNG3_CONFIGS.items():
+    bm, bn, bk, tm, tn = cfg
+    print(f"{name:18} {(bm // tm) * (bn // tn):4d} threads, shared {2 * 4 * bk * (bm + 4 + bn) / 1024:5.1f} KB, "
+          f"{2 * bm * bn / (4 * (bm + bn)):5.1f} FLOP per global byte"
+          + ("   <- default" if name == RUNG3_DEFAULT else ""))
+
+# %% [markdown]
+# ## 9. Exercises
+#
+# ### Exercise 1: the masked tile load
+#
+# Write `my_load_tile(x, r0, c0, rows, cols)`: the `rows x cols` tile of `x` whose top-left
+# corner is `(r0, c0)`, as a float32 array of exactly that shape, with **0** wherever the
+# tile hangs over the edge of `x` (including when `x` has no rows or columns at all). This
+# is what every thread's `if row < M and k < K ... else 0` does, one element at a time. The
+# checker builds a whole tiled matmul with your function (ragged sizes, M, N, K from 0) and
+# compares it with the float64 oracle.
+
+# %%
+def my_load_tile(x, r0, c0, rows, cols):
+    # your code here: return a (rows, cols) float32 array
+    raise NotImplementedError
+
+
+# %%
+_ = check_exercise(lambda case: check_tile_load(my_load_tile, case), tile_cases())
+
+# %% [markdown]
+# The same checker on the module's `load_tile`:
+
+# %%
+_ = check_exercise(lambda case: check_tile_load(load_tile, case), tile_cases())
+
+# %% [markdown]
+# ### Exercise 2: bytes per FLOP of a block tile
+#
+# A block computing a `BM x BN` tile of C reads, per k-step, BM values of A and BN values of
+# B (float32) from global memory and does `BM * BN` FMAs. Write `my_intensity(bm, bn)`: the
+# FLOPs per global byte. The checker compares it with the byte count of section 7 on large
+# square matrices.
+
+# %%
+def my_intensity(bm, bn):
+    # your code here
+    raise NotImplementedError
+
+
+def intensity_prop(case):
+    bm, bn = case
+    size = 64 * bm * bn                                # divisible: no partial tiles
+    expected = 2 * size**3 / (global_bytes(size, size, size, rung=3, bm=bm, bn=bn) - 4 * size * size)
+    got = my_intensity(bm, bn)
+    assert abs(got - expected) <= 1e-9 * expected, f"my_intensity({bm}, {bn}) = {got}, expected {expected}"
+
+
+from hypothesis import strategies as st  # noqa: E402
+
+intensity_cases = st.tuples(st.sampled_from([1, 2, 4, 16, 32, 64, 128]), st.sampled_from([1, 4, 8, 64, 128]))
+_ = check_exercise(intensity_prop, intensity_cases)
+
+# %% [markdown]
+# A solution, through the same checker: 2 BM BN FLOPs per 4 (BM + BN) bytes.
+
+# %%
+def my_intensity(bm, bn):  # noqa: F811
+    return 2 * bm * bn / (4 * (bm + bn))
+
+
+_ = check_exercise(intensity_prop, intensity_cases)
+
+# %% [markdown]
+# ### Exercise 3 (on paper, then on a GPU)
+#
+# Rung 3 with 8 x 8 per thread does 64 FMAs per 4 128-bit shared loads. What changes with
+# 8 x 4 per thread (`"128x64x16 8x4"`)? Count the shared-memory bytes per FMA for both, and
+# predict which candidate the bench measures fastest. On a GPU, check with
+# `python -m kernels --chapters 2 --quick`.
