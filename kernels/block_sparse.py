@@ -26,8 +26,9 @@ registers), register-tiled:
 * a block of (Br / RM) x TC threads owns a Br-row query tile; thread (ty, tx) owns rows
   ty*RM .. ty*RM + RM - 1 and, of S, columns tx, tx + TC, ...; of O, the same RM rows
   and head-dim columns tx, tx + TC, ... (RM x Bc/TC scores and RM x D/TC outputs);
-* Q is stored transposed and pre-scaled (Qt[dd, r] = scale * Q[r, dd]) so the RM values
-  a thread reads at one dd are adjacent words (no bank conflicts);
+* Q is stored transposed (Qt[dd, r] = Q[r, dd]) so the RM values a thread reads at one
+  dd are adjacent words (no bank conflicts); the scale multiplies the finished dot
+  products (S = scale * Q K^T, rounded like the float32 NumPy it is measured against);
 * K is stored transposed, Kt[dd, c], with the column XOR-swizzled by dd
   (c ^ (dd mod 32)): the transposing stores and the row reads both hit 32 distinct banks;
 * the row maximum m is combined across the TC threads of a row through a small shared
@@ -270,7 +271,7 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
 
     @cuda.jit(fastmath=True)
     def block_sparse_forward(q, k, v, o, lse, row_ptr, col_idx, nq, nk, d, groups, scale, causal):
-        qt = cuda.shared.array(QT_SIZE, float32)    # scale * Q^T        [dd, r]
+        qt = cuda.shared.array(QT_SIZE, float32)    # Q^T                [dd, r]
         kt = cuda.shared.array(KT_SIZE, float32)    # K^T, swizzled      [dd, c ^ (dd & SWM)]
         vs = cuda.shared.array(V_SIZE, float32)    # V                  [c, dd]
         ps = cuda.shared.array(P_SIZE, float32)   # P                  [r, c]
@@ -290,13 +291,13 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
         # wraparound to signed indices, which costs integer instructions per load.
         utx = uint64(tx)
 
-        # Q tile, transposed and scaled, zeros past Nq and past d.
+        # Q tile, transposed, zeros past Nq and past d.
         for idx in range(tid, Br * D, NT):
             r = idx // D
             dd = idx - r * D
             val = float32(0.0)
             if q0 + r < nq and dd < d:
-                val = q[bh, q0 + r, dd] * scale
+                val = q[bh, q0 + r, dd]
             qt[dd * Br + r] = val
 
         m = cuda.local.array(RM, float32)          # running row max
@@ -330,7 +331,7 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
                 vs[idx] = vval
             cuda.syncthreads()
 
-            # S = (scale Q) K^T for this thread's RM x CN scores.
+            # S = scale * Q K^T for this thread's RM x CN scores.
             for i in range(RM):
                 for j in range(CN):
                     s[i, j] = float32(0.0)
@@ -347,6 +348,9 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
                         s[i, j] += a[i] * b[j]
                 qa += uint64(Br)
                 kb += uint64(Bc)
+            for i in range(RM):
+                for j in range(CN):
+                    s[i, j] *= scale
 
             # Mask (ragged last key tile, causal diagonal), then this thread's row maxima.
             for i in range(RM):

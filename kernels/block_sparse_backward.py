@@ -93,11 +93,11 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
     @cuda.jit(fastmath=True)
     def block_sparse_backward_dq(q, k, v, o, lse, do, dq, delta, row_ptr, col_idx, nq, nk, d, groups,
                                  scale, causal):
-        qt = cuda.shared.array(QT_SIZE, float32)   # scale * Q^T [dd, r]
+        qt = cuda.shared.array(QT_SIZE, float32)   # Q^T [dd, r]
         dot = cuda.shared.array(QT_SIZE, float32)  # dO^T        [dd, r]
         kt = cuda.shared.array(KT_SIZE, float32)   # K^T swizzled [dd, c ^ (dd & SWM)]
         vt = cuda.shared.array(KT_SIZE, float32)   # V^T swizzled
-        ds = cuda.shared.array(DS_SIZE, float32)   # dS [r, c]; first the D partial sums [r, tx]
+        ds = cuda.shared.array(DS_SIZE, float32)   # dS [r, c]
 
         tid = int32(cuda.threadIdx.x)
         ty = tid // TC
@@ -117,7 +117,7 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
             qv = float32(0.0)
             dov = float32(0.0)
             if q0 + r < nq and dd < d:
-                qv = q[bh, q0 + r, dd] * scale
+                qv = q[bh, q0 + r, dd]
                 dov = do[bh, q0 + r, dd]
             qt[dd * Br + r] = qv
             dot[dd * Br + r] = dov
@@ -133,35 +133,29 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
         b2 = cuda.local.array(CN, float32)
         w = cuda.local.array(DN, float32)
 
-        # D = rowsum(dO * O): each thread its columns, then the row's TC partial sums.
+        # D = rowsum(dO * O), summed over dd in the same order as the dot products of dP
+        # below, so that dP - D is exactly 0 where it should be (e.g. a row that sees a
+        # single key, where O = V and P = 1).
+        cuda.syncthreads()                         # Qt and dOt are in shared memory
         for i in range(RM):
             qi = q0 + r0 + i
-            part = float32(0.0)
+            total = float32(0.0)
             Lr[i] = float32(0.0)
             if qi < nq:
                 Lr[i] = lse[bh, qi]
-                for j in range(DN):
-                    dd = tx + j * TC
-                    if dd < d:
-                        part += do[bh, qi, dd] * o[bh, qi, dd]
-            ds[(r0 + i) * TC + tx] = part
-            for j in range(DN):
-                acc[i, j] = float32(0.0)
-        cuda.syncthreads()
-        for i in range(RM):
-            total = float32(0.0)
-            for t in range(TC):
-                total += ds[(r0 + i) * TC + t]
+                for dd in range(d):
+                    total += dot[dd * Br + r0 + i] * o[bh, qi, dd]
             Dr[i] = total
-            qi = q0 + r0 + i
             if tx == 0 and qi < nq:
                 delta[bh, qi] = total
+            for j in range(DN):
+                acc[i, j] = float32(0.0)
 
         start = row_ptr[g * tr + rt]
         end = row_ptr[g * tr + rt + 1]
         for it in range(start, end):
             k0 = col_idx[it] * Bc
-            cuda.syncthreads()                     # done with the previous Kt, Vt, dS (and D partials)
+            cuda.syncthreads()                     # done with the previous Kt, Vt, dS
             for idx in range(tid, Bc * D, NT):
                 c = idx // D
                 dd = idx - c * D
@@ -175,7 +169,7 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
                 vt[sw] = vv
             cuda.syncthreads()
 
-            # S = (scale Q) K^T and dP = dO V^T, RM x CN each.
+            # S = scale * Q K^T and dP = dO V^T, RM x CN each.
             for i in range(RM):
                 for j in range(CN):
                     s[i, j] = float32(0.0)
@@ -197,6 +191,9 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
                         dp[i, j] += a2[i] * b2[j]
                 qa += uint64(Br)
                 kb += uint64(Bc)
+            for i in range(RM):
+                for j in range(CN):
+                    s[i, j] *= scale
 
             # P = exp(S - L) where allowed, 0 elsewhere; dS = P * (dP - D).
             for i in range(RM):
@@ -254,7 +251,7 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
     @cuda.jit(fastmath=True)
     def block_sparse_backward_dkdv(q, k, v, lse, do, delta, dk, dv, col_ptr, row_idx, nq, nk, d, groups,
                                    scale, causal):
-        kts = cuda.shared.array(KT_SIZE, float32)  # scale * K^T [dd, c]
+        kts = cuda.shared.array(KT_SIZE, float32)  # K^T [dd, c]
         vts = cuda.shared.array(KT_SIZE, float32)  # V^T [dd, c]
         qts = cuda.shared.array(QT_SIZE, float32)  # Q^T swizzled [dd, r ^ (dd & SWM)]
         dots = cuda.shared.array(QT_SIZE, float32)  # dO^T swizzled
@@ -281,7 +278,7 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
             kv = float32(0.0)
             vv = float32(0.0)
             if k0 + c < nk and dd < d:
-                kv = k[bh, k0 + c, dd] * scale
+                kv = k[bh, k0 + c, dd]
                 vv = v[bh, k0 + c, dd]
             kts[dd * Bc + c] = kv
             vts[dd * Bc + c] = vv
@@ -327,7 +324,7 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
                 dls[r] = dlv
             cuda.syncthreads()
 
-            # S^T = (scale K) Q^T and dP^T = V dO^T, RN x QN each.
+            # S^T = scale * K Q^T and dP^T = V dO^T, RN x QN each.
             for i in range(RN):
                 for j in range(QN):
                     st[i, j] = float32(0.0)
@@ -349,6 +346,9 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
                         dpt[i, j] += a2[i] * b2[j]
                 ka += uint64(Bc)
                 qb += uint64(Br)
+            for i in range(RN):
+                for j in range(QN):
+                    st[i, j] *= scale
 
             # P^T = exp(S^T - L), dS^T = P^T * (dP^T - D), 0 where not allowed.
             for i in range(RN):
