@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint64
 
 from kernels.runtime import (
     ArrayKind,
@@ -198,12 +198,13 @@ def make_scores(br: int, bc: int, bk: int, tm: int, tn: int):
         nq = s.shape[1]
         nk = s.shape[2]
         d = q.shape[2]
-        bh = cuda.blockIdx.z
+        bh = uint64(cuda.blockIdx.z)
         row0 = cuda.blockIdx.y * br
         col0 = cuda.blockIdx.x * bc
         tid = cuda.threadIdx.x
         ty = tid // CS
         tx = tid % CS
+        uty, utx = uint64(ty), uint64(tx)
         shift = nk - nq                      # causal: key j allowed iff j <= i + shift
 
         if causal and col0 > row0 + (br - 1) + shift:
@@ -213,7 +214,7 @@ def make_scores(br: int, bc: int, bk: int, tm: int, tn: int):
                 for c in range(tn):
                     j = col0 + tx + CS * c
                     if i < nq and j < nk:
-                        s[bh, i, j] = NEG_INF
+                        s[bh, uint64(i), uint64(j)] = NEG_INF
             return
 
         q_tile = cuda.shared.array((br, BKP), float32)
@@ -233,19 +234,24 @@ def make_scores(br: int, bc: int, bk: int, tm: int, tn: int):
                 kk = idx % bk
                 i = row0 + ii
                 kd = k0 + kk
-                q_tile[ii, kk] = q[bh, i, kd] if (i < nq and kd < d) else float32(0)
+                q_tile[uint64(ii), uint64(kk)] = (q[bh, uint64(i), uint64(kd)] if (i < nq and kd < d)
+                                                  else float32(0))
             for idx in range(tid, bc * bk, NT):
                 jj = idx // bk
                 kk = idx % bk
                 j = col0 + jj
                 kd = k0 + kk
-                k_tile[jj, kk] = k[bh, j, kd] if (j < nk and kd < d) else float32(0)
+                k_tile[uint64(jj), uint64(kk)] = (k[bh, uint64(j), uint64(kd)] if (j < nk and kd < d)
+                                                  else float32(0))
             cuda.syncthreads()
+            # Numba wraps negative (signed) indices around, which costs instructions in the
+            # hottest loop; unsigned (uint64) indices into the tiles skip that.
             for kk in range(bk):
+                ukk = uint64(kk)
                 for r in range(tm):
-                    a[r] = q_tile[ty + RS * r, kk]
+                    a[r] = q_tile[uty + uint64(RS * r), ukk]
                 for c in range(tn):
-                    b[c] = k_tile[tx + CS * c, kk]
+                    b[c] = k_tile[utx + uint64(CS * c), ukk]
                 for r in range(tm):
                     for c in range(tn):
                         acc[r, c] += a[r] * b[c]
@@ -257,9 +263,9 @@ def make_scores(br: int, bc: int, bk: int, tm: int, tn: int):
                 j = col0 + tx + CS * c
                 if i < nq and j < nk:
                     if causal and j > i + shift:
-                        s[bh, i, j] = NEG_INF
+                        s[bh, uint64(i), uint64(j)] = NEG_INF
                     else:
-                        s[bh, i, j] = scale * acc[r, c]
+                        s[bh, uint64(i), uint64(j)] = scale * acc[r, c]
 
     return scores_kernel
 
@@ -394,12 +400,13 @@ def make_weighted_sum(br: int, bd: int, bk: int, tm: int, tn: int):
         nq = p.shape[1]
         nk = p.shape[2]
         d = v.shape[2]
-        bh = cuda.blockIdx.z
+        bh = uint64(cuda.blockIdx.z)
         row0 = cuda.blockIdx.y * br
         col0 = cuda.blockIdx.x * bd
         tid = cuda.threadIdx.x
         ty = tid // CS
         tx = tid % CS
+        uty, utx = uint64(ty), uint64(tx)
         shift = nk - nq
 
         # Keys this row tile can see: all of them, or with causal j <= row0 + Br - 1 + shift.
@@ -427,19 +434,21 @@ def make_weighted_sum(br: int, bd: int, bk: int, tm: int, tn: int):
                 ok = i < nq and j < nk
                 if causal:
                     ok = ok and j <= i + shift
-                p_tile[ii, jj] = p[bh, i, j] if ok else float32(0)
+                p_tile[uint64(ii), uint64(jj)] = p[bh, uint64(i), uint64(j)] if ok else float32(0)
             for idx in range(tid, bk * bd, NT):
                 jj = idx // bd
                 cc = idx % bd
                 j = j0 + jj
                 c = col0 + cc
-                v_tile[jj, cc] = v[bh, j, c] if (j < nk and c < d) else float32(0)
+                v_tile[uint64(jj), uint64(cc)] = (v[bh, uint64(j), uint64(c)] if (j < nk and c < d)
+                                                  else float32(0))
             cuda.syncthreads()
-            for jj in range(bk):
+            for jj in range(bk):                 # unsigned tile indices: see the scores kernel
+                ujj = uint64(jj)
                 for r in range(tm):
-                    a[r] = p_tile[ty + RS * r, jj]
+                    a[r] = p_tile[uty + uint64(RS * r), ujj]
                 for c in range(tn):
-                    b[c] = v_tile[jj, tx + CS * c]
+                    b[c] = v_tile[ujj, utx + uint64(CS * c)]
                 for r in range(tm):
                     for c in range(tn):
                         acc[r, c] += a[r] * b[c]
@@ -450,7 +459,7 @@ def make_weighted_sum(br: int, bd: int, bk: int, tm: int, tn: int):
             for c in range(tn):
                 cc = col0 + tx + CS * c
                 if i < nq and cc < d:
-                    o[bh, i, cc] = acc[r, c]
+                    o[bh, uint64(i), uint64(cc)] = acc[r, c]
 
     return weighted_sum_kernel
 
