@@ -466,6 +466,17 @@ def make_weighted_sum(br: int, bd: int, bk: int, tm: int, tn: int):
 
 # --------------------------------------------------------------------------- launch helpers
 
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+
+
+def _check_grid(name, b, h, nq, tiles):
+    """Sizes the launch grids can cover: B*H heads in grid z (and y), Nq / Br tiles in y."""
+    if b * h > MAX_GRID_YZ:
+        raise ValueError(f"{name}: expected B*H <= {MAX_GRID_YZ} (one grid dimension), got B={b}, H={h}")
+    if cdiv(nq, tiles.br) > MAX_GRID_YZ:
+        raise ValueError(f"{name}: expected Nq <= {MAX_GRID_YZ * tiles.br} with Br={tiles.br}, got {nq}")
+
+
 def _as_heads(x, shape):
     """A (B*H, N, X) view of a C-contiguous (B, H, N, X) device array."""
     b, h, n, w = shape
@@ -522,6 +533,7 @@ def scores(q, k, *, causal=False, scale=None, out=None, tiles=None):
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
     tiles = check_tiles(tiles)
+    _check_grid("q", b, h, nq, tiles)
     shape_s = (b, h, nq, nk)
     ds = _check_out(out, "out", shape_s)
     kind = ArrayKind(q)
@@ -541,6 +553,7 @@ def row_softmax(s, *, out=None, lse_out=None, tiles=None):
     shape_s, _ = check_array(s, "s", ndim=4)
     tiles = check_tiles(tiles)
     b, h, nq, nk = shape_s
+    _check_grid("s", b, h, 0, tiles)
     dp = _check_out(out, "out", shape_s)
     dl = _check_out(lse_out, "lse_out", (b, h, nq))
     kind = ArrayKind(s)
@@ -572,6 +585,7 @@ def weighted_sum(p, v, *, causal=False, out=None, tiles=None):
     causal = check_flag(causal, "causal")
     tiles = check_tiles(tiles)
     b, h, nq, nk = shape_p
+    _check_grid("p", b, h, nq, tiles)
     do = _check_out(out, "out", (b, h, nq, d))
     kind = ArrayKind(p)
     dp, dv = to_device(p, "p"), to_device(v, "v")
@@ -593,6 +607,7 @@ def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False, tile
     scale = check_scale(scale, d)
     return_lse = check_flag(return_lse, "return_lse")
     tiles = check_tiles(tiles)
+    _check_grid("q", b, h, nq, tiles)
     kind = ArrayKind(q)
     dq, dk, dv = to_device(q, "q"), to_device(k, "k"), to_device(v, "v")
     shape_s = (b, h, nq, nk)

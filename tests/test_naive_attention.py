@@ -158,6 +158,14 @@ def test_bad_arrays_name_the_argument(mutate, error, words):
         naive_attention(q, k, v)
 
 
+def test_more_heads_than_a_grid_dimension_is_refused():
+    q = np.ones((256, 257, 1, 1), np.float32)  # B*H = 65792 > 65535; a few hundred KB
+    with pytest.raises(ValueError, match=r"q: expected B\*H <= 65535"):
+        naive_attention(q, q, q)
+    with pytest.raises(ValueError, match=r"s: expected B\*H <= 65535"):
+        row_softmax(q)
+
+
 def test_head_dim_over_128_is_refused():
     q, k, v = _qkv(nq=2, nk=2, d=129)
     with pytest.raises(ValueError, match="q: expected head dim d in 1..128"):
