@@ -78,6 +78,9 @@ __all__ = [
     "shared_bytes",
     "ptx_targets",
     "DQ_MODES",
+    "allocate_outputs",
+    "io_model_bytes",
+    "standard_backward_bytes",
 ]
 
 STATIC_SHARED_LIMIT = 48 * 1024
@@ -295,28 +298,31 @@ def default_tiles(d: int) -> Tiles:
 
 
 @functools.lru_cache(maxsize=None)
-def make_delta(D: int, rows: int = 4):
-    """D = rowsum(dO * O): one warp-sized group of 32 threads a query row, ``rows`` rows a block.
+def make_delta(D: int, rows: int = 4, zero_dq: bool = False):
+    """D = rowsum(dO * O): 32 threads a query row, ``rows`` rows a block.
 
     Grid: (ceil(Nq / rows), B*H). Lanes read consecutive columns (coalesced), then a tree
-    reduction in shared memory adds the 32 partial sums.
+    reduction in shared memory adds the 32 partial sums. With ``zero_dq`` the same
+    threads also clear dQ (the atomic variant accumulates into it).
     """
     LANES = 32
     NT = LANES * rows
 
     @cuda.jit(fastmath=True)
-    def delta(o, do, out, nq):
+    def delta(o, do, out, dq, nq):
         part = cuda.shared.array(NT, float32)
-        t = cuda.threadIdx.x
-        lane = t % LANES
-        r = t // LANES
-        bh = cuda.blockIdx.y
-        row = cuda.blockIdx.x * rows + r
-        d = o.shape[2]
+        t = int32(cuda.threadIdx.x)
+        lane = t % int32(LANES)
+        r = t // int32(LANES)
+        bh = int32(cuda.blockIdx.y)
+        row = int32(cuda.blockIdx.x) * int32(rows) + r
+        d = int32(o.shape[2])
         acc = float32(0.0)
         if row < nq:
             for e in range(lane, d, LANES):
                 acc += o[bh, row, e] * do[bh, row, e]
+                if zero_dq:
+                    dq[bh, row, e] = float32(0.0)
         part[t] = acc
         cuda.syncthreads()
         width = LANES // 2
@@ -791,22 +797,26 @@ def flash_attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, t
     return tuple(kind.give_back(x.reshape(B, H, x.shape[1], d)) for x in (dq_, dk_, dv_))
 
 
-def _launch(q, k, v, o, lse, do, nq, nk, D, causal, scale, tiles, dq_mode):
-    """Launch the three kernels on (B*H, N, d) device arrays; returns device (dq, dk, dv)."""
+def allocate_outputs(bh: int, nq: int, nk: int, d: int):
+    """Device buffers (delta, dq, dk, dv) for ``_launch`` on (B*H, N, d) views."""
+    return (device_empty((bh, nq)), device_empty((bh, nq, d)), device_empty((bh, nk, d)),
+            device_empty((bh, nk, d)))
+
+
+def _launch(q, k, v, o, lse, do, nq, nk, D, causal, scale, tiles, dq_mode, out=None):
+    """Launch the three kernels on (B*H, N, d) device arrays; returns device (dq, dk, dv).
+
+    ``out``: preallocated (delta, dq, dk, dv) from ``allocate_outputs`` (the bench times
+    the kernels alone that way); allocated here when None.
+    """
     bh, d = q.shape[0], q.shape[2]
-    delta = device_empty((bh, nq))
-    dk = device_empty((bh, nk, d))
-    dv = device_empty((bh, nk, d))
+    delta, dq, dk, dv = allocate_outputs(bh, nq, nk, d) if out is None else out
     atomic = dq_mode == "atomic"
-    if atomic:
-        dq = cuda.to_device(np.zeros((bh, nq, d), np.float32))
-    else:
-        dq = device_empty((bh, nq, d))
     n_q, n_k = np.int32(nq), np.int32(nk)
     sc, ca = np.float32(scale), np.int32(1 if causal else 0)
 
-    kern, rows_nt = make_delta(D)
-    kern[(cdiv(nq, rows_nt // 32), bh), rows_nt](o, do, delta, n_q)
+    kern, rows_nt = make_delta(D, 4, atomic)
+    kern[(cdiv(nq, rows_nt // 32), bh), rows_nt](o, do, delta, dq, n_q)
 
     dkdv_bytes, dq_bytes = shared_bytes(tiles, D)
     dyn = dkdv_bytes > STATIC_SHARED_LIMIT and not on_simulator()
@@ -826,11 +836,38 @@ def _launch(q, k, v, o, lse, do, nq, nk, D, causal, scale, tiles, dq_mode):
     return dq, dk, dv
 
 
+def io_model_bytes(B, H, nq, nk, d, tiles=None, dq_mode="separate", causal=False, itemsize=4):
+    """HBM bytes the three kernels move, by the IO model (no reuse through L2).
+
+    delta: reads O, dO, writes D: 2 Nq d + Nq. dkdv: reads K, V once and writes dK, dV
+    (4 Nk d); each of its Tc blocks streams Q, dO, L, D (2 Nq d + 2 Nq). dq (separate):
+    reads Q, dO, L, D once and writes dQ (3 Nq d + 2 Nq); each of its Tr blocks streams
+    K, V (2 Nk d). Atomic instead: each dkdv block reads and writes dQ (2 Nq d more a key
+    tile), and the pre-pass clears dQ (Nq d). With Nq = Nk = N and Bc = Br this is PERF.md's
+    6Nd + N + ceil(N/Bc)(4Nd + 2N) plus the terms it leaves out. Causal halves the streams.
+    """
+    tiles = tiles or default_tiles(d)
+    tc = cdiv(nk, tiles.block_k)
+    tr = cdiv(nq, tiles.dq_block_q)
+    half = 0.5 if causal else 1.0
+    elems = 2 * nq * d + nq + 4 * nk * d + half * tc * (2 * nq * d + 2 * nq)
+    if dq_mode == "atomic":
+        elems += nq * d + half * tc * 2 * nq * d
+    else:
+        elems += 3 * nq * d + 2 * nq + half * tr * 2 * nk * d
+    return float(elems) * B * H * itemsize
+
+
+def standard_backward_bytes(B, H, n, d, itemsize=4):
+    """PERF.md's standard (unfused) backward: 7 N^2 + 10 N d + N elements a head."""
+    return float(7 * n * n + 10 * n * d + n) * B * H * itemsize
+
+
 # --------------------------------------------------------------------------- PTX targets
 
 _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
-DELTA_SIG = f"void({_A3}, {_A3}, {_A2}, int32)"
+DELTA_SIG = f"void({_A3}, {_A3}, {_A2}, {_A3}, int32)"
 DKDV_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3}, int32, int32, float32, int32)"
 DQ_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, int32, int32, float32, int32)"
 
@@ -847,6 +884,7 @@ def ptx_targets():
         targets.append((f"flash bwd dq fp32 Br={t.dq_block_q} Bc={t.dq_block_k} t={t.dq_threads} d={D}",
                         make_dq(t.dq_block_q, t.dq_block_k, D, t.dq_threads), DQ_SIG))
     t = _GPU_TILES[64]
+    targets.append(("flash bwd delta + clear dQ fp32 d=64", make_delta(64, 4, True)[0], DELTA_SIG))
     targets.append((f"flash bwd dkdv+atomic dQ fp32 Bc={t.block_k} Br={t.block_q} t={t.threads} d=64",
                     make_dkdv(t.block_k, t.block_q, 64, t.threads, False, True,
                               _dkdv_merged(t.block_k, t.block_q, 64)), DKDV_SIG))

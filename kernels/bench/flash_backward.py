@@ -1,0 +1,325 @@
+"""Chapter 5's bench: the recomputing backward, alone and after chapter 4's forward.
+
+Reference configuration: B=4, H=16, N=4096, d=64, fp32 (PERF.md). In one run:
+
+* the backward alone (three kernels as bare launches on preallocated buffers), causal and
+  not, with dQ from the separate deterministic kernel and with float32 atomics (what
+  determinism costs, measured);
+* ``flash_attention_backward()`` as a user calls it (it allocates dQ, dK, dV, D: the
+  peak memory figure);
+* forward + backward: chapter 4's ``flash_attention`` then the backward;
+* peers, backward through autograd (the graph built outside the timed region): plain
+  PyTorch fp32 (q @ k^T * scale -> softmax -> @ v, TF32 off: it saves the N x N P),
+  SDPA's math backend and memory-efficient backend (``torch.nn.attention.sdpa_kernel``);
+  and the same peers forward + backward;
+* the N sweep 512 .. 16384 at B*N = 16384 tokens, H=16 (``--quick``: 1024, 4096, 16384);
+* the tile sweep at the reference configuration: dK/dV-kernel candidates (dQ kernel at
+  its default) and dQ-kernel candidates (dK/dV kernel at its default), with the
+  registers and local memory a thread of each kernel uses.
+
+FLOPs: 2.5 x 4 B H N^2 d for the backward, 3.5 x for forward + backward (halved when
+causal); our kernels do 14 N^2 d a head with the separate dQ kernel (S and dP are
+recomputed twice), 10 N^2 d with atomics. ``model_bytes``: the fused backward's IO model
+(``kernels.flash_backward.io_model_bytes``); peers get the same figure (effective GB/s).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from kernels import reference as ref
+from kernels.bench.harness import Result, torch_or_none
+from kernels.flash_backward import (
+    DKDV_SIG,
+    DQ_SIG,
+    Tiles,
+    _launch,
+    allocate_outputs,
+    default_tiles,
+    flash_attention_backward,
+    head_dim_bucket,
+    io_model_bytes,
+    make_dkdv,
+    make_dq,
+    shared_bytes,
+    standard_backward_bytes,
+)
+from kernels.testing import assert_close
+
+try:
+    from kernels.flash_forward import flash_attention
+except ImportError:  # chapter 4 not present: the forward + backward rows are skipped
+    flash_attention = None
+
+CHAPTER = 5
+TITLE = "recomputing backward"
+
+# Tile candidates at d = 64. Tiles(block_k, block_q, threads, dq_block_q, dq_block_k, dq_threads).
+DKDV_SWEEP = (
+    (64, 16, 128, None),     # default: 45 KB static (P and dS share a buffer)
+    (64, 16, 128, False),    # two buffers: 49 KB, dynamic
+    (64, 16, 64, None),      # 8 x 8 dK/dV micro-tiles
+    (32, 32, 64, None),      # 41 KB static
+    (64, 32, 128, None),     # 65 KB dynamic
+    (64, 32, 256, None),
+    (64, 64, 128, None),     # 98 KB dynamic, 4 x 8 micro-tiles for every product
+    (128, 32, 256, None),    # 114 KB dynamic
+    (128, 16, 256, None),
+)
+DQ_SWEEP = (
+    (64, 16, 128),           # default: 45 KB static
+    (32, 32, 64),
+    (64, 32, 128),           # 58 KB dynamic
+    (64, 64, 256),
+    (128, 32, 256),
+    (64, 64, 128),
+)
+
+
+def _dims(ctx):
+    if ctx.simulator:
+        return dict(ref=(1, 1, 16, 8), sweep=[(1, 1, 16, 8)])
+    ns = (1024, 4096, 16384) if ctx.quick else (512, 1024, 2048, 4096, 8192, 16384)
+    return dict(ref=(4, 16, 4096, 64), sweep=[(max(1, 16384 // n), 16, n, 64) for n in ns])
+
+
+def _inputs(b, h, n, d, count, seed=300):
+    """``count`` sets of (q, k, v, do) float32 N(0, 1) device arrays, and the forward's (o, lse)."""
+    sets = []
+    for i in range(count):
+        rng = np.random.default_rng(seed + i)
+        q, k, v, do = (cuda.to_device(rng.standard_normal((b, h, n, d)).astype(np.float32)) for _ in range(4))
+        sets.append([q, k, v, do])
+    return sets
+
+
+def _forward(q, k, v, causal):
+    """(o, lse) as device arrays: chapter 4's kernel, or the oracle head by head if it is absent."""
+    if flash_attention is not None:
+        return flash_attention(q, k, v, causal=causal)
+    o, lse = ref.attention(q.copy_to_host(), k.copy_to_host(), v.copy_to_host(), causal=causal)
+    return cuda.to_device(o.astype(np.float32)), cuda.to_device(lse.astype(np.float32))
+
+
+def _check_head(grads, q, k, v, o, lse, do, causal):
+    """Head (0, 0) against the float64 oracle under the tolerance rule (the tests do the rest)."""
+    host = [x[0:1, 0:1].copy_to_host() for x in (q, k, v, o, lse, do)]
+    exact = ref.attention_backward(*host, causal=causal)
+    baseline = ref.attention_backward(*host, causal=causal, dtype=np.float32)
+    for name, g, e, bl in zip(("dq", "dk", "dv"), grads, exact, baseline):
+        assert_close(g[0:1, 0:1].copy_to_host(), e, bl, name=f"bench {name}")
+
+
+def _kernel_resources(tiles, D, dq_mode):
+    """Registers and local memory a thread, shared memory a block, of the compiled kernels."""
+    out = {}
+    dkdv_b, dq_b = shared_bytes(tiles, D)
+    try:
+        kd = make_dkdv(tiles.block_k, tiles.block_q, D, tiles.threads, dkdv_b > 48 * 1024,
+                       dq_mode == "atomic", tiles.dkdv_merged(D)).compile(DKDV_SIG)
+        out.update(dkdv_regs=kd.regs_per_thread, dkdv_local=kd.local_mem_per_thread, dkdv_smem=dkdv_b)
+        if dq_mode != "atomic":
+            kq = make_dq(tiles.dq_block_q, tiles.dq_block_k, D, tiles.dq_threads, dq_b > 48 * 1024).compile(DQ_SIG)
+            out.update(dq_regs=kq.regs_per_thread, dq_local=kq.local_mem_per_thread, dq_smem=dq_b)
+    except Exception as exc:  # resources are a note, never a failure
+        out["resources"] = f"n/a ({type(exc).__name__})"
+    return out
+
+
+def run(ctx) -> list[Result]:
+    torch = torch_or_none()
+    dims = _dims(ctx)
+    results = []
+
+    # ------------------------------------------------------------- reference config
+    b, h, n, d = dims["ref"]
+    D = head_dim_bucket(d)
+    bh = b * h
+    sets = _inputs(b, h, n, d, 2)
+    for causal in (False, True):
+        config = f"B={b} H={h} N={n} d={d} fp32 causal={causal}"
+        div = 2.0 if causal else 1.0
+        fwd_flops = 4.0 * bh * n * n * d / div
+        extra = {"N": n, "causal": causal}
+        full = []
+        for q, k, v, do in sets:
+            o, lse = _forward(q, k, v, causal)
+            full.append((q, k, v, do, o, lse))
+        views = [tuple(x.reshape(bh, n, d) for x in (q, k, v)) + (o.reshape(bh, n, d), lse.reshape(bh, n),
+                                                                   do.reshape(bh, n, d))
+                 for q, k, v, do, o, lse in full]
+        scale = 1.0 / math.sqrt(d)
+        tiles = default_tiles(d)
+        for dq_mode in ("separate", "atomic"):
+            out = allocate_outputs(bh, n, n, d)
+
+            def bwd(q3, k3, v3, o3, l2, do3, dq_mode=dq_mode, out=out):
+                return _launch(q3, k3, v3, o3, l2, do3, n, n, D, causal, scale, tiles, dq_mode, out=out)
+
+            grads = bwd(*views[0])
+            q, k, v, do, o, lse = full[0]
+            _check_head([g.reshape(b, h, n, d) for g in grads], q, k, v, o, lse, do, causal)
+            note = ("dQ by a second Q-tile-outer kernel: deterministic, 14 N^2 d FLOPs a head"
+                    if dq_mode == "separate" else
+                    "dQ by float32 atomics from the dK/dV kernel: 10 N^2 d FLOPs, order-dependent")
+            results.append(ctx.measure(
+                CHAPTER, f"flash backward ({dq_mode} dQ)", config, bwd, views, flops=2.5 * fwd_flops,
+                model_bytes=io_model_bytes(b, h, n, n, d, tiles, dq_mode, causal), peak_memory=False,
+                note=f"{note}; bare launches; {tiles.label()}",
+                extra=dict(extra, dq_mode=dq_mode, **_kernel_resources(tiles, D, dq_mode))))
+            del out
+        launcher_sets = [(q, k, v, o, lse, do) for q, k, v, do, o, lse in full]
+        results.append(ctx.measure(
+            CHAPTER, "flash_attention_backward() launcher", config,
+            lambda q, k, v, o, lse, do: flash_attention_backward(q, k, v, o, lse, do, causal=causal),
+            launcher_sets, flops=2.5 * fwd_flops, model_bytes=io_model_bytes(b, h, n, n, d, tiles, "separate", causal),
+            note="checks arguments, allocates dQ, dK, dV, D (peak memory: 3 B H N d + B H N floats)",
+            extra=dict(extra), repeat=None if ctx.simulator else max(5, ctx.repeat // 2)))
+        if flash_attention is not None:
+            def fwd_bwd(q, k, v, do):
+                o, lse = flash_attention(q, k, v, causal=causal)
+                return flash_attention_backward(q, k, v, o, lse, do, causal=causal)
+
+            fb_model = io_model_bytes(b, h, n, n, d, tiles, "separate", causal) + 4.0 * bh * (4 * n * d + n)
+            results.append(ctx.measure(
+                CHAPTER, "flash forward + backward (ch 4 + ch 5)", config, fwd_bwd, [tuple(s) for s in sets],
+                flops=3.5 * fwd_flops, model_bytes=fb_model,
+                note="chapter 4's flash_attention then flash_attention_backward (launchers, allocating)",
+                extra=dict(extra), repeat=None if ctx.simulator else max(5, ctx.repeat // 2)))
+        if torch is not None:
+            results += _torch_peers(ctx, torch, sets, b, h, n, d, causal, fwd_flops, extra,
+                                    io_model_bytes(b, h, n, n, d, tiles, "separate", causal))
+        del full, views, launcher_sets
+
+    # ------------------------------------------------------------- tile sweep
+    config = f"B={b} H={h} N={n} d={d} fp32 causal=False"
+    fwd_flops = 4.0 * bh * n * n * d
+    q, k, v, do = sets[0]
+    o, lse = _forward(q, k, v, False)
+    view = [tuple(x.reshape(bh, n, d) for x in (q, k, v)) + (o.reshape(bh, n, d), lse.reshape(bh, n),
+                                                              do.reshape(bh, n, d))]
+    base = default_tiles(d)
+    candidates = []
+    sweep_dkdv = DKDV_SWEEP if not ctx.simulator else ((16, 8, 16, True),)
+    sweep_dq = DQ_SWEEP if not ctx.simulator else ((16, 8, 16),)
+    for bk, bq, nt, merged in sweep_dkdv:
+        candidates.append(("dkdv", Tiles(bk, bq, nt, base.dq_block_q, base.dq_block_k, base.dq_threads, merged)))
+    for bq, bk, nt in sweep_dq:
+        candidates.append(("dq", Tiles(base.block_k, base.block_q, base.threads, bq, bk, nt, base.merged)))
+    for what, tiles in candidates:
+        try:
+            from kernels.flash_backward import _check_tiles
+
+            _check_tiles(tiles, D, "separate")
+        except ValueError as exc:
+            ctx.progress(f"  skipped {tiles.label()}: {exc}")
+            continue
+        out = allocate_outputs(bh, n, n, d)
+
+        def bwd(q3, k3, v3, o3, l2, do3, tiles=tiles, out=out):
+            return _launch(q3, k3, v3, o3, l2, do3, n, n, D, False, 1.0 / math.sqrt(d), tiles, "separate", out=out)
+
+        try:
+            grads = bwd(*view[0])
+            _check_head([g.reshape(b, h, n, d) for g in grads], q, k, v, o, lse, do, False)
+            results.append(ctx.measure(
+                CHAPTER, f"tile sweep: {what} kernel", config + " | " + tiles.label(), bwd, view,
+                flops=2.5 * fwd_flops, model_bytes=io_model_bytes(b, h, n, n, d, tiles, "separate"),
+                peak_memory=False, note=f"sweeps the {what} kernel; the other at its default",
+                extra=dict(sweep=what, tiles=tiles.label(), **_kernel_resources(tiles, D, "separate"))))
+        except Exception as exc:  # a candidate that fails to launch is reported, not fatal
+            ctx.progress(f"  candidate {tiles.label()} failed: {type(exc).__name__}: {exc}")
+        del out
+    del sets, view
+
+    # ------------------------------------------------------------- N sweep
+    for b, h, n, d in dims["sweep"]:
+        config = f"B={b} H={h} N={n} d={d} fp32 causal=False"
+        bh = b * h
+        fwd_flops = 4.0 * bh * n * n * d
+        sets = _inputs(b, h, n, d, 2, seed=400)
+        full = []
+        for q, k, v, do in sets:
+            o, lse = _forward(q, k, v, False)
+            full.append((q, k, v, o, lse, do))
+        model = io_model_bytes(b, h, n, n, d)
+        extra = {"N": n, "sweep": "N", "standard_bwd_model_bytes": standard_backward_bytes(b, h, n, d)}
+        results.append(ctx.measure(
+            CHAPTER, "flash_attention_backward() launcher", config,
+            lambda q, k, v, o, lse, do: flash_attention_backward(q, k, v, o, lse, do),
+            full, flops=2.5 * fwd_flops, model_bytes=model, note="N sweep at B*N = 16384 tokens",
+            extra=dict(extra)))
+        if torch is not None:
+            results += _torch_peers(ctx, torch, sets, b, h, n, d, False, fwd_flops, extra, model,
+                                    with_forward=False)
+        del sets, full
+    return results
+
+
+def _torch_peers(ctx, torch, sets, b, h, n, d, causal, fwd_flops, extra, model, with_forward=True):
+    """Backward (and forward + backward) of the PyTorch peers, fp32, TF32 off."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    out = []
+    config = f"B={b} H={h} N={n} d={d} fp32 causal={causal}"
+    scale = 1.0 / math.sqrt(d)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    mask = None
+    if causal:
+        mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+
+    def plain(q, k, v):
+        s = (q @ k.transpose(-2, -1)) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    def sdpa_with(backend):
+        def fn(q, k, v):
+            with sdpa_kernel(backend):
+                return sdpa(q, k, v, is_causal=causal, scale=scale)
+        return fn
+
+    peers = (("plain PyTorch fp32", plain, "q @ k^T * scale -> softmax -> @ v (saves the N x N P); autograd"),
+             ("SDPA math fp32", sdpa_with(SDPBackend.MATH), "unfused, S and P materialised"),
+             ("SDPA efficient fp32", sdpa_with(SDPBackend.EFFICIENT_ATTENTION),
+              "fused, recomputing backward (this chapter's idea, in CUTLASS)"))
+    try:
+        tsets = [tuple(torch.as_tensor(x, device="cuda").detach().clone().requires_grad_(i < 3)
+                       for i, x in enumerate(s)) for s in sets]
+        for label, fwd, note in peers:
+            try:
+                graphs = []
+                for q, k, v, do in tsets:
+                    o = fwd(q, k, v)
+                    graphs.append((o, q, k, v, do))
+
+                def bwd(o, q, k, v, do):
+                    return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+                out.append(ctx.measure(CHAPTER, f"peer: {label} backward", config, bwd, graphs,
+                                       flops=2.5 * fwd_flops, model_bytes=model, is_peer=True,
+                                       note=note + "; graph built outside the timed region",
+                                       extra=dict(extra)))
+                del graphs
+                if with_forward:
+                    def fwd_bwd(q, k, v, do, fwd=fwd):
+                        o = fwd(q, k, v)
+                        return torch.autograd.grad(o, (q, k, v), do)
+
+                    out.append(ctx.measure(CHAPTER, f"peer: {label} forward + backward", config, fwd_bwd, tsets,
+                                           flops=3.5 * fwd_flops, model_bytes=model, is_peer=True, note=note,
+                                           extra=dict(extra)))
+            except RuntimeError as exc:  # out of memory at large N, or backend unavailable
+                ctx.progress(f"  skipped {label} at {config}: {str(exc)[:120]}")
+                torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    del tsets
+    torch.cuda.empty_cache()
+    return out
