@@ -69,6 +69,9 @@ except ImportError:  # pragma: no cover
 
 __all__ = [
     "flash_attention_backward",
+    "flash_backward_numpy",
+    "recompute_p",
+    "ds_tile",
     "Tiles",
     "default_tiles",
     "make_delta",
@@ -292,6 +295,62 @@ _SIM_TILES = Tiles(8, 8, 16, 8, 8, 16)
 def default_tiles(d: int) -> Tiles:
     """The tiles the launcher uses for head dim d when none are given."""
     return _SIM_TILES if on_simulator() else _GPU_TILES[head_dim_bucket(d)]
+
+
+# --------------------------------------------------------------------------- NumPy version
+
+
+def recompute_p(s, lse):
+    """P = exp(S - L) for one tile of scaled scores S (-inf where masked) and the rows' L.
+
+    0 where S = -inf (masked) and on rows with L = -inf (they saw nothing); never NaN.
+    """
+    s = np.asarray(s)
+    lse = np.asarray(lse)[..., None]
+    live = np.isfinite(s) & np.isfinite(lse)
+    with np.errstate(invalid="ignore"):
+        return np.where(live, np.exp(np.where(live, s - lse, 0.0)), 0.0).astype(s.dtype)
+
+
+def ds_tile(p, dp, delta):
+    """dS = P * (dP - D) for one tile: P and dP (Br x Bc), D the tile's rows of rowsum(dO * O)."""
+    return p * (dp - np.asarray(delta)[..., None])
+
+
+def flash_backward_numpy(q, k, v, o, lse, do, *, causal=False, scale=None, block_q=16, block_k=16):
+    """The recomputing backward in NumPy, in the kernels' loop order (one (batch, head) or many).
+
+    K/V tiles outer for dK, dV; Q tiles outer for dQ; no N x N array is ever formed.
+    """
+    q, k, v, o, lse, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, o, lse, do))
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    delta = np.sum(do * o, axis=-1)                                 # D, one number a query row
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+
+    def p_and_ds(rows, cols):
+        s = scale * q[..., rows, :] @ np.swapaxes(k[..., cols, :], -1, -2)
+        if causal:
+            visible = cols[None, :] <= rows[:, None] + (nk - nq)
+            s = np.where(visible, s, -np.inf)
+        p = recompute_p(s, lse[..., rows])                          # P rebuilt from Q, K and L
+        dp = do[..., rows, :] @ np.swapaxes(v[..., cols, :], -1, -2)
+        return p, ds_tile(p, dp, delta[..., rows])
+
+    for c0 in range(0, nk, block_k):                                # K/V tiles outer: dK_j, dV_j
+        cols = np.arange(c0, min(c0 + block_k, nk))
+        for r0 in range(0, nq, block_q):
+            rows = np.arange(r0, min(r0 + block_q, nq))
+            p, ds = p_and_ds(rows, cols)
+            dv[..., cols, :] += np.swapaxes(p, -1, -2) @ do[..., rows, :]
+            dk[..., cols, :] += scale * np.swapaxes(ds, -1, -2) @ q[..., rows, :]
+    for r0 in range(0, nq, block_q):                                # Q tiles outer: dQ_i
+        rows = np.arange(r0, min(r0 + block_q, nq))
+        for c0 in range(0, nk, block_k):
+            cols = np.arange(c0, min(c0 + block_k, nk))
+            _, ds = p_and_ds(rows, cols)
+            dq[..., rows, :] += scale * ds @ k[..., cols, :]
+    return dq, dk, dv
 
 
 # --------------------------------------------------------------------------- kernel 1: D

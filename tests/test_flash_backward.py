@@ -18,6 +18,8 @@ from kernels.flash_backward import (
     _split,
     default_tiles,
     flash_attention_backward,
+    flash_backward_numpy,
+    recompute_p,
     head_dim_bucket,
 )
 from kernels.runtime import on_simulator
@@ -78,6 +80,25 @@ def test_gradients_match_the_oracle(case, tiles, seed):
     got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=case.causal,
                                    scale=case.scale, tiles=tiles)
     _check_gradients(case, got, o, lse, do)
+
+
+@given(case=attention_cases(max_n=40, max_d=16), block_q=st.integers(1, 9), block_k=st.integers(1, 9))
+@example(case=case_with((1, 1, 7, 3), (1, 1, 3, 3), causal=True), block_q=2, block_k=2)
+@settings(max_examples=20)
+def test_numpy_version_matches_the_oracle(case, block_q, block_k):
+    o, lse, do = _forward_and_grad(case)
+    got = flash_backward_numpy(case.q, case.k, case.v, o, lse, do, causal=case.causal, scale=case.scale,
+                               block_q=block_q, block_k=block_k)
+    _check_gradients(case, got, o, lse, do)
+
+
+def test_recompute_p_handles_masks_and_empty_rows():
+    s = np.array([[0.5, -np.inf], [-np.inf, -np.inf], [1.0, 2.0]], np.float32)
+    lse = np.array([0.5, -np.inf, np.logaddexp(1.0, 2.0)], np.float32)
+    p = recompute_p(s, lse)
+    assert not np.isnan(p).any()
+    assert p[0, 0] == 1 and p[0, 1] == 0 and (p[1] == 0).all()
+    assert abs(p[2].sum() - 1) < 1e-6
 
 
 @pytest.mark.parametrize("d", [16, 32] if SIM else [16, 32, 64, 128])
