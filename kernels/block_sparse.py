@@ -53,7 +53,7 @@ from kernels.runtime import (ArrayKind, cdiv, check_flag, check_qkv, check_scale
                              on_simulator, to_device)
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_backward", "make_forward", "TileLists",
-           "tile_lists", "forward_config", "FORWARD_CONFIGS", "ptx_targets"]
+           "tile_lists", "forward_config", "FORWARD_CONFIGS", "io_model_bytes", "ptx_targets"]
 
 # Scores outside the mask become MASKED; the running max starts at M_INIT > MASKED, so
 # exp(MASKED - m) underflows to exactly 0 for every m the kernel can hold.
@@ -428,6 +428,13 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
 
 FORWARD_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
                "float32[:, ::1], int32[::1], int32[::1], int32, int32, int32, int32, float32, int32)")
+
+
+def io_model_bytes(b, h, nq, nk, d, *, Br, rho, in_bytes=4):
+    """HBM bytes of the forward by the IO model (PERF.md): per head, Q read and O written
+    once (2 Nq d), L written (Nq), and K, V read once for every kept tile: 2 Nk d ceil(Nq/Br)
+    rho, where rho is the kept fraction of the Tr x Tc tiles."""
+    return float(b * h * in_bytes * (2 * nq * d + nq + 2 * nk * d * cdiv(nq, Br) * rho))
 
 
 # --------------------------------------------------------------------------- the launcher

@@ -40,7 +40,7 @@ from kernels.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv
                              on_simulator, to_device)
 
 __all__ = ["block_sparse_attention_backward", "make_backward_dq", "make_backward_dkdv", "backward_config",
-           "BACKWARD_CONFIGS", "ptx_targets"]
+           "BACKWARD_CONFIGS", "io_model_bytes", "ptx_targets"]
 
 # Production tiles for the H100 by padded head dim: (Br, Bc, R, TC), used by both kernels.
 # dQ kernel shared floats: Qt D*Br + dOt D*Br + Kt D*Bc + Vt D*Bc + dS Br*Bc.
@@ -401,6 +401,17 @@ DQ_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], floa
 DKDV_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
             "float32[:, :, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], int32[::1], "
             "int32[::1], int32, int32, int32, int32, float32, int32)")
+
+
+def io_model_bytes(b, h, nq, nk, d, *, Br, Bc, rho, in_bytes=4):
+    """HBM bytes of the two backward kernels by the IO model, per head:
+    dQ kernel: Q, dO, O read, dQ written (4 Nq d), L read and D written (2 Nq), K and V read
+    for each kept tile (2 Nk d ceil(Nq/Br) rho);
+    dK/dV kernel: K, V read, dK, dV written (4 Nk d), Q, dO, L, D read for each kept tile
+    ((2 Nq d + 2 Nq) ceil(Nk/Bc) rho)."""
+    dq = 4 * nq * d + 2 * nq + 2 * nk * d * cdiv(nq, Br) * rho
+    dkdv = 4 * nk * d + (2 * nq * d + 2 * nq) * cdiv(nk, Bc) * rho
+    return float(b * h * in_bytes * (dq + dkdv))
 
 
 # --------------------------------------------------------------------------- the launcher

@@ -1,0 +1,305 @@
+"""Chapter 6's bench: block-sparse attention, time against the kept fraction.
+
+On a GPU (``--quick``: fewer points):
+
+* N = 4096, B=4 H=16 d=64 fp32 and N = 16384, B=1 H=8 d=64 (quick: N = 4096 only); mask
+  blocks 128 x 128 (FlexAttention's default block), random flags shared by the heads with
+  the diagonal kept, at densities 1, 1/2, 1/4, 1/8, 1/16 (quick: 1, 1/4, 1/8), non-causal;
+  and the causal sliding window as a pattern row;
+* forward: the block-sparse kernel (bare launch on preallocated O, L, lists built once);
+  in the same run the dense fused forward of chapter 4 (``flash_attention``), PyTorch
+  FlexAttention fp32 (``torch.compile(flex_attention)`` with ``create_block_mask`` from the
+  same flags) and SDPA memory-efficient fp32 (dense) as peers;
+* backward: ``block_sparse_attention_backward`` (lists built once) against chapter 5's dense
+  ``flash_attention_backward``, FlexAttention's and SDPA memory-efficient's backward
+  (``torch.autograd.grad`` of a forward kept alive).
+
+FLOPs are the work actually done: 4 B H N^2 d times the kept fraction rho of kernel tiles
+(2.5x that for the backward); ``extra`` has rho, the mask density and the dense-equivalent
+TFLOP/s. ``model_bytes``: the IO models of ``kernels.block_sparse.io_model_bytes`` (PERF.md:
+2Nd + N + 2Nd ceil(N/Br) rho per head) and ``kernels.block_sparse_backward.io_model_bytes``.
+The result that matters: time tracks rho, and at rho = 1/8 the forward is >= 5x faster than
+the dense fused forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import kernels  # noqa: F401  (GPU or simulator first)
+from kernels import reference as ref
+from kernels import sparsity_patterns as sp
+from kernels.bench.harness import Result, cupy_or_none, torch_or_none
+from kernels.block_sparse import forward_config, io_model_bytes, make_forward, tile_lists
+from kernels.block_sparse_backward import backward_config, block_sparse_attention_backward
+from kernels.block_sparse_backward import io_model_bytes as io_model_bytes_backward
+from kernels.runtime import cdiv
+
+CHAPTER = 6
+TITLE = "block-sparse attention"
+
+BLOCK = 128
+
+
+def _dims(ctx):
+    """(B, H, N, d) points and densities."""
+    if ctx.simulator:
+        return [(1, 1, 32, 8)], (1.0, 0.5, 0.25), 8
+    points = [(4, 16, 4096, 64)] + ([] if ctx.quick else [(1, 8, 16384, 64)])
+    densities = (1.0, 0.25, 0.125) if ctx.quick else (1.0, 0.5, 0.25, 0.125, 0.0625)
+    return points, densities, BLOCK
+
+
+def _inputs(b, h, n, d, count, seed=600):
+    from numba import cuda
+
+    cp = cupy_or_none()
+    sets = []
+    for i in range(count):
+        if cp is not None:
+            cp.random.seed(seed + i)
+            sets.append(tuple(cuda.as_cuda_array(cp.random.standard_normal((b, h, n, d), dtype=cp.float32))
+                              for _ in range(3)))
+        else:
+            rng = np.random.default_rng(seed + i)
+            sets.append(tuple(cuda.to_device(rng.standard_normal((b, h, n, d)).astype(np.float32))
+                              for _ in range(3)))
+    return sets
+
+
+def _mask(n, block, density, seed=0):
+    if density >= 1.0:
+        return sp.dense(n, n, block=block)
+    # keep the diagonal, and draw the rest so that the whole mask keeps `density` of the tiles
+    t = cdiv(n, block)
+    rest = max(0.0, (density * t * t - t) / (t * t - t)) if t > 1 else 1.0
+    return sp.random_blocks(n, n, block=block, density=rest, seed=seed, keep_diagonal=True)
+
+
+def forward_fn(b, h, n, d, mask, causal):
+    """(fn(q, k, v), rho, Br): a bare launch of the block-sparse forward on preallocated O, L."""
+    from numba import cuda
+
+    cfg = forward_config(d, mask)
+    lists = tile_lists(mask, n, n, Br=cfg.Br, Bc=cfg.Bc, causal=causal, batch=b, heads=h)
+    row_ptr, col_idx, _, _ = lists.device()
+    kernel = make_forward(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
+    bh = b * h
+    o = cuda.device_array((bh, n, d), np.float32)
+    lse = cuda.device_array((bh, n), np.float32)
+    grid, threads = (cdiv(n, cfg.Br), bh), (cfg.Br // cfg.RM) * cfg.TC
+    tail = (np.int32(n), np.int32(n), np.int32(d), np.int32(lists.groups), np.float32(1 / math.sqrt(d)),
+            np.int32(causal))
+
+    def fn(q, k, v):
+        kernel[grid, threads](q.reshape(bh, n, d), k.reshape(bh, n, d), v.reshape(bh, n, d), o, lse,
+                              row_ptr, col_idx, *tail)
+
+    fn.outputs = (o, lse)
+    return fn, lists.kept_fraction, cfg
+
+
+def _check_head(fn, sets, mask, causal):
+    """Head (0, 0) against the oracle: catches a broken run (the tests check properly)."""
+    q, k, v = sets[0]
+    fn(q, k, v)
+    o, _ = fn.outputs
+    n = q.shape[2]
+    if n > 4096:
+        return
+    q0, k0, v0 = (x[0:1, 0:1].copy_to_host() for x in (q, k, v))
+    flags = mask.flags if mask.flags.ndim == 2 else mask.flags.reshape(-1, *mask.flags.shape[-2:])[0]
+    exact, _ = ref.attention(q0, k0, v0, causal=causal, block_mask=ref.BlockMask(flags, mask.block_q, mask.block_k))
+    err = float(np.max(np.abs(o[0:1].copy_to_host() - exact[0])))
+    assert err < 1e-4, f"block-sparse forward differs from the oracle by {err:.3g} on head (0, 0)"
+
+
+def _config(b, h, n, d, causal, label):
+    return f"B={b} H={h} N={n} d={d} fp32 causal={causal} {label}"
+
+
+# --------------------------------------------------------------------------- peers
+
+def _flex(torch, flags, n, block, causal):
+    """torch.compile(flex_attention) and the BlockMask made from the same flags, or None."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    keep = torch.as_tensor(flags, device="cuda")
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = keep[q_idx // block, kv_idx // block]
+        return allowed & (kv_idx <= q_idx) if causal else allowed
+
+    block_mask = create_block_mask(mask_mod, None, None, n, n, device="cuda", BLOCK_SIZE=block)
+    return torch.compile(flex_attention), block_mask
+
+
+def _torch_forward_peers(ctx, results, torch, sets, flags, n, d, block, causal, config, flops, model, extra):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    tsets = [tuple(torch.as_tensor(x, device="cuda") for x in qkv) for qkv in sets]
+    scale = 1.0 / math.sqrt(d)
+    try:
+        flex = _flex(torch, flags, n, block, causal)
+        if flex is not None:
+            compiled, bmask = flex
+            results.append(ctx.measure(CHAPTER, "peer: FlexAttention fp32", config,
+                                       lambda q, k, v: compiled(q, k, v, block_mask=bmask, scale=scale), tsets,
+                                       flops=flops, model_bytes=model, is_peer=True,
+                                       note="torch.compile(flex_attention), same block mask", extra=dict(extra)))
+    except Exception as exc:  # no Triton, a compile failure: report and go on
+        ctx.progress(f"  skipped FlexAttention: {type(exc).__name__}: {str(exc)[:160]}")
+    if extra.get("density") == 1.0 or extra.get("pattern"):
+        def dense(q, k, v):
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                return sdpa(q, k, v, is_causal=causal, scale=scale)
+        try:
+            results.append(ctx.measure(CHAPTER, "peer: SDPA efficient fp32 (dense)", config, dense, tsets,
+                                       flops=flops / max(extra["rho"], 1e-9), model_bytes=model, is_peer=True,
+                                       note="dense attention, no mask", extra=dict(extra)))
+        except RuntimeError as exc:
+            ctx.progress(f"  skipped SDPA efficient: {str(exc)[:120]}")
+    del tsets
+    torch.cuda.empty_cache()
+
+
+def _torch_backward_peers(ctx, results, torch, sets, flags, n, d, block, causal, config, flops, model, extra):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    scale = 1.0 / math.sqrt(d)
+    tsets = []
+    for q, k, v in sets:
+        tq, tk, tv = (torch.as_tensor(x, device="cuda").clone().requires_grad_(True) for x in (q, k, v))
+        tsets.append((tq, tk, tv, torch.randn_like(tq)))
+
+    def backward_of(forward):
+        kept = [(forward(q, k, v), q, k, v, do) for q, k, v, do in tsets]
+
+        def bwd(out, q, k, v, do):
+            return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        return bwd, kept
+
+    try:
+        flex = _flex(torch, flags, n, block, causal)
+        if flex is not None:
+            compiled, bmask = flex
+            bwd, kept = backward_of(lambda q, k, v: compiled(q, k, v, block_mask=bmask, scale=scale))
+            results.append(ctx.measure(CHAPTER, "peer: FlexAttention fp32 backward", config, bwd, kept,
+                                       flops=flops, model_bytes=model, is_peer=True, peak_memory=False,
+                                       note="autograd.grad of torch.compile(flex_attention)", extra=dict(extra)))
+            del kept
+    except Exception as exc:
+        ctx.progress(f"  skipped FlexAttention backward: {type(exc).__name__}: {str(exc)[:160]}")
+    if extra.get("density") == 1.0:
+        def dense(q, k, v):
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                return sdpa(q, k, v, is_causal=causal, scale=scale)
+        try:
+            bwd, kept = backward_of(dense)
+            results.append(ctx.measure(CHAPTER, "peer: SDPA efficient fp32 backward (dense)", config, bwd, kept,
+                                       flops=flops, model_bytes=model, is_peer=True, peak_memory=False,
+                                       note="autograd.grad, dense", extra=dict(extra)))
+            del kept
+        except RuntimeError as exc:
+            ctx.progress(f"  skipped SDPA efficient backward: {str(exc)[:120]}")
+    del tsets
+    torch.cuda.empty_cache()
+
+
+def _dense_chapter4(ctx, results, sets, config, flops, model, extra, causal):
+    try:
+        from kernels.flash_forward import flash_attention
+    except ImportError:
+        return
+    results.append(ctx.measure(CHAPTER, "dense fused forward (chapter 4)", config,
+                               lambda q, k, v: flash_attention(q, k, v, causal=causal), sets,
+                               flops=flops, model_bytes=model, peak_memory=False,
+                               note="flash_attention() launcher, every tile", extra=dict(extra)))
+
+
+def _dense_chapter5(ctx, results, grads, config, flops, model, extra, causal):
+    try:
+        from kernels.flash_backward import flash_attention_backward
+    except ImportError:
+        return
+    results.append(ctx.measure(CHAPTER, "dense backward (chapter 5)", config,
+                               lambda q, k, v, o, lse, do: flash_attention_backward(q, k, v, o, lse, do,
+                                                                                    causal=causal),
+                               grads, flops=flops, model_bytes=model, peak_memory=False,
+                               note="flash_attention_backward() launcher, every tile", extra=dict(extra)))
+
+
+# --------------------------------------------------------------------------- the run
+
+def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
+    from numba import cuda
+
+    sets = _inputs(b, h, n, d, 2)
+    fn, rho, cfg = forward_fn(b, h, n, d, mask, causal)
+    _check_head(fn, sets, mask, causal)
+    dense_flops = 4.0 * b * h * n * n * d
+    flops = dense_flops * rho
+    extra = dict(extra0, N=n, rho=round(rho, 4), density=round(mask.density, 4), Br=cfg.Br, Bc=cfg.Bc)
+    config = _config(b, h, n, d, causal, label)
+    model = io_model_bytes(b, h, n, n, d, Br=cfg.Br, rho=rho)
+    r = ctx.measure(CHAPTER, "block-sparse forward", config, fn, sets, flops=flops, model_bytes=model,
+                    peak_memory=False, note=f"bare launch, Br={cfg.Br} Bc={cfg.Bc}, lists built once",
+                    extra=dict(extra, part="forward"))
+    r.extra["dense_equiv_tflops"] = round(dense_flops / (r.median_ms / 1e3) / 1e12, 2)
+    results.append(r)
+    if extra0.get("density") == 1.0 or extra0.get("pattern"):
+        _dense_chapter4(ctx, results, sets, config, dense_flops / (2 if causal else 1),
+                        io_model_bytes(b, h, n, n, d, Br=cfg.Br, rho=1.0), dict(extra, part="forward"), causal)
+    if torch is not None:
+        _torch_forward_peers(ctx, results, torch, sets, mask.flags, n, d, mask.block_q, causal, config, flops,
+                             model, dict(extra, part="forward"))
+
+    # backward: the launcher with the lists built once (it allocates dQ, dK, dV and D)
+    bcfg = backward_config(d, mask)
+    blists = tile_lists(mask, n, n, Br=bcfg.Br, Bc=bcfg.Bc, causal=causal, batch=b, heads=h)
+    brho = blists.kept_fraction
+    grads = []
+    for q, k, v in sets:
+        fn(q, k, v)
+        o, lse = (x.copy_to_host() for x in fn.outputs)
+        do = cuda.to_device(np.random.default_rng(7).standard_normal((b, h, n, d)).astype(np.float32))
+        grads.append((q, k, v, cuda.to_device(o.reshape(b, h, n, d)), cuda.to_device(lse.reshape(b, h, n)), do))
+    bflops = 2.5 * dense_flops * brho
+    bmodel = io_model_bytes_backward(b, h, n, n, d, Br=bcfg.Br, Bc=bcfg.Bc, rho=brho)
+    bextra = dict(extra, rho=round(brho, 4), Br=bcfg.Br, Bc=bcfg.Bc, part="backward")
+    results.append(ctx.measure(
+        CHAPTER, "block-sparse backward", config,
+        lambda q, k, v, o, lse, do: block_sparse_attention_backward(q, k, v, o, lse, do, mask, causal=causal,
+                                                                    lists=blists),
+        grads, flops=bflops, model_bytes=bmodel, peak_memory=False,
+        note=f"launcher, Br={bcfg.Br} Bc={bcfg.Bc}, lists built once; dQ kernel + dK/dV kernel", extra=bextra))
+    if extra0.get("density") == 1.0 or extra0.get("pattern"):
+        _dense_chapter5(ctx, results, grads, config, 2.5 * dense_flops / (2 if causal else 1),
+                        io_model_bytes_backward(b, h, n, n, d, Br=bcfg.Br, Bc=bcfg.Bc, rho=1.0), bextra,
+                        causal)
+    if torch is not None:
+        _torch_backward_peers(ctx, results, torch, sets, mask.flags, n, d, mask.block_q, causal, config, bflops,
+                              bmodel, bextra)
+    del sets, grads
+
+
+def run(ctx) -> list[Result]:
+    torch = torch_or_none()
+    results: list[Result] = []
+    points, densities, block = _dims(ctx)
+    for b, h, n, d in points:
+        for density in densities:
+            mask = _mask(n, block, density)
+            _one_mask(ctx, results, torch, b, h, n, d, mask, False, f"random {density:g}",
+                      {"density": density})
+        # a pattern: the causal sliding window (one tile either side of the diagonal)
+        mask = sp.sliding_window(n, n, block=block, window=1)
+        _one_mask(ctx, results, torch, b, h, n, d, mask, True, "causal sliding window",
+                  {"pattern": "causal sliding window"})
+    return results
