@@ -17,10 +17,15 @@ from kernels.flash_forward import (
     SWEEP_D64,
     SWEEP_D128,
     Tiles,
+    check_tile_update,
     default_tiles,
     flash_attention,
+    flash_forward_numpy,
     head_dim_tile,
+    io_model_bytes,
     shared_bytes,
+    tile_update,
+    tile_update_cases,
 )
 from kernels.runtime import is_device_array, on_simulator
 from kernels.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
@@ -211,3 +216,30 @@ def test_bad_inputs_name_the_argument(change, exc, name):
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     with pytest.raises(exc, match=name):
         flash_attention(q, k, v, **args)
+
+
+# --------------------------------------------------------------------------- the NumPy version
+
+@given(tile_update_cases())
+def test_tile_update_property(case):
+    check_tile_update(tile_update, case)
+
+
+@given(attention_cases(max_n=40, max_d=8), st.integers(1, 9), st.integers(1, 9))
+def test_numpy_tiles_match_the_oracle(case, br, bc):
+    o, lse = flash_forward_numpy(case.q[0, 0], case.k[0, 0], case.v[0, 0], causal=case.causal,
+                                 scale=case.scale, Br=br, Bc=bc)
+    exact_o, exact_l = ref.attention(case.q[0, 0], case.k[0, 0], case.v[0, 0], causal=case.causal,
+                                     scale=case.scale)
+    np.testing.assert_allclose(o, exact_o, rtol=1e-9, atol=1e-9)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(exact_l))
+    np.testing.assert_allclose(lse[np.isfinite(lse)], exact_l[np.isfinite(exact_l)], rtol=1e-12, atol=1e-9)
+
+
+def test_io_model():
+    n, d = 4096, 64
+    assert io_model_bytes(1, 1, n, n, d, Br=128) == 4 * (2 * n * d + n + 2 * n * d * math.ceil(n / 128))
+    # causal reads about half the K/V tiles; float16 inputs halve the input bytes
+    assert 0.5 < io_model_bytes(1, 1, n, n, d, Br=128, causal=True) / io_model_bytes(1, 1, n, n, d, Br=128) < 0.6
+    assert io_model_bytes(2, 3, 100, 50, 8, Br=16, in_bytes=2) == 6 * (100 * 8 * 2 + 100 * 8 * 4 + 100 * 4
+                                                                         + 2 * 50 * 8 * 2 * math.ceil(100 / 16))
