@@ -39,6 +39,7 @@ else:
         PRODUCTION_TILES,
         Tiles(br=32, bc=64, bd=32, bk=16, tm=2, tn=4, softmax_threads=256, softmax_regs=1),
         Tiles(br=64, bc=32, bd=128, bk=8, tm=4, tn=8, softmax_threads=32, softmax_regs=4),
+        Tiles(br=128, bc=128, bd=64, bk=32, tm=8, tn=8),  # the bench's other tiles
     ]
     SIM_N = MAX_N
 tile_choices = st.sampled_from(TILE_CHOICES)
