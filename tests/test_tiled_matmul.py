@@ -156,6 +156,7 @@ def test_bad_inputs_name_the_argument(a, b, error, name):
     ({"rung": 3, "register_tiles": (16, 16, 4)}, "register_tiles"),
     ({"rung": 3, "register_tiles": (8, 8, 1, 1, 1)}, "register_tiles"),
     ({"rung": 3, "register_tiles": (96, 96, 8, 6, 6)}, "register_tiles"),
+    ({"rung": 3, "register_tiles": (128, 128, 32, 8, 8)}, "register_tiles"),
     ({"out": np.ones((3, 5), np.float32)}, "out"),
 ])
 def test_bad_options_name_the_option(kwargs, name):
