@@ -1,0 +1,468 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 5. The recomputing backward
+#
+# Chapter 4's forward never wrote the N x N matrices S and P to HBM. Training needs the
+# gradients too, and the textbook backward of attention *reads P back*: it was saved by the
+# forward. If we had to store P for the backward, the forward's savings would be gone.
+#
+# FlashAttention's answer: save only the output O and one number per query row, the
+# logsumexp L, and **recompute** S and P tile by tile during the backward. Recomputing costs
+# FLOPs, which the GPU has in plenty; storing costs N^2 memory and HBM traffic, which it has
+# not. By the end of this chapter you will have:
+#
+# 1. the gradients dV, dP, dS, dQ, dK derived from the forward, and why
+#    D = rowsum(dO * O) replaces a row sum over the whole N x N matrix;
+# 2. P rebuilt exactly from Q, K and L: P = exp(S - L);
+# 3. three kernels: a pre-pass for D, a K/V-tile-outer kernel for dK and dV, and a
+#    Q-tile-outer kernel for dQ (deterministic) -- or atomics for dQ (faster, not bitwise
+#    reproducible);
+# 4. the IO and memory budget of the backward, against the standard one.
+
+# %%
+import inspect
+import math
+
+import numpy as np
+
+import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
+from kernels import reference as ref
+from kernels.flash_backward import (
+    Tiles,
+    default_tiles,
+    ds_tile,
+    flash_attention_backward,
+    flash_backward_numpy,
+    io_model_bytes,
+    make_delta,
+    make_dkdv,
+    make_dq,
+    recompute_p,
+    shared_bytes,
+    standard_backward_bytes,
+)
+from kernels.flash_forward import flash_attention
+from kernels.runtime import device_name, on_simulator
+from kernels.testing import assert_close, attention_cases, check_exercise, random_array
+
+print("running on:", device_name())
+
+# %% tags=["parameters"]
+# Tiny sizes in the simulator (every GPU thread is a Python thread there), real ones on a GPU.
+if on_simulator():
+    B, H, NQ, NK, D_HEAD = 1, 2, 19, 23, 8      # the kernel check
+    TIME = None                                  # no timing in the simulator
+else:
+    B, H, NQ, NK, D_HEAD = 2, 4, 700, 900, 64
+    TIME = (4, 16, 4096, 64)                     # the reference configuration of PERF.md
+
+# %% [markdown]
+# ## 1. The forward, and what it saves
+#
+# For one (batch, head), with scale $\tau = 1/\sqrt{d}$:
+#
+# $$S = \tau\, Q K^\top, \qquad P = \mathrm{softmax}_{\text{row}}(S), \qquad O = P V,
+# \qquad L_i = \log \sum_j e^{S_{ij}}.$$
+#
+# The standard implementation keeps S or P (N x N) for the backward. The fused forward of
+# chapter 4 keeps only **O** (N x d) and **L** (N numbers). Everything below is rebuilt
+# from Q, K, V, O, L and the incoming gradient dO = dLoss/dO.
+#
+# ## 2. Deriving the gradients
+#
+# **dV.** $O = PV$ is a matrix product, so $dV = P^\top dO$.
+#
+# **dP.** Likewise $dP = dO\, V^\top$ (N x N, but we only ever need one tile of it).
+#
+# **dS: the softmax Jacobian.** Row by row, $p = \mathrm{softmax}(s)$ has Jacobian
+# $\partial p_j / \partial s_k = p_j(\delta_{jk} - p_k)$, i.e.
+# $J = \mathrm{diag}(p) - p p^\top$. So
+#
+# $$ds = J^\top dp = p \circ dp - p\,(p^\top dp) = p \circ (dp - p^\top dp).$$
+#
+# The scalar $p^\top dp = \sum_j P_{ij} dP_{ij}$ is a sum over the **whole row** of N keys:
+# a tile cannot compute it alone. The trick: since $dP = dO\,V^\top$ and $O = PV$,
+#
+# $$D_i := \sum_j P_{ij}\, dP_{ij} = \sum_j P_{ij} \sum_c dO_{ic} V_{jc}
+#        = \sum_c dO_{ic} \sum_j P_{ij} V_{jc} = \sum_c dO_{ic}\, O_{ic}.$$
+#
+# **D = rowsum(dO * O)**: d multiplications a row from arrays we have (a tiny pre-pass),
+# instead of N from arrays we do not. Then, for every tile,
+#
+# $$dS = P \circ (dP - D).$$
+#
+# **dQ and dK.** $S = \tau Q K^\top$ gives $dQ = \tau\, dS\, K$ and $dK = \tau\, dS^\top Q$.
+#
+# **Recomputing P.** $P_{ij} = e^{S_{ij}} / \sum_k e^{S_{ik}} = e^{S_{ij} - L_i}$. With L
+# saved, one tile of P needs only its tile of Q and K: no running max, no second pass, and
+# the *same* P the forward used (to float32 rounding). Masked entries (S = -inf) give 0; a
+# row that saw nothing has L = -inf and P = 0 (and dQ = 0 there, never NaN).
+#
+# | saved by the forward | recomputed in the backward | never stored |
+# |---|---|---|
+# | O (N x d), L (N) | S, P, dP, dS (one Br x Bc tile at a time, on chip) | any N x N matrix |
+#
+# Check the derivation numerically against the oracle, which implements exactly these
+# closed forms (and is itself tested against finite differences):
+
+# %%
+rng = np.random.default_rng(0)
+q, k, v = (random_array(rng, (B, H, n, D_HEAD)) for n in (NQ, NK, NK))
+do = random_array(rng, (B, H, NQ, D_HEAD))
+o64, lse64 = ref.attention(q, k, v, causal=True)
+o, lse = o64.astype(np.float32), lse64.astype(np.float32)
+
+# D two ways: over the whole N x N row, and from O and dO alone.
+s = (q.astype(np.float64) @ np.swapaxes(k, -1, -2)) / math.sqrt(D_HEAD)
+s = np.where(ref.causal_mask(NQ, NK), s, -np.inf)
+p = recompute_p(s, lse64)
+dp = do.astype(np.float64) @ np.swapaxes(v, -1, -2)
+print("max |rowsum(P*dP) - rowsum(dO*O)| =", np.abs((p * dp).sum(-1) - (do * o64).sum(-1)).max())
+print("max |P rebuilt from L - softmax(S)| =", np.abs(p - ref.softmax(s)).max())
+
+# %% [markdown]
+# ## 3. The NumPy version, in the kernels' loop order
+#
+# Two loop nests, and no N x N array anywhere:
+#
+# ```
+#   dK, dV: K/V tiles outer                      dQ: Q tiles outer
+#   for each key tile j (Bc rows):               for each query tile i (Br rows):
+#       keep K_j, V_j; dK_j = dV_j = 0               keep Q_i, dO_i, L_i, D_i; dQ_i = 0
+#       for each query tile i (Br rows):             for each key tile j (Bc rows):
+#           S  = tau Q_i K_j^T                           S, P, dP, dS as on the left
+#           P  = exp(S - L_i)      (recomputed)          dQ_i += tau dS K_j
+#           dV_j += P^T dO_i                         write dQ_i once
+#           dP = dO_i V_j^T
+#           dS = P * (dP - D_i)
+#           dK_j += tau dS^T Q_i
+#       write dK_j, dV_j once
+# ```
+#
+# Why two nests? dK_j and dV_j sum over *query* tiles, dQ_i over *key* tiles. One loop order
+# can keep only one of them on chip. With K/V tiles outer, each block owns dK_j and dV_j and
+# writes them once; dQ_i receives a contribution from every key tile, i.e. from every block.
+
+# %%
+print(inspect.getsource(recompute_p))
+print(inspect.getsource(ds_tile))
+print(inspect.getsource(flash_backward_numpy))
+
+# %%
+got = flash_backward_numpy(q, k, v, o, lse, do, causal=True, block_q=4, block_k=8)
+exact = ref.attention_backward(q, k, v, o, lse, do, causal=True)
+baseline = ref.attention_backward(q, k, v, o, lse, do, causal=True, dtype=np.float32)
+for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, baseline):
+    assert_close(g, e, b, name=name)
+print("the tiled NumPy backward matches the oracle")
+
+# %% [markdown]
+# ## 4. dQ: a second kernel, or atomics?
+#
+# Every key-tile block produces a piece $\tau\, dS\, K_j$ of each dQ_i. Two ways to sum them:
+#
+# | | **separate dQ kernel** (our default) | **float32 atomics** (FlashAttention-2's choice) |
+# |---|---|---|
+# | how | a Q-tile-outer kernel recomputes S, P, dP, dS and sums dQ_i in registers | the dK/dV kernel adds its piece with `cuda.atomic.add` |
+# | FLOPs a head | 14 N^2 d (S and dP computed twice) | 10 N^2 d |
+# | HBM | + K, V streamed once per query tile | + dQ read and written once per key tile (atomics in L2) |
+# | result | **bitwise identical run to run** | summation order depends on block timing: last bits differ |
+#
+# Floating-point addition is not associative, so the order of the additions changes the
+# rounding. For a course, and for debugging training runs, reproducibility is worth a lot:
+# our launcher uses the separate kernel by default and offers `dq_mode="atomic"` to measure
+# the price. The tests check what each promises: the separate path bitwise identical across
+# runs, the atomic path within the tolerance rule on every run.
+#
+# ## 5. The kernels
+#
+# **Pre-pass, D = rowsum(dO * O).** 32 threads a row read consecutive columns (coalesced);
+# a tree reduction in shared memory adds the partial sums.
+
+# %%
+print(inspect.getsource(make_delta))
+
+# %% [markdown]
+# **dK and dV (K/V tiles outer).** Grid (Tc, B*H). One block owns Bc keys: K_j and V_j stay
+# in shared memory, dK_j and dV_j in registers, for the whole loop over query tiles.
+# Each thread owns a *micro-tile* of every product (register tiling): for S and dP
+# (Br x Bc) an AM x AN piece, for dK and dV (Bc x d) a BM x BN piece. The inner loops
+# read a column of one operand and a row of the other from shared memory and do AM x AN
+# fused multiply-adds into registers. P and dS pass through shared memory because the
+# products that consume them (P^T dO, dS^T Q) need a different thread-to-element map.
+#
+# ```
+#   shared memory of one dkdv block (floats; rows padded by one against bank conflicts)
+#   K_j   Bc x (d+1)     loaded once
+#   V_j   Bc x (d+1)     loaded once
+#   Q_i   Br x (d+1)     reloaded every query tile
+#   dO_i  Br x (d+1)     reloaded every query tile
+#   P     Br x (Bc+1)    written by the S/dP threads, read by the dV threads
+#   dS    Br x (Bc+1)    (or sharing P's buffer when 48 KB is tight: two more barriers)
+#   L_i, D_i  Br each
+# ```
+#
+# Causal masking (bottom-right: query i sees key j iff j <= i + Nk - Nq) skips every query
+# tile that lies entirely above the key tile; fully visible and ragged tiles are masked
+# element by element (P = 0).
+
+# %%
+print(inspect.getsource(make_dkdv))
+
+# %% [markdown]
+# **dQ (Q tiles outer).** Grid (Tr, B*H), the heaviest causal tiles first. The same S, P,
+# dP, dS recomputation, then dQ_i += dS K_j in registers, written once: every dQ entry is
+# summed by one thread in a fixed order.
+
+# %%
+print(inspect.getsource(make_dq))
+
+# %%
+tiles = default_tiles(D_HEAD)
+print("tiles here:", tiles.label())
+from kernels.flash_backward import head_dim_bucket
+
+print("shared memory a block (dkdv, dq), bytes:", shared_bytes(tiles, head_dim_bucket(D_HEAD)))
+dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do, causal=True)
+for name, g, e, b in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, baseline):
+    assert_close(g, e, b, name=name)
+print("kernel gradients match the oracle (causal, Nq != Nk, ragged tiles)")
+
+# %% [markdown]
+# ### With chapter 4's forward
+#
+# In training the backward consumes the O and L that the fused forward produced:
+
+# %%
+o_f, lse_f = flash_attention(q, k, v, causal=True)
+got = flash_attention_backward(q, k, v, o_f, lse_f, do, causal=True)
+exact_f = ref.attention_backward(q, k, v, o_f, lse_f, do, causal=True)
+baseline_f = ref.attention_backward(q, k, v, o_f, lse_f, do, causal=True, dtype=np.float32)
+for name, g, e, b in zip(("dq", "dk", "dv"), got, exact_f, baseline_f):
+    assert_close(g, e, b, name=name)
+print("forward (ch 4) + backward (ch 5) match the oracle;",
+      "rows that see nothing:", int(np.isneginf(lse_f).sum()))
+
+# %% [markdown]
+# ### Determinism, checked
+#
+# The separate dQ kernel gives bitwise identical results; the atomic one may not (in the
+# simulator the blocks run in a fixed order, so there it usually does; on a GPU it does not).
+
+# %%
+runs = [flash_attention_backward(q, k, v, o, lse, do, causal=True)[0] for _ in range(2)]
+print("separate dQ, two runs bitwise equal:", np.array_equal(*runs))
+runs = [flash_attention_backward(q, k, v, o, lse, do, causal=True, dq_mode="atomic")[0] for _ in range(2)]
+print("atomic dQ, two runs: max |difference| =", float(np.abs(runs[0] - runs[1]).max()))
+
+# %% [markdown]
+# ## 6. Bytes and FLOPs
+#
+# **FLOPs.** The backward does four N x N x d products (S, dP, dV, dK) plus dQ: 10 N^2 d a
+# head, the usual 2.5 x the forward's 4 N^2 d. Our separate dQ kernel recomputes S and dP
+# once more: 14 N^2 d. The bench reports TFLOP/s against the 2.5 x convention (like
+# every peer), so the recomputation shows up as time, not as extra credit.
+#
+# **HBM traffic** (elements a head, PERF.md's IO model):
+#
+# | backward | HBM elements |
+# |---|---|
+# | standard (S, P, dP, dS through HBM) | 7 N^2 + 10 N d + N |
+# | fused, K/V tile outer (+ atomic dQ) | 6 N d + N + ceil(N/Bc) (4 N d + 2 N) |
+# | fused, compulsory (each input once) | 8 N d + 3 N |
+# | ours (separate dQ) | 9 N d + 3 N + ceil(N/Bc)(2 N d + 2 N) + ceil(N/Br) 2 N d |
+
+# %%
+d = 64
+gpu_tiles = Tiles()     # the d = 64 production tiles (Bc = 64 for dK/dV, Br = 64 for dQ)
+print("MB a head, fp32, d = 64")
+print(f"{'N':>6} {'standard':>10} {'fused (PERF)':>13} {'ours':>8} {'compulsory':>11} {'standard/ours':>14}")
+for n in (1024, 2048, 4096, 8192, 16384):
+    std = standard_backward_bytes(1, 1, n, d) / 1e6
+    perf = 4 * (6 * n * d + n + math.ceil(n / gpu_tiles.block_k) * (4 * n * d + 2 * n)) / 1e6
+    ours = io_model_bytes(1, 1, n, n, d, gpu_tiles) / 1e6
+    compulsory = 4 * (8 * n * d + 3 * n) / 1e6
+    print(f"{n:>6} {std:>10.1f} {perf:>13.1f} {ours:>8.1f} {compulsory:>11.2f} {std / ours:>14.2f}")
+
+# %% [markdown]
+# The fused backward still streams the query side (Q, dO, L, D) once per key tile, so by
+# this model its traffic grows like N^2 too: 4 N^2 d / Bc against the standard 7 N^2, only
+# 1.7 x less at d = Bc = 64. Two things make the difference in practice. The blocks of one
+# head that run at the same time stream the *same* Q and dO tiles, so most of that stream
+# is served by L2, and the HBM traffic falls toward the compulsory 8 N d + 3 N (Nsight
+# Compute's `dram__bytes_read.sum` shows where it lands). And nothing N x N is ever
+# *stored*: the memory table below is where the standard backward loses for good.
+#
+# **Peak memory** of forward + backward at B = 4, H = 16, d = 64, fp32, beyond the inputs
+# q, k, v and dO: the fused path keeps O, L, then allocates dQ, dK, dV and D; the standard
+# path keeps P (N x N) from the forward and needs dP and dS (N x N each) in the backward.
+
+# %%
+b_, h_ = 4, 16
+print(f"{'N':>6} {'fused GB':>9} {'standard (P, dP, dS) GB':>24}")
+for n in (1024, 4096, 16384, 65536):
+    fused = 4 * b_ * h_ * (n * d + n + 3 * n * d + n) / 1e9
+    standard = 4 * b_ * h_ * (n * d + 3 * n * n + 3 * n * d) / 1e9
+    print(f"{n:>6} {fused:>9.3f} {standard:>24.1f}")
+
+# %% [markdown]
+# At N = 16384 the standard path needs about 207 GB: it cannot run on an 80 GB card; the fused
+# path needs about 1.1 GB.
+#
+# ## 7. Results on the H100
+#
+# `python -m kernels --chapters 5` measures, in one run: the backward alone (separate and
+# atomic dQ, causal and not), forward + backward with chapter 4's kernel, the backward of
+# plain PyTorch fp32 and of SDPA's math and memory-efficient backends through autograd,
+# an N sweep and a tile sweep. The committed results:
+
+# %%
+from pathlib import Path
+
+from kernels.bench.harness import read_csv
+
+results_dir = Path("results") if Path("results").is_dir() else Path("workbook/results")
+csv_path, png_path = results_dir / "flash_backward.csv", results_dir / "flash_backward.png"
+if csv_path.exists():
+    env, rows_ = read_csv(csv_path)
+    print("device:", env.get("device"), "| driver:", env.get("driver"), "| date:", env.get("date (UTC)"))
+    print(f"{'kernel':<42}{'config':<44}{'ms':>9}{'TFLOP/s':>9}{'peak MB':>9}")
+    for r in rows_:
+        print(f"{r['kernel']:<42.42}{r['config']:<44.44}{r['median_ms']:>9.4g}{r['tflops']:>9.3g}"
+              f"{r['peak_mem_mb']:>9.4g}")
+    if png_path.exists():
+        from IPython.display import Image, display
+
+        display(Image(str(png_path)))
+else:
+    print("GPU results are not committed yet (workbook/results/flash_backward.csv).")
+
+# %% [markdown]
+# On a GPU, a quick timing of your own (the bench does it properly):
+
+# %%
+if TIME is not None:
+    from numba import cuda
+
+    from kernels.runtime import time_fn
+
+    b_, h_, n_, d_ = TIME
+    rng = np.random.default_rng(1)
+    qd, kd, vd, dod = (cuda.to_device(random_array(rng, (b_, h_, n_, d_))) for _ in range(4))
+    od, lsed = flash_attention(qd, kd, vd)
+    flops = 2.5 * 4 * b_ * h_ * n_ * n_ * d_
+    for mode in ("separate", "atomic"):
+        t = time_fn(lambda: flash_attention_backward(qd, kd, vd, od, lsed, dod, dq_mode=mode), [()])
+        print(f"{mode:>9} dQ: {t.median_ms:.2f} ms, {flops / t.median_ms / 1e9:.1f} TFLOP/s")
+else:
+    print("no timing in the simulator")
+
+# %% [markdown]
+# ## 8. Exercises
+#
+# ### Exercise 1: dS for one tile
+#
+# Write `my_ds(p, dp, delta)`: given one tile of P and dP (Br x Bc, any leading batch axes)
+# and the tile's rows of D = rowsum(dO * O) (Br), return dS. The checker draws attention
+# problems (ragged, causal, Nq != Nk, big logits), builds the tiles from the oracle and
+# compares your dS with the closed form.
+
+# %%
+def my_ds(p, dp, delta):
+    # your code here: return dS (same shape as p)
+    raise NotImplementedError
+
+
+# %%
+def ds_prop(fn):
+    """The property: fn(P, dP, D) is the oracle's dS = P * (dP - rowsum(dO * O))."""
+    def prop(case):
+        nq, nk = case.q.shape[-2], case.k.shape[-2]
+        o_, lse_ = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale)
+        do_ = random_array(np.random.default_rng(nq * 31 + nk), o_.shape).astype(np.float64)
+        sc = 1 / math.sqrt(case.q.shape[-1]) if case.scale is None else case.scale
+        s_ = sc * case.q.astype(np.float64) @ np.swapaxes(case.k, -1, -2)
+        if case.causal:
+            s_ = np.where(ref.causal_mask(nq, nk), s_, -np.inf)
+        p_ = recompute_p(s_, lse_)
+        dp_ = do_ @ np.swapaxes(case.v, -1, -2)
+        delta_ = np.sum(do_ * o_, axis=-1)
+        got_ = np.asarray(fn(p_, dp_, delta_), dtype=np.float64)
+        want = p_ * (dp_ - np.sum(p_ * dp_, axis=-1, keepdims=True))
+        assert got_.shape == want.shape, f"shape {got_.shape}, expected {want.shape}"
+        if want.size:
+            assert np.allclose(got_, want, rtol=1e-9, atol=1e-9 * max(1.0, np.abs(want).max())), \
+                f"max error {np.abs(got_ - want).max():.3g}"
+    return prop
+
+
+_ = check_exercise(ds_prop(my_ds), attention_cases(max_n=12, max_d=6))
+
+# %% [markdown]
+# The checker on the module's `ds_tile`:
+
+# %%
+_ = check_exercise(ds_prop(ds_tile), attention_cases(max_n=12, max_d=6))
+
+# %% [markdown]
+# ### Exercise 2: rebuild P from L
+#
+# Write `my_p(s, lse)`: one tile of scaled scores S (with -inf where masked) and the rows'
+# L (-inf for a row that saw nothing). Return P = exp(S - L), with 0 where masked and on
+# empty rows, and no NaN or warning anywhere.
+
+# %%
+def my_p(s, lse):
+    # your code here
+    raise NotImplementedError
+
+
+# %%
+def p_prop(fn):
+    """The property: fn(S, L) is softmax(S) row by row (0 rows where nothing is visible)."""
+    def prop(case):
+        nq, nk = case.q.shape[-2], case.k.shape[-2]
+        _, lse_ = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale)
+        sc = 1 / math.sqrt(case.q.shape[-1]) if case.scale is None else case.scale
+        s_ = sc * case.q.astype(np.float64) @ np.swapaxes(case.k, -1, -2)
+        if case.causal:
+            s_ = np.where(ref.causal_mask(nq, nk), s_, -np.inf)
+        with np.errstate(divide="raise", invalid="raise"):
+            got_ = np.asarray(fn(s_, lse_), dtype=np.float64)
+        want = ref.softmax(s_)
+        assert got_.shape == want.shape, f"shape {got_.shape}, expected {want.shape}"
+        assert not np.isnan(got_).any(), "NaN in P"
+        if want.size:
+            assert np.allclose(got_, want, rtol=1e-9, atol=1e-12), f"max error {np.abs(got_ - want).max():.3g}"
+    return prop
+
+
+_ = check_exercise(p_prop(my_p), attention_cases(max_n=12, max_d=6))
+
+# %% [markdown]
+# The checker on the module's `recompute_p`:
+
+# %%
+_ = check_exercise(p_prop(recompute_p), attention_cases(max_n=12, max_d=6))
+
+# %% [markdown]
+# ### Exercise 3 (on paper)
+#
+# 1. The dK/dV kernel holds dK_j and dV_j (Bc x d each) in registers. At Bc = 64, d = 64 and
+#    128 threads, how many float registers a thread is that? What does it leave for S and dP?
+# 2. With atomics, each dK/dV block adds Br x d partial dQ values per query tile. How many
+#    atomic adds does one backward at B=4, H=16, N=4096, d=64, Bc=64 issue?
+# 3. Why does the dQ kernel start with the *last* query tiles under causal masking?
