@@ -33,7 +33,7 @@ if on_simulator():
         Tiles(br=16, bc=8, bd=8, bk=4, tm=2, tn=2, softmax_threads=4, softmax_regs=2),
         Tiles(br=8, bc=16, bd=16, bk=8, tm=1, tn=2, softmax_threads=16, softmax_regs=1),
     ]
-    SIM_N = 48  # keeps the module within a minute in the simulator
+    SIM_N = 40  # keeps the module well within a minute in the simulator
 else:
     TILE_CHOICES = [
         PRODUCTION_TILES,
@@ -64,6 +64,7 @@ def oracle_scores(q, k, causal, scale, dtype=np.float64):
 @example(case=case_with((1, 1, 20, 16), (1, 1, 20, 16), magnitude=30.0, scale=2.0), tiles=TILE_CHOICES[1])  # logits ~ 1e4
 @example(case=case_with((1, 1, 12, 3), (1, 1, 12, 3), magnitude=30.0, causal=True, scale=1.9, seed=3),
          tiles=TILE_CHOICES[2])
+@example(case=case_with((1, 1, 40, 4), (1, 1, 40, 4), causal=True), tiles=TILE_CHOICES[1])  # tiles above the diagonal
 def test_each_step_matches_the_oracle(case, tiles):
     q, k, v, causal, scale = case.q, case.k, case.v, case.causal, case.scale
     s = scores(q, k, causal=causal, scale=scale, tiles=tiles)
