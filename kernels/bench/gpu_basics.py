@@ -98,13 +98,13 @@ def run(ctx) -> list[Result]:
                                lambda: gpu_basics.empty[1, 1](), [()], flops=0, model_bytes=0,
                                peak_memory=False, note=note))
     copy1 = gpu_basics.make_copy(1)
-    a, b = cuda.device_array(0, np.float32), cuda.device_array(0, np.float32)
-    results.append(ctx.measure(CHAPTER, "launch: 2 Numba device arrays", "copy kernel, N=0",
+    a, b = cuda.to_device(np.ones(32, np.float32)), cuda.device_array(32, np.float32)
+    results.append(ctx.measure(CHAPTER, "launch: 2 Numba device arrays", "copy kernel, N=32",
                                lambda x, y: copy1[1, 32](x, y), [(a, b)], flops=0, model_bytes=0,
                                peak_memory=False, note=note))
     if cp is not None:
-        ca, cb = cp.empty(0, cp.float32), cp.empty(0, cp.float32)
-        results.append(ctx.measure(CHAPTER, "launch: 2 CuPy arrays (converted)", "copy kernel, N=0",
+        ca, cb = cp.ones(32, cp.float32), cp.empty(32, cp.float32)
+        results.append(ctx.measure(CHAPTER, "launch: 2 CuPy arrays (converted)", "copy kernel, N=32",
                                    lambda x, y: copy1[1, 32](x, y), [(ca, cb)], flops=0, model_bytes=0,
                                    peak_memory=False, note=note))
     return results

@@ -251,7 +251,7 @@ def main(argv=None) -> int:
             _free_device_memory()
             continue
         print(harness.format_table(results))
-        chapter_env = dict(env)
+        chapter_env = harness.environment()  # now that the chapter imported CuPy/PyTorch, their versions too
         chapter_env["chapter"] = f"{c.chapter} {c.title}"
         chapter_env["timings"] = SIM_LABEL if simulator else "GPU timings: CUDA events, median of repeated runs, rotating inputs"
         chapter_env["date (UTC)"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
