@@ -1,0 +1,553 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 4. The fused FlashAttention forward
+#
+# Chapter 1 computed attention in three kernels and paid for it in HBM traffic: the N x N
+# scores S went out to HBM, came back for the softmax, went out again as P, and came back
+# once more for `P V`. Chapter 3 showed that a softmax does not need its whole row at once:
+# a running max `m` and a running sum `l`, rescaled whenever the max grows, give the same
+# answer in one pass. This chapter puts the two together into **one kernel** that never
+# writes S or P anywhere but on chip:
+#
+# 1. tile the naive computation, and find the one place where it needs a whole row;
+# 2. fix that place with the rescaling trick, applied to the output as well;
+# 3. decide what lives in shared memory and what in registers, and lay out the threads;
+# 4. skip whole tiles for causal attention, handle any N, save the logsumexp L for the
+#    backward pass (chapter 5);
+# 5. count the bytes (the IO model) and the memory, and read the H100 results.
+#
+# The loop order is FlashAttention-2's: **the query tile is the outer loop** (one block of
+# the grid per tile of Br query rows), K and V stream past it in tiles of Bc rows.
+#
+# ```
+#              K^T / V tiles (Bc rows each), streamed through shared memory
+#              j = 0      j = 1      j = 2      ...   Tc - 1
+#            +----------+----------+----------+-----+----------+
+#  Q tile i  | S_i0     | S_i1     | S_i2     | ... | S_iTc-1  |  one block: Br rows
+#  (Br rows) +----------+----------+----------+-----+----------+
+#     kept on chip for the whole sweep:  m, l  (Br each)   O_i  (Br x d)
+#     per tile j:  S = Q_i K_j^T -> m' = max(m, rowmax S) -> P = exp(S - m')
+#                  l = e^(m - m') l + rowsum P,   O = e^(m - m') O + P V_j
+#     at the end:  O_i / l  -> HBM,   L_i = m + log l -> HBM
+# ```
+
+# %%
+import inspect
+import math
+from pathlib import Path
+
+import numpy as np
+
+import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
+from kernels import reference as ref
+from kernels.flash_forward import (
+    SWEEP_D64,
+    SWEEP_D128,
+    Tiles,
+    check_tile_update,
+    default_tiles,
+    flash_attention,
+    flash_forward_numpy,
+    head_dim_tile,
+    io_model_bytes,
+    make_flash_forward,
+    shared_bytes,
+    tile_update,
+    tile_update_cases,
+)
+from kernels.runtime import device_name, on_simulator
+from kernels.testing import assert_close, case_with, check_exercise
+
+print("running on:", device_name())
+
+# %% tags=["parameters"]
+# Tiny sizes in the simulator (every GPU thread is a Python thread there), real ones on a GPU.
+if on_simulator():
+    B, H, NQ, NK, D_HEAD = 1, 2, 19, 23, 16   # the kernel checks
+    TIME = None                                # no timing in the simulator
+else:
+    B, H, NQ, NK, D_HEAD = 2, 4, 1000, 1100, 64
+    TIME = (4, 16, 4096, 64)                   # the reference configuration
+
+# %% [markdown]
+# ## 1. Tile the naive computation
+#
+# For one head, with `S = scale * Q K^T`:
+#
+# $$O = \mathrm{softmax}(S)\,V,\qquad O_{r} = \frac{\sum_j e^{S_{rj}} V_j}{\sum_j e^{S_{rj}}}$$
+#
+# Cut Q into tiles of Br rows and K, V into tiles of Bc rows. A tile of scores
+# `S_ij = scale * Q_i K_j^T` needs only `Q_i` and `K_j`: matmuls tile (chapter 2). The
+# product `P V` also tiles: `O_i = sum_j P_ij V_j`. The one obstacle is the softmax between
+# them: `P_ij = exp(S_ij) / l_i` divides by the sum `l_i` over **every** tile j of the row, so
+# no `P_ij` is known before the last `S_ij` has been computed. The naive path waits by
+# writing all of S to HBM.
+#
+# Chapter 3's answer: keep the unnormalised sum and a running max, and rescale. It works for
+# `O` too, because `O` is linear in the weights `exp(S - m)`: when the max moves from `m` to
+# `m'`, everything summed so far is multiplied by the same `exp(m - m')`, in `l` and in every
+# column of `O`. Divide by `l` once, at the very end.
+#
+# Here is that update for one K/V tile, in NumPy (the module's `tile_update`):
+
+# %%
+print(inspect.getsource(tile_update))
+
+# %% [markdown]
+# Folding it over the K/V tiles of every query tile is the whole algorithm. The NumPy version
+# below has exactly the loops of the kernel (including the causal loop bound of section 4);
+# at no time does it hold more than a Br x Bc piece of S:
+
+# %%
+print(inspect.getsource(flash_forward_numpy))
+
+# %%
+rng = np.random.default_rng(0)
+q1, k1, v1 = (rng.standard_normal((n, 8)) for n in (37, 29, 29))
+for causal in (False, True):
+    o_np, l_np = flash_forward_numpy(q1, k1, v1, causal=causal, Br=8, Bc=5)
+    o_ex, l_ex = ref.attention(q1, k1, v1, causal=causal)
+    fin = np.isfinite(l_ex)
+    print(f"causal={causal}: max |O - oracle| = {np.abs(o_np - o_ex).max():.2e}, "
+          f"max |L - oracle| = {np.abs(l_np[fin] - l_ex[fin]).max():.2e}, "
+          f"rows with no key: {int((~fin).sum())} (O = 0, L = -inf)")
+
+# %% [markdown]
+# Two details that matter later:
+#
+# * **-inf.** A masked score is `-inf`. A row whose keys are all masked *so far* has
+#   `m = -inf`, and `exp(m - m')` would be `exp(-inf - -inf) = NaN`. `tile_update` subtracts a
+#   finite stand-in instead; such a row keeps `l = 0` and `O = 0`, and if it never sees a key
+#   (causal with Nq > Nk, or Nk = 0) the result is `O = 0`, `L = -inf`, never NaN.
+# * **L.** `L = m + log l` is the row's logsumexp. Chapter 5's backward rebuilds any tile of
+#   P as `exp(S - L)` from it, so the forward saves these Nq numbers and nothing else.
+
+# %% [markdown]
+# ## 2. What lives where
+#
+# A block owns Br query rows for the whole sweep over K and V. Per tile it computes a
+# Br x Bc piece of S, and it keeps `m`, `l` and the Br x d output accumulator across tiles.
+# The H100 gives a block up to 227 KB of shared memory and each thread up to 255 registers.
+#
+# | what | size (floats) | where | why |
+# |---|---|---|---|
+# | `Q_i` | Br x d | shared, **transposed** (`Qt`, d x (Br+1)) | read d times per tile by every thread that shares its rows |
+# | `K_j` | Bc x d | shared, **transposed** (`Kt`, d x (Bc+1)) | read along the columns of S; the +1 keeps the transposing stores free of bank conflicts |
+# | `V_j` | Bc x d | shared, as in HBM | read along the rows of O |
+# | `S_ij` | Br x Bc | **registers**, a TM x RN piece a thread | produced and consumed by the same thread |
+# | `P_ij` | Br x Bc | shared, transposed (`Pt`) | written by the thread that owns a score, read by the threads that own the output columns |
+# | `m`, `l` | Br each | registers, TM a thread | the running statistics |
+# | `O_i` | Br x d | **registers**, a TM x RD piece a thread | the accumulator: rescaled and added to every tile |
+#
+# **Threads.** A block has TY x TX threads, TY = Br / TM. Thread (ty, tx) owns the rows
+# `ty + TY*i` (i < TM) and the columns `tx + TX*j` (j < RN = Bc / TX) of S, and the columns
+# `tx + TX*c` (c < RD = d / TX) of O. Both products are register-tiled matmuls (chapter 2):
+# per step of the inner dimension a thread reads TM values of one operand and RN (or RD) of
+# the other from shared memory and does TM x RN (TM x RD) fused multiply-adds. With
+# TM = RN = 8 that is 64 FMAs for 16 shared-memory loads.
+#
+# **Reductions.** The TX threads of a row are neighbours in one warp. The row max needs all
+# of them: a butterfly of log2(TX) warp shuffles (`shfl_xor`), no shared memory, no barrier.
+# The row sum does not: each thread keeps the sum of its own columns (the rescale factor is
+# the same for the whole row) and the TX partial sums are added once, at the end.
+#
+# **exp.** The kernel keeps raw scores `s = q . k` and applies the scale inside the
+# exponent, `exp(scale * (s - m))`, with `fastmath` (the hardware's `ex2.approx` after one
+# multiply by log2 e). Because fastmath lets the compiler assume there are no infinities,
+# the kernel never computes with `-inf`: a masked score is the finite sentinel `-1e30`, and
+# a row that has seen no key yet contributes nothing.
+
+# %% [markdown]
+# ### The budget for the chosen tiles
+#
+# Shared memory is one dynamic buffer (`Qt | Kt | V | Pt`). Above 48 KB a block needs
+# dynamic shared memory *and* a raised per-kernel limit; `kernels/shared_memory.py` does that
+# through numba-cuda's driver layer (`cuKernelSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)`),
+# and does nothing in the simulator. Registers are counted by `ptxas` (sm_90) on the PTX
+# that Numba produces; the estimate below counts only the arrays a thread keeps.
+
+# %%
+def budget(tiles, D):
+    TY = tiles.Br // tiles.TM
+    RN, RD = tiles.Bc // tiles.TX, D // tiles.TX
+    smem = shared_bytes(tiles, D)
+    regs = tiles.TM * RN + tiles.TM * RD + 3 * tiles.TM + max(RN, RD)   # S, O, m/l/a, b
+    per_sm = min(228 * 1024 // (smem + 1024), 2048 // tiles.threads)
+    return (f"{str(tiles):<26} D={D:<4} threads={tiles.threads:<4} micro-tiles S {tiles.TM}x{RN}, "
+            f"O {tiles.TM}x{RD}   smem {smem / 1024:6.1f} KB   arrays {regs:3d} regs/thread   "
+            f"blocks/SM by smem <= {per_sm}")
+
+
+for t in SWEEP_D64:
+    print(budget(t, 64))
+for t in SWEEP_D128:
+    print(budget(t, 128))
+
+# %% [markdown]
+# `ptxas` for sm_90, measured on the PTX of this module (no spills, no local memory in
+# any of them): default d = 64 tiles `Br=128 Bc=64 TM=8 TX=8` about 190 registers a thread
+# (128 threads: two blocks an SM, limited by both registers and the 100 KB of shared memory);
+# `Br=64 Bc=64 TM=4 TX=8` and `Br=128 Bc=64 TM=4 TX=8` 128 registers; the d = 128 default
+# `Br=64 Bc=32 TM=4 TX=8` about 160. Every production configuration is compiled to PTX in CI
+# (`python -m kernels.ptx_check flash_forward`), which also warns if any uses local memory.
+
+# %% [markdown]
+# ## 3. The kernel, piece by piece
+#
+# The kernel comes from a cached factory, `make_flash_forward(Br, Bc, D, TM, TX)`, so that
+# every size is a compile-time constant: the per-thread arrays have constant sizes and
+# their loops unroll, which is what lets the compiler keep them in registers. D is the head
+# dimension rounded up to a power of two (d = 1..128 all work; the padding columns are
+# loaded as zeros and never stored). We print the kernel one section at a time.
+
+# %%
+SOURCE = inspect.getsource(make_flash_forward).splitlines()
+
+
+def show(start, stop=None):
+    """Print the kernel's source from the line containing ``start`` up to (not including)
+    the next line containing ``stop`` (or the next section comment)."""
+    i = next(n for n, line in enumerate(SOURCE) if start in line)
+    j = i + 1
+    while j < len(SOURCE):
+        line = SOURCE[j].strip()
+        if (stop and stop in SOURCE[j]) or (stop is None and line.startswith("# --")):
+            break
+        j += 1
+    print("\n".join(SOURCE[i:j]))
+
+
+show("def make_flash_forward", "def flash_forward(")
+
+# %% [markdown]
+# **Setup and the Q tile.** Each block finds its (batch, head) in `blockIdx.y` and its query
+# tile in `blockIdx.x`. It copies `Q_i` into shared memory once, transposed, zero-padded past
+# Nq and past d. Indices into shared memory are unsigned: Numba checks every *signed* index for
+# a negative value (Python's `a[-1]`), which costs several integer instructions per load in
+# the hot loops.
+
+# %%
+show("def flash_forward(", "# ---- on-chip state")
+show("# ---- on-chip state")
+
+# %% [markdown]
+# **The loop bound.** With causal masking (bottom-right: query r sees key c iff
+# c <= r + Nk - Nq), the last row of the tile sees keys up to `q0 + Br - 1 + Nk - Nq`; tiles
+# past that are never loaded. Then, per K/V tile: load `K_j` (transposed) and `V_j`.
+
+# %%
+show("# ---- how many K/V tiles")
+
+# %% [markdown]
+# **S = Q K^T** in registers, then the mask, which only tiles crossing the diagonal or the
+# ragged end of K pay for:
+
+# %%
+show("# -- S = Q_i K_j^T")
+show("# -- mask")
+
+# %% [markdown]
+# **The online softmax**: the row max across the TX threads (shuffles), the rescale factor
+# `alpha = exp(scale (m - m'))` applied to `l` and to every accumulator, and `P` written to
+# shared memory for the second product:
+
+# %%
+show("# -- online softmax")
+
+# %% [markdown]
+# **O += P V** in registers, then, after the last tile, the epilogue: the row sums across
+# the TX threads, `O / l`, and `L = scale * m + log l` (m holds raw scores, so the scale
+# enters here).
+
+# %%
+show("# -- O += P V_j")
+show("# ---- epilogue")
+
+# %% [markdown]
+# ## 4. Causal: which tiles run
+#
+# Whole tiles above the diagonal are skipped by the loop bound; only tiles that the
+# diagonal crosses are masked element by element. For Nq = Nk about half the tiles run;
+# with Nq > Nk the first rows see nothing at all.
+
+# %%
+def tile_map(nq, nk, Br, Bc):
+    """0 = skipped, 1 = run without mask, 2 = run with the element mask (causal)."""
+    tr, tc = -(-nq // Br), -(-nk // Bc)
+    grid = np.zeros((tr, tc), int)
+    for i in range(tr):
+        q0 = i * Br
+        kv_end = min(nk, q0 + Br + nk - nq)
+        for j in range(-(-max(kv_end, 0) // Bc)):
+            k0 = j * Bc
+            masked = k0 + Bc > nk or k0 + Bc - 1 > q0 + nk - nq
+            grid[i, j] = 2 if masked else 1
+    return grid
+
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+
+fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+for ax, (nq, nk) in zip(axes, [(512, 512), (384, 640), (640, 384)]):
+    g = tile_map(nq, nk, 64, 64)
+    ax.imshow(g, cmap=ListedColormap(["#f0f0f0", "#4c72b0", "#dd8452"]), vmin=0, vmax=2)
+    ax.set_title(f"Nq={nq}, Nk={nk}: {100 * (g > 0).mean():.0f}% of tiles run")
+    ax.set_xlabel("K/V tile j")
+    ax.set_ylabel("query tile i")
+fig.suptitle("causal, Br = Bc = 64: blue runs unmasked, orange is masked, grey is skipped")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 5. Check against the oracle
+#
+# The tests (`tests/test_flash_forward.py`) draw shapes, tiles, scales and logit magnitudes;
+# here a few cases by hand: ragged Nq != Nk, causal with fully masked rows, large logits,
+# float16 inputs, and a non-default tile configuration. The tolerance rule: the kernel's
+# error against the float64 oracle must be at most twice the error of plain float32 NumPy.
+
+# %%
+def check(case, tiles=None):
+    o, lse = flash_attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale, tiles=tiles)
+    exact_o, exact_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale)
+    base_o, base_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale, dtype=np.float32)
+    assert_close(o, exact_o, base_o, name="O")
+    assert_close(lse, exact_l, base_l, name="L")
+    err = np.abs(o - exact_o).max() if o.size else 0.0
+    print(f"{case!r}: max |O - oracle| = {err:.2e}  OK")
+    return o, lse
+
+
+_ = check(case_with((B, H, NQ, D_HEAD), (B, H, NK, D_HEAD)))
+o, lse = check(case_with((B, H, NK, D_HEAD), (B, H, NQ, D_HEAD), causal=True))     # Nq > Nk
+print("rows with no key:", int(np.isneginf(lse[0, 0]).sum()), "-> O there is", np.abs(o[0, 0][np.isneginf(lse[0, 0])]).max(initial=0))
+_ = check(case_with((1, 1, 12, 16), (1, 1, 12, 16), magnitude=100.0))             # logits ~ 1e4
+_ = check(case_with((B, H, NQ, D_HEAD), (B, H, NK, D_HEAD), dtype=np.float16, causal=True))
+_ = check(case_with((1, 1, NQ, 5), (1, 1, NK, 5), causal=True), Tiles(Br=4, Bc=8, TM=2, TX=4))
+
+# %% [markdown]
+# Device arrays in give device arrays out (no copy back), as with every chapter.
+
+# %%
+from numba import cuda  # noqa: E402
+
+case = case_with((B, H, NQ, D_HEAD), (B, H, NK, D_HEAD), causal=True)
+o_dev, lse_dev = flash_attention(*(cuda.to_device(x) for x in (case.q, case.k, case.v)), causal=True)
+print(type(o_dev).__name__, o_dev.shape, lse_dev.shape)
+
+# %% [markdown]
+# ## 6. Bytes: the IO model
+#
+# Per head, in elements (PERF.md):
+#
+# * **naive** (chapter 1): read Q and K, write S (N^2); read S, write P (2 N^2) and L; read
+#   P and V, write O: `4 N d + 4 N^2 + N`.
+# * **fused**, query tile outer: Q read once, O and L written once, and every one of the
+#   ceil(N / Br) query tiles reads all of K and V: `2 N d + N + 2 N d ceil(N / Br)`.
+# * **compulsory**: every input read once, every output written once: `4 N d + N`.
+#
+# The fused kernel still reads K and V ceil(N / Br) times, but that `2 N^2 d / Br` is
+# smaller than the naive `4 N^2` by a factor `2 Br / d` (4x at Br = 128, d = 64), and
+# `Br` is ours to choose. More telling is the arithmetic intensity: each K/V element a block
+# loads feeds `2 Br` FLOPs (`4 Br d` FLOPs per K/V row of `2 d` elements), 32 FLOP/byte in
+# fp32 at Br = 64, above the H100's fp32 ridge (51 TFLOP/s / 3 TB/s = 17 FLOP/B). The fused
+# kernel is bound by arithmetic (and shared-memory traffic), the naive one by HBM.
+
+# %%
+def naive_bytes(n, d, bh=1):
+    return 4 * bh * (4 * n * d + 4 * n * n + n)
+
+
+def compulsory_bytes(n, d, bh=1):
+    return 4 * bh * (4 * n * d + n)
+
+
+d = 64
+ns = [512, 1024, 2048, 4096, 8192, 16384]
+print(f"{'N':>6} {'naive MB':>10} {'fused Br=32':>12} {'Br=64':>9} {'Br=128':>9} {'compulsory':>11}   naive/fused(128)")
+for n in ns:
+    f = {br: io_model_bytes(1, 1, n, n, d, Br=br) for br in (32, 64, 128)}
+    print(f"{n:>6} {naive_bytes(n, d) / 1e6:>10.1f} {f[32] / 1e6:>12.1f} {f[64] / 1e6:>9.1f} {f[128] / 1e6:>9.1f} "
+          f"{compulsory_bytes(n, d) / 1e6:>11.2f}   {naive_bytes(n, d) / f[128]:>8.1f}x")
+
+fig, ax = plt.subplots(figsize=(6.5, 4))
+ax.loglog(ns, [naive_bytes(n, d) for n in ns], "o-", label="naive (S, P in HBM)")
+for br in (32, 64, 128):
+    ax.loglog(ns, [io_model_bytes(1, 1, n, n, d, Br=br) for n in ns], "s-", label=f"fused, Br={br}")
+ax.loglog(ns, [compulsory_bytes(n, d) for n in ns], "k--", label="compulsory")
+ax.set_xlabel("N (= Nq = Nk), d = 64, one head, fp32")
+ax.set_ylabel("HBM bytes (model)")
+ax.legend()
+ax.set_title("IO model: bytes per head")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# FLOPs: `4 B H Nq Nk d` (two matmuls of `2 Nq Nk d` each; the exp and the rescaling are
+# lower order), halved for causal. At the reference configuration (B=4, H=16, N=4096, d=64)
+# that is 275 GFLOP: 5.4 ms at the 51 TFLOP/s cuBLAS reaches in fp32, while the fused
+# kernel's 4.4 GB (Br = 128) take 1.5 ms at 3 TB/s. The naive path moves about 17 GB, mostly
+# S and P: at least 5.9 ms at copy speed, more than all the arithmetic.
+
+# %%
+b, h, n, d = 4, 16, 4096, 64
+flops = 4 * b * h * n * n * d
+print(f"FLOPs {flops / 1e9:.0f} G -> {flops / 51.2e12 * 1e3:.2f} ms at 51.2 TFLOP/s")
+for label, nbytes in [("naive", naive_bytes(n, d, b * h)), ("fused Br=64", io_model_bytes(b, h, n, n, d, Br=64)),
+                      ("fused Br=128", io_model_bytes(b, h, n, n, d, Br=128)),
+                      ("compulsory", compulsory_bytes(n, d, b * h))]:
+    print(f"{label:<13} {nbytes / 1e9:6.2f} GB -> {nbytes / 2.97e12 * 1e3:6.2f} ms at 2.97 TB/s, "
+          f"intensity {flops / nbytes:6.1f} FLOP/B")
+
+# %% [markdown]
+# ## 7. Memory
+#
+# The naive path allocates S and P: `B H N^2` floats each. The fused path allocates only its
+# output O and L: `O(B H N d)`. With one head and N = 131072 in fp32, S alone is 64 GiB: the
+# naive path cannot run on an 80 GB card (it needs S *and* P); the fused kernel needs 34 MB
+# for O on top of its 101 MB of inputs.
+
+# %%
+print(f"{'N':>7} {'inputs+O MB':>12} {'naive extra (S, P) GiB':>24} {'fused extra (O, L) MB':>22}")
+for n in [4096, 16384, 32768, 65536, 131072]:
+    io = 4 * 4 * n * 64 / 1e6
+    print(f"{n:>7} {io:>12.1f} {2 * 4 * n * n / 2**30:>24.1f} {4 * (n * 64 + n) / 1e6:>22.2f}")
+
+# %% [markdown]
+# `python -m kernels.bench.flash_forward --memory` runs this on the GPU (B = H = 1,
+# N = 131072, d = 64) and records the fused kernel's peak memory next to the naive path's
+# failure to allocate S and P:
+
+# %%
+RESULTS = Path("results") if Path("results").is_dir() else Path("workbook/results")
+
+
+def show_csv(name, columns=("kernel", "config", "median_ms", "tflops", "gbps", "peak_mem_mb", "note")):
+    from kernels.bench.harness import read_csv
+
+    path = RESULTS / name
+    if not path.exists():
+        print(f"GPU results are not committed yet ({path}).")
+        return None
+    env, rows = read_csv(path)
+    print("device:", env.get("device"), "| driver:", env.get("driver"), "| numba-cuda:", env.get("numba-cuda"))
+    for r in rows:
+        print("  ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c])[:60] for c in columns))
+    return rows
+
+
+_ = show_csv("flash_forward_memory.csv")
+
+# %% [markdown]
+# ## 8. Results on the H100
+#
+# `python -m kernels --chapters 4` measures, in one run: the kernel at the reference
+# configuration (B=4, H=16, N=4096, d=64, fp32; non-causal and causal) with plain PyTorch,
+# SDPA math and SDPA memory-efficient as peers; the tile sweep; N from 512 to 16384 at
+# d = 64 and 128; and float16 inputs next to SDPA's tensor-core backends. The bars to clear,
+# from PERF.md: plain PyTorch fp32 attention about 20 TFLOP/s, SDPA memory-efficient fp32
+# about 34. (No tensor cores in Numba: our kernel runs on the fp32 FMA units even for fp16
+# inputs, so the fp16 peers are context, not competition.)
+
+# %%
+rows = show_csv("flash_forward.csv", ("kernel", "config", "median_ms", "tflops", "pct_fma_ceiling", "gbps"))
+png = RESULTS / "flash_forward.png"
+if png.exists():
+    from IPython.display import Image, display
+
+    display(Image(str(png)))
+
+# %% [markdown]
+# The tile sweep and the HBM bytes Nsight Compute measured (`dram__bytes_read.sum` +
+# `dram__bytes_write.sum`) against the IO model, for each Br, where they are committed:
+
+# %%
+for path in sorted(RESULTS.glob("flash_forward_*.csv")) if RESULTS.is_dir() else []:
+    if path.name != "flash_forward_memory.csv":
+        print(f"--- {path.name}")
+        show_csv(path.name, ("kernel", "config", "median_ms", "tflops", "model_bytes", "extra"))
+if not (RESULTS.is_dir() and any(p.name != "flash_forward_memory.csv" for p in RESULTS.glob("flash_forward_*.csv"))):
+    print("GPU tile sweep / Nsight Compute results are not committed yet.")
+
+# %%
+if TIME:
+    from numba import cuda
+
+    from kernels.bench.flash_forward import bare_launch
+    from kernels.runtime import time_fn
+
+    b, h, n, d = TIME
+    qkv = [cuda.to_device(np.random.default_rng(i).standard_normal((b, h, n, d)).astype(np.float32))
+           for i in range(3)]
+    for causal in (False, True):
+        fn, _, _ = bare_launch(default_tiles(d), b, h, n, n, d, causal=causal)
+        t = time_fn(fn, [tuple(qkv)])
+        fl = 4 * b * h * n * n * d / (2 if causal else 1)
+        print(f"causal={causal}: {t.median_ms:.3f} ms, {fl / t.median_ms / 1e9:.1f} TFLOP/s")
+else:
+    print("timing skipped in the simulator: its timings say nothing about a GPU")
+
+# %% [markdown]
+# ## 9. Exercises
+#
+# ### Exercise 1: the rescaling update
+#
+# Write `my_tile_update(m, l, o, s, v)`: the state of a block of rows after one more K/V
+# tile, in NumPy. `m` (Br,) is the running max, `l` (Br,) the running sum of `exp(s - m)`,
+# `o` (Br, d) the running sum of `exp(s - m) v` (not divided by `l`); `s` (Br, Bc) are the
+# tile's scaled scores (`-inf` where masked; a tile may be empty for some rows, a row may
+# have seen nothing so far) and `v` (Bc, d). Never compute `exp(-inf - -inf)`. The checker
+# folds your function over the tiles of random rows (large logits and masks included) and
+# compares `o / l` and `m + log l` with the oracle.
+
+# %%
+def my_tile_update(m, l, o, s, v):
+    # your code here: return m_new, l_new, o_new
+    raise NotImplementedError
+
+
+# %%
+_ = check_exercise(lambda c: check_tile_update(my_tile_update, c), tile_update_cases())
+
+# %% [markdown]
+# The same checker on the module's `tile_update`:
+
+# %%
+_ = check_exercise(lambda c: check_tile_update(tile_update, c), tile_update_cases())
+
+# %% [markdown]
+# ### Exercise 2: tiles for d = 128
+#
+# At d = 128 the Q tile alone takes `128 x (Br + 1)` floats of shared memory, and the
+# accumulator `TM x 128/TX` registers a thread. Using `budget` above, find a configuration
+# with at least 3 blocks an SM and at most 64 accumulator registers a thread. Which one did
+# the module choose (`default_tiles(128)`), and what does the IO model say about its Br?
+
+# %%
+print("module default at d=128:", default_tiles(128) if not on_simulator() else "(simulator tiles)",
+      "| D for d=100:", head_dim_tile(100, 8))
+for t in [Tiles(64, 32, 4, 8), Tiles(64, 64, 4, 8), Tiles(128, 32, 4, 8), Tiles(128, 64, 8, 8)]:
+    print(budget(t, 128))
+
+# %% [markdown]
+# ### Exercise 3 (on paper)
+#
+# The kernel reads K and V once per query tile. If two blocks working on the same head run
+# at the same time, the second one's K/V reads may hit L2 instead of HBM. With 132 SMs,
+# two blocks an SM and grid (Tr, B*H) launched x-fastest, how many query tiles of the same
+# head are in flight together at N = 4096, Br = 128? What does that predict for Nsight
+# Compute's DRAM bytes against the IO model's "no L2 reuse" figure?
