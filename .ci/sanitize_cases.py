@@ -36,6 +36,12 @@ def main(only):
         for b, h, nq, nk, d in shapes:
             for causal in (False, True):
                 m.naive_attention(rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d), causal=causal)
+        # the softmax's long-row path (rows longer than threads x registers are swept three times)
+        long_rows = m.Tiles(softmax_threads=32, softmax_regs=1)
+        m.naive_attention(rand(rng, 1, 1, 40, 64), rand(rng, 1, 1, 130, 64), rand(rng, 1, 1, 130, 64),
+                          causal=True, tiles=long_rows)
+        for nq, nk in ((0, 5), (5, 0)):
+            m.naive_attention(rand(rng, 1, 1, nq, 16), rand(rng, 1, 1, nk, 16), rand(rng, 1, 1, nk, 16))
         ran.append("naive_attention")
     if want("tiled_matmul") and (m := have("tiled_matmul")):
         for (mm, kk, nn) in [(129, 67, 131), (1, 1, 1), (256, 256, 256)]:
