@@ -44,7 +44,7 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from kernels.runtime import ArrayKind, cdiv, check_array, device_empty, is_device_array, on_simulator, to_device
 
@@ -202,15 +202,16 @@ def make_register_tiles(BM: int = 128, BN: int = 128, BK: int = 8, TM: int = 8, 
                 acc[i, j] = float32(0.0)
 
         # Where this thread's elements of the A and B tiles sit in a and b at k0 = 0
-        # (unsigned: no wraparound code); per k-tile a load then costs one add.
-        a_off = cuda.local.array(LA, uint64)
-        b_off = cuda.local.array(LB, uint64)
+        # (unsigned: no wraparound code; 32 bits, one register each: the launcher checks
+        # that every matrix has < 2**31 elements); per k-tile a load then costs one add.
+        a_off = cuda.local.array(LA, uint32)
+        b_off = cuda.local.array(LB, uint32)
         for r in range(LA):
             e = tid + int32(r * NT)                 # element e of the BM x BK tile, row-major
-            a_off[r] = uint64(m0 + e // int32(BK)) * uK + uint64(e % int32(BK))
+            a_off[r] = uint32(uint64(m0 + e // int32(BK)) * uK + uint64(e % int32(BK)))
         for r in range(LB):
             e = tid + int32(r * NT)                 # element e of the BK x BN tile, row-major
-            b_off[r] = uint64(e // int32(BN)) * uN + uint64(n0 + e % int32(BN))
+            b_off[r] = uint32(uint64(e // int32(BN)) * uN + uint64(n0 + e % int32(BN)))
 
         tiles = (K + int32(BK - 1)) // int32(BK)
         for t in range(-1, tiles):
@@ -222,7 +223,7 @@ def make_register_tiles(BM: int = 128, BN: int = 128, BK: int = 8, TM: int = 8, 
                 k_inside = k_next + int32(BK) <= K
                 if rows_inside and k_inside:        # interior tile: no masks
                     for r in range(LA):
-                        ra[r] = a[a_off[r] + uint64(k_next)]
+                        ra[r] = a[uint64(a_off[r]) + uint64(k_next)]
                 else:
                     for r in range(LA):
                         e = tid + int32(r * NT)
@@ -232,7 +233,7 @@ def make_register_tiles(BM: int = 128, BN: int = 128, BK: int = 8, TM: int = 8, 
                 if cols_inside and k_inside:
                     k_rows = uint64(k_next) * uN
                     for r in range(LB):
-                        rb[r] = b[b_off[r] + k_rows]
+                        rb[r] = b[uint64(b_off[r]) + k_rows]
                 else:
                     for r in range(LB):
                         e = tid + int32(r * NT)
