@@ -336,7 +336,9 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int):
         tx = tid % TX                             # which of the TX threads of a row
         ty = tid // TX                            # which group of rows
         bh = uint64(cuda.blockIdx.y)              # (batch, head)
-        q0 = int32(cuda.blockIdx.x) * Br          # first query row of this tile (tile i)
+        # Query tile i, the heaviest first: with causal masking the last tiles see the most
+        # keys, and starting them first keeps the last wave of blocks short.
+        q0 = (int32(cuda.gridDim.x) - 1 - int32(cuda.blockIdx.x)) * Br   # first query row of tile i
         diag = n_k - n_q                          # causal: row r sees key c iff c <= r + diag
         # Shared-memory indices in the hot loops are unsigned: Numba checks every signed
         # index for a negative value (Python's a[-1]); an unsigned one skips that check.
