@@ -49,7 +49,7 @@ def run(ctx) -> list[Result]:
 
     # ---- copy bandwidth over N
     for n in sizes:
-        config = f"N={n} fp32 ({_size(4 * n)} a buffer)"
+        config = f"N={n} fp32"
         moved = 2 * 4 * n  # every element read once and written once
         sets = []
         for s in range(2):  # two rotating (src, dst) pairs, random data
@@ -62,7 +62,7 @@ def run(ctx) -> list[Result]:
             r = ctx.measure(CHAPTER, f"copy kernel, {items} a step", config,
                             lambda src, dst, k=kern, g=blocks: k[g, threads](src, dst), sets,
                             flops=0, model_bytes=moved, peak_memory=False,
-                            extra={"N": n, "blocks": blocks, "threads": threads})
+                            extra={"N": n, "buffer": _size(4 * n), "blocks": blocks, "threads": threads})
             results.append(r)
             src, dst = sets[0]
             assert np.array_equal(src[-4096:].copy_to_host(), dst[-4096:].copy_to_host()), "copy kernel is wrong"

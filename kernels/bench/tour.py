@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import math
 import pkgutil
+import re
 import sys
 import time
 import traceback
@@ -105,13 +106,13 @@ def plot_results(results, path, *, title, simulator, ceiling=math.nan):
     for metric in ("TFLOP/s", "GB/s", "median time (µs)"):
         group = [r for r in results if _metric(r)[0] == metric and math.isfinite(_metric(r)[1])]
         lines = [r for r in group if "N" in r.extra]
-        bars = [r for r in group if "N" not in r.extra]
+        if len({str(r.extra["N"]) for r in lines}) < 2:
+            lines = []  # a single N: bars say more than a line of one point
+        bars = [r for r in group if r not in lines]
         if lines:
             panels.append((metric, "line", lines))
         if bars:
             panels.append((metric, "bar", bars))
-    if not panels:
-        panels.append(("no finite results", "bar", []))
     heights = [max(2.6, 0.32 * len(rs) + 1.2) if kind == "bar" else 4.2 for _, kind, rs in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights) + 0.8),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
@@ -120,8 +121,8 @@ def plot_results(results, path, *, title, simulator, ceiling=math.nan):
     for ax, (metric, kind, rs) in zip(axes[:, 0], panels):
         if kind == "line":
             series = {}
-            for r in rs:
-                rest = ", ".join(f"{k}={v}" for k, v in r.extra.items() if k not in ("N", "blocks", "threads"))
+            for r in rs:  # one line per kernel and config, the config's N taken out
+                rest = re.sub(r"\s*\bN=\S+", "", r.config).strip()
                 series.setdefault((r.is_peer, r.kernel + (f" ({rest})" if rest else "")), []).append(r)
             n_ours = n_peer = 0
             for (is_peer, label), pts in sorted(series.items()):
@@ -139,7 +140,7 @@ def plot_results(results, path, *, title, simulator, ceiling=math.nan):
             ax.set_xlabel("N")
             ax.set_ylabel(metric)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7, loc="best")
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         else:
             labels = [f"{r.kernel} | {r.config}" for r in rs]
             values = [_metric(r)[1] for r in rs]
