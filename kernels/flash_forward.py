@@ -51,6 +51,10 @@ O and L float32. The kernels use fastmath (fast exp and log). Because fastmath l
 compiler assume there are no infinities, the kernel never computes with -inf: masked
 scores become the finite sentinel MASKED (-1e30) and a row with no visible key so far
 contributes nothing. Scores below -1e30 (inputs around 1e15) are not supported.
+
+Reading order: tiles and their budget; the algorithm in NumPy (``tile_update``,
+``flash_forward_numpy``: the same loops, for the notebook and its exercise); the kernel
+(``make_flash_forward``); the launcher (``flash_attention``); the IO model; the PTX targets.
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ from kernels.runtime import (
 )
 from kernels.shared_memory import allow_dynamic_shared_memory, max_dynamic_shared_bytes
 
-__all__ = ["flash_attention", "Tiles", "make_flash_forward", "default_tiles", "shared_bytes", "ptx_targets"]
+__all__ = ["flash_attention", "Tiles", "default_tiles", "make_flash_forward", "shared_bytes", "io_model_bytes",
+           "tile_update", "flash_forward_numpy", "check_tile_update", "tile_update_cases", "ptx_targets"]
 
 MASKED = np.float32(-1e30)        # a masked score (finite: fastmath assumes no infinities)
 MINUS_INF = np.float32(-np.inf)   # only ever stored, as L of a row that sees no key
@@ -112,8 +117,8 @@ def default_tiles(d: int) -> Tiles:
     if on_simulator():
         return Tiles(Br=8, Bc=8, TM=2, TX=4)
     if d <= 64:
-        return Tiles(Br=128, Bc=64, TM=8, TX=8)   # 128 threads, 8x8 micro-tiles, 100 KB smem
-    return Tiles(Br=64, Bc=32, TM=4, TX=8)        # d=128: 128 threads, 75 KB smem
+        return Tiles(Br=128, Bc=64, TM=8, TX=8)   # 128 threads, 8x8 micro-tiles, 97.5 KB smem
+    return Tiles(Br=64, Bc=32, TM=4, TX=8)        # d=128: 128 threads, 73.5 KB smem
 
 
 def _layout(Br, Bc, D, TX):
