@@ -88,6 +88,7 @@ __all__ = [
 
 STATIC_SHARED_LIMIT = 48 * 1024
 MAX_GRID_Y = 65535
+ALIGN = None if on_simulator() else 16   # shared rows start 16-byte aligned (the simulator refuses the option)
 HEAD_DIM_BUCKETS = (8, 16, 32, 64, 128)
 DQ_MODES = ("separate", "atomic")
 
@@ -137,13 +138,22 @@ def _need_split(rows, cols, threads, what):
 # --------------------------------------------------------------------------- shared memory
 
 
+def _strides(BC, D):
+    """Row strides (floats) of the shared tiles: d + 4 for Q, dO, K, V and Bc + 4 for P, dS.
+
+    Multiples of 4, so that every row starts 16-byte aligned (vector loads), and 4 banks
+    apart, so that the 8 threads of a 16-byte load phase reading 8 rows hit 8 bank groups.
+    """
+    return D + 4, BC + 4
+
+
 def _dkdv_layout(BC, BR, D, merged=False):
     """Offsets (in floats) of the dkdv kernel's shared tiles: K_j, V_j, Q_i, dO_i, P, dS, L_i, D_i.
 
     ``merged``: P and dS share one buffer (P first, then dS), which saves Br x Bc floats
     for two more barriers a step.
     """
-    LD, LP = D + 1, BC + 1
+    LD, LP = _strides(BC, D)
     o_k = 0
     o_v = o_k + BC * LD
     o_q = o_v + BC * LD
@@ -165,7 +175,7 @@ def _dkdv_merged(BC, BR, D) -> bool:
 
 def _dq_layout(BR, BC, D):
     """Offsets (in floats) of the dq kernel's shared tiles: Q_i, dO_i, K_j, V_j, dS, L_i, D_i."""
-    LD, LP = D + 1, BC + 1
+    LD, LP = _strides(BC, D)
     o_q = 0
     o_do = o_q + BR * LD
     o_k = o_do + BR * LD
@@ -399,8 +409,8 @@ def make_delta(D: int, rows: int = 4, zero_dq: bool = False):
 # --------------------------------------------------------------------------- kernel 2: dK, dV
 
 
-def _unroll(n: int) -> int:
-    """How many steps of an n-long reduction loop to write out (the compiler unrolls them)."""
+def _vec(n: int) -> int:
+    """The run length a thread reads with one vector load: 4 floats (16 bytes) when n allows."""
     return 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
 
 
@@ -413,29 +423,35 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
     each query tile i (Br rows) recomputes S and P, then accumulates dV_j += P^T dO_i and
     dK_j += dS^T Q_i. With ``atomic_dq`` it also adds scale * dS K_j into dQ_i atomically.
 
-    Shared-memory offsets in the hot loops are unsigned (uint64): Numba adds a
-    negative-index wraparound to every signed index, which costs integer instructions
-    on every load.
+    Micro-tiles. S and dP (Br x Bc): thread (ty, tx) owns rows ty + RA*a and columns
+    tx + CA*b; their inner loop runs over d four at a time, so that each operand row is read
+    with one 16-byte load (rows are D + 4 floats apart: aligned, and the 8 threads of a
+    load phase hit 8 different bank groups). dV and dK (Bc x D): thread (ty, tx) owns runs
+    of VM consecutive keys and VN consecutive columns, read as vectors from P, dS, dO, Q.
+    Shared-memory offsets are unsigned (uint64): Numba adds a negative-index wraparound to
+    every signed index, which costs integer instructions and hides the alignment.
     """
     AM, AN = _need_split(BR, BC, NT, "S tile Br x Bc")      # S, dP: Br x Bc
     RA, CA = BR // AM, BC // AN                             # thread grid of S: RA x CA
     BM, BN = _need_split(BC, D, NT, "dK/dV tile Bc x d")    # dV, dK: Bc x D
     RB, CB = BC // BM, D // BN
+    VM, VN = _vec(BM), _vec(BN)                             # runs of keys / columns a thread owns
     if atomic_dq:
         QM, QN = _need_split(BR, D, NT, "dQ tile Br x d")   # dQ_i partial: Br x D
     else:
         QM, QN = 1, 1
     RQ, CQ = BR // QM, D // QN
-    LD, LP = D + 1, BC + 1                                  # padded row strides
+    VQ = _vec(QN)
+    UC = _vec(BC)
+    LD, LP = _strides(BC, D)
     (O_K, O_V, O_Q, O_DO, O_P, O_DS, O_L, O_D), TOTAL = _dkdv_layout(BC, BR, D, merged)
     SHARED = 0 if dynamic else TOTAL
-    UD, UR, UC = _unroll(D), _unroll(BR), _unroll(BC)
     DEAD = float32(_DEAD_ROW_L)
     ALIVE = float32(-1.0e30)
 
     @cuda.jit(fastmath=True)
     def dkdv(q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal):
-        sm = cuda.shared.array(SHARED, float32)
+        sm = cuda.shared.array(SHARED, float32, alignment=ALIGN)
         t = int32(cuda.threadIdx.x)
         j = int32(cuda.blockIdx.x)
         bh = int32(cuda.blockIdx.y)
@@ -463,16 +479,16 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
                 acc_dk[a, b] = float32(0.0)
         s = cuda.local.array((AM, AN), float32)
         dp = cuda.local.array((AM, AN), float32)
-        qa = cuda.local.array(AM, float32)
-        da = cuda.local.array(AM, float32)
-        kb = cuda.local.array(AN, float32)
-        vb = cuda.local.array(AN, float32)
+        qa = cuda.local.array((AM, 4), float32)
+        da = cuda.local.array((AM, 4), float32)
+        kb = cuda.local.array((AN, 4), float32)
+        vb = cuda.local.array((AN, 4), float32)
         pv = cuda.local.array(BM, float32)
         sv = cuda.local.array(BM, float32)
         ov = cuda.local.array(BN, float32)
         xv = cuda.local.array(BN, float32)
         qacc = cuda.local.array((QM, QN), float32)
-        sq = cuda.local.array(QM, float32)
+        sq = cuda.local.array((QM, UC), float32)
         kq = cuda.local.array(QN, float32)
 
         ty_a = t // int32(CA)
@@ -482,16 +498,16 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
         ty_q = t // int32(CQ)
         tx_q = t - ty_q * int32(CQ)
         # This thread's first element in each shared tile it reads (unsigned offsets).
-        u_qa = uint64(O_Q + ty_a * LD)                  # Q_i row ty_a         (S)
-        u_da = uint64(O_DO + ty_a * LD)                 # dO_i row ty_a        (dP)
-        u_kb = uint64(O_K + tx_a * LD)                  # K_j row tx_a         (S)
-        u_vb = uint64(O_V + tx_a * LD)                  # V_j row tx_a         (dP)
-        u_pb = uint64(O_P + ty_b)                       # P column ty_b        (dV)
-        u_sb = uint64(O_DS + ty_b)                      # dS column ty_b       (dK)
-        u_ob = uint64(O_DO + tx_b)                      # dO_i column tx_b     (dV)
-        u_xb = uint64(O_Q + tx_b)                       # Q_i column tx_b      (dK)
-        u_sq = uint64(O_DS + ty_q * LP)                 # dS row ty_q          (dQ)
-        u_kq = uint64(O_K + tx_q)                       # K_j column tx_q      (dQ)
+        u_qa = uint64(O_Q + ty_a * LD)                  # Q_i row ty_a             (S)
+        u_da = uint64(O_DO + ty_a * LD)                 # dO_i row ty_a            (dP)
+        u_kb = uint64(O_K + tx_a * LD)                  # K_j row tx_a             (S)
+        u_vb = uint64(O_V + tx_a * LD)                  # V_j row tx_a             (dP)
+        u_pb = uint64(O_P + ty_b * VM)                  # P, its first key run     (dV)
+        u_sb = uint64(O_DS + ty_b * VM)                 # dS, its first key run    (dK)
+        u_ob = uint64(O_DO + tx_b * VN)                 # dO_i, its first column run (dV)
+        u_xb = uint64(O_Q + tx_b * VN)                  # Q_i, its first column run  (dK)
+        u_sq = uint64(O_DS + ty_q * LP)                 # dS row ty_q              (dQ)
+        u_kq = uint64(O_K + tx_q * VQ)                  # K_j, its first column run (dQ)
 
         # Causal tile skipping: query tiles entirely above this key tile see none of it.
         i_start = int32(0)
@@ -526,24 +542,27 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
                 sm[uint64(O_D + r)] = dv_
             cuda.syncthreads()
 
-            # S = Q_i K_j^T and dP = dO_i V_j^T, each thread an AM x AN micro-tile.
+            # S = Q_i K_j^T and dP = dO_i V_j^T, each thread an AM x AN micro-tile,
+            # four steps of d per 16-byte load.
             for a in range(AM):
                 for b in range(AN):
                     s[a, b] = float32(0.0)
                     dp[a, b] = float32(0.0)
-            for e0 in range(0, D, UD):
-                for u in range(UD):
-                    ue = uint64(e0 + u)
-                    for a in range(AM):
-                        qa[a] = sm[u_qa + uint64(a * RA * LD) + ue]
-                        da[a] = sm[u_da + uint64(a * RA * LD) + ue]
-                    for b in range(AN):
-                        kb[b] = sm[u_kb + uint64(b * CA * LD) + ue]
-                        vb[b] = sm[u_vb + uint64(b * CA * LD) + ue]
+            for e4 in range(D // 4):
+                ue = uint64(e4) * uint64(4)
+                for a in range(AM):
+                    for u in range(4):
+                        qa[a, u] = sm[u_qa + uint64(a * RA * LD) + ue + uint64(u)]
+                        da[a, u] = sm[u_da + uint64(a * RA * LD) + ue + uint64(u)]
+                for b in range(AN):
+                    for u in range(4):
+                        kb[b, u] = sm[u_kb + uint64(b * CA * LD) + ue + uint64(u)]
+                        vb[b, u] = sm[u_vb + uint64(b * CA * LD) + ue + uint64(u)]
+                for u in range(4):
                     for a in range(AM):
                         for b in range(AN):
-                            s[a, b] += qa[a] * kb[b]
-                            dp[a, b] += da[a] * vb[b]
+                            s[a, b] += qa[a, u] * kb[b, u]
+                            dp[a, b] += da[a, u] * vb[b, u]
 
             # P = exp(scale * S - L) (0 where masked), dS = P * (dP - D), kept in s and dp.
             for a in range(AM):
@@ -566,75 +585,88 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
 
             if merged:
                 # dV_j += P^T dO_i; then dS replaces P in the same buffer; dK_j += dS^T Q_i.
-                for r0_ in range(0, BR, UR):
-                    for u in range(UR):
-                        r = r0_ + u
-                        for a in range(BM):
-                            pv[a] = sm[u_pb + uint64(r * LP + a * RB)]
+                r = int32(0)
+                rp = uint64(r)                          # r * (row stride), kept by additions
+                rd = uint64(r)
+                while r < int32(BR):                # a while loop: leaner counting than range()
+                    for a in range(BM):
+                        pv[a] = sm[u_pb + rp + uint64((a % VM) + (a // VM) * RB * VM)]
+                    for b in range(BN):
+                        ov[b] = sm[u_ob + rd + uint64((b % VN) + (b // VN) * CB * VN)]
+                    for a in range(BM):
                         for b in range(BN):
-                            ov[b] = sm[u_ob + uint64(r * LD + b * CB)]
-                        for a in range(BM):
-                            for b in range(BN):
-                                acc_dv[a, b] += pv[a] * ov[b]
+                            acc_dv[a, b] += pv[a] * ov[b]
+                    r += int32(1)
+                    rp += uint64(LP)
+                    rd += uint64(LD)
                 cuda.syncthreads()
                 for a in range(AM):
                     for b in range(AN):
                         sm[uint64(O_DS + (ty_a + a * RA) * LP + tx_a + b * CA)] = dp[a, b]
                 cuda.syncthreads()
-                for r0_ in range(0, BR, UR):
-                    for u in range(UR):
-                        r = r0_ + u
-                        for a in range(BM):
-                            sv[a] = sm[u_sb + uint64(r * LP + a * RB)]
+                r = int32(0)
+                rp = uint64(r)                          # r * (row stride), kept by additions
+                rd = uint64(r)
+                while r < int32(BR):                # a while loop: leaner counting than range()
+                    for a in range(BM):
+                        sv[a] = sm[u_sb + rp + uint64((a % VM) + (a // VM) * RB * VM)]
+                    for b in range(BN):
+                        xv[b] = sm[u_xb + rd + uint64((b % VN) + (b // VN) * CB * VN)]
+                    for a in range(BM):
                         for b in range(BN):
-                            xv[b] = sm[u_xb + uint64(r * LD + b * CB)]
-                        for a in range(BM):
-                            for b in range(BN):
-                                acc_dk[a, b] += sv[a] * xv[b]
+                            acc_dk[a, b] += sv[a] * xv[b]
+                    r += int32(1)
+                    rp += uint64(LP)
+                    rd += uint64(LD)
             else:
                 # dV_j += P^T dO_i and dK_j += dS^T Q_i, each thread a BM x BN micro-tile.
-                for r0_ in range(0, BR, UR):
-                    for u in range(UR):
-                        r = r0_ + u
-                        for a in range(BM):
-                            pv[a] = sm[u_pb + uint64(r * LP + a * RB)]
-                            sv[a] = sm[u_sb + uint64(r * LP + a * RB)]
+                r = int32(0)
+                rp = uint64(r)                          # r * (row stride), kept by additions
+                rd = uint64(r)
+                while r < int32(BR):                # a while loop: leaner counting than range()
+                    for a in range(BM):
+                        pv[a] = sm[u_pb + rp + uint64((a % VM) + (a // VM) * RB * VM)]
+                        sv[a] = sm[u_sb + rp + uint64((a % VM) + (a // VM) * RB * VM)]
+                    for b in range(BN):
+                        ov[b] = sm[u_ob + rd + uint64((b % VN) + (b // VN) * CB * VN)]
+                        xv[b] = sm[u_xb + rd + uint64((b % VN) + (b // VN) * CB * VN)]
+                    for a in range(BM):
                         for b in range(BN):
-                            ov[b] = sm[u_ob + uint64(r * LD + b * CB)]
-                            xv[b] = sm[u_xb + uint64(r * LD + b * CB)]
-                        for a in range(BM):
-                            for b in range(BN):
-                                acc_dv[a, b] += pv[a] * ov[b]
-                                acc_dk[a, b] += sv[a] * xv[b]
+                            acc_dv[a, b] += pv[a] * ov[b]
+                            acc_dk[a, b] += sv[a] * xv[b]
+                    r += int32(1)
+                    rp += uint64(LP)
+                    rd += uint64(LD)
 
             if atomic_dq:
                 # dQ_i += scale * dS K_j, added atomically: other key blocks add to the same rows.
                 for a in range(QM):
                     for b in range(QN):
                         qacc[a, b] = float32(0.0)
-                for cc in range(0, BC, UC):
+                for c4 in range(BC // UC):
+                    uc = uint64(c4) * uint64(UC)
+                    for a in range(QM):
+                        for u in range(UC):
+                            sq[a, u] = sm[u_sq + uint64(a * RQ * LP) + uc + uint64(u)]
                     for u in range(UC):
-                        c = cc + u
-                        for a in range(QM):
-                            sq[a] = sm[u_sq + uint64(a * RQ * LP + c)]
                         for b in range(QN):
-                            kq[b] = sm[u_kq + uint64(c * LD + b * CQ)]
+                            kq[b] = sm[u_kq + (uc + uint64(u)) * uint64(LD) + uint64((b % VQ) + (b // VQ) * CQ * VQ)]
                         for a in range(QM):
                             for b in range(QN):
-                                qacc[a, b] += sq[a] * kq[b]
+                                qacc[a, b] += sq[a, u] * kq[b]
                 for a in range(QM):
                     row = r0 + ty_q + int32(a * RQ)
                     if row < nq:
                         for b in range(QN):
-                            e = tx_q + int32(b * CQ)
+                            e = tx_q * int32(VQ) + int32((b % VQ) + (b // VQ) * CQ * VQ)
                             if e < d:
                                 cuda.atomic.add(dq, (bh, row, e), qacc[a, b] * scale)
 
         for a in range(BM):
-            c = c0 + ty_b + int32(a * RB)
+            c = c0 + ty_b * int32(VM) + int32((a % VM) + (a // VM) * RB * VM)
             if c < nk:
                 for b in range(BN):
-                    e = tx_b + int32(b * CB)
+                    e = tx_b * int32(VN) + int32((b % VN) + (b // VN) * CB * VN)
                     if e < d:
                         dv[bh, c, e] = acc_dv[a, b]
                         dk[bh, c, e] = acc_dk[a, b] * scale
@@ -652,21 +684,24 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
     Block i keeps Q_i, dO_i (Br x D), L_i and D_i in shared memory and dQ_i in registers;
     for each key tile j it recomputes S, P, dP and dS and accumulates dQ_i += dS K_j.
     Each dQ entry is summed by one thread in a fixed order: bitwise reproducible.
+    Micro-tiles and vector loads as in ``make_dkdv``; dQ_i += dS K_j runs over the keys
+    four at a time (one 16-byte load of a dS row per four keys).
     """
     AM, AN = _need_split(BR, BC, NT, "S tile Br x Bc")      # S, dP: Br x Bc
     RA, CA = BR // AM, BC // AN
     QM, QN = _need_split(BR, D, NT, "dQ tile Br x d")       # dQ: Br x D
     RQ, CQ = BR // QM, D // QN
-    LD, LP = D + 1, BC + 1
+    VQ = _vec(QN)
+    UC = _vec(BC)
+    LD, LP = _strides(BC, D)
     (O_Q, O_DO, O_K, O_V, O_DS, O_L, O_D), TOTAL = _dq_layout(BR, BC, D)
     SHARED = 0 if dynamic else TOTAL
-    UD, UC = _unroll(D), _unroll(BC)
     DEAD = float32(_DEAD_ROW_L)
     ALIVE = float32(-1.0e30)
 
     @cuda.jit(fastmath=True)
     def dq_kernel(q, k, v, do, lse, delta, dq, nq, nk, scale, causal):
-        sm = cuda.shared.array(SHARED, float32)
+        sm = cuda.shared.array(SHARED, float32, alignment=ALIGN)
         t = int32(cuda.threadIdx.x)
         # The last query tiles see the most keys under causal masking: start them first.
         i = int32(cuda.gridDim.x) - int32(1) - int32(cuda.blockIdx.x)
@@ -702,12 +737,12 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
                 acc[a, b] = float32(0.0)
         s = cuda.local.array((AM, AN), float32)
         dp = cuda.local.array((AM, AN), float32)
-        qa = cuda.local.array(AM, float32)
-        da = cuda.local.array(AM, float32)
-        kb = cuda.local.array(AN, float32)
-        vb = cuda.local.array(AN, float32)
-        sv = cuda.local.array(QM, float32)
-        kv = cuda.local.array(QN, float32)
+        qa = cuda.local.array((AM, 4), float32)
+        da = cuda.local.array((AM, 4), float32)
+        kb = cuda.local.array((AN, 4), float32)
+        vb = cuda.local.array((AN, 4), float32)
+        sq = cuda.local.array((QM, UC), float32)
+        kq = cuda.local.array(QN, float32)
 
         ty_a = t // int32(CA)
         tx_a = t - ty_a * int32(CA)
@@ -718,7 +753,7 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
         u_kb = uint64(O_K + tx_a * LD)
         u_vb = uint64(O_V + tx_a * LD)
         u_sq = uint64(O_DS + ty_q * LP)
-        u_kq = uint64(O_K + tx_q)
+        u_kq = uint64(O_K + tx_q * VQ)
 
         # Causal tile skipping: key tiles entirely right of this query tile's last row.
         last_col = nk - int32(1)
@@ -747,19 +782,21 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
                 for b in range(AN):
                     s[a, b] = float32(0.0)
                     dp[a, b] = float32(0.0)
-            for e0 in range(0, D, UD):
-                for u in range(UD):
-                    ue = uint64(e0 + u)
-                    for a in range(AM):
-                        qa[a] = sm[u_qa + uint64(a * RA * LD) + ue]
-                        da[a] = sm[u_da + uint64(a * RA * LD) + ue]
-                    for b in range(AN):
-                        kb[b] = sm[u_kb + uint64(b * CA * LD) + ue]
-                        vb[b] = sm[u_vb + uint64(b * CA * LD) + ue]
+            for e4 in range(D // 4):
+                ue = uint64(e4) * uint64(4)
+                for a in range(AM):
+                    for u in range(4):
+                        qa[a, u] = sm[u_qa + uint64(a * RA * LD) + ue + uint64(u)]
+                        da[a, u] = sm[u_da + uint64(a * RA * LD) + ue + uint64(u)]
+                for b in range(AN):
+                    for u in range(4):
+                        kb[b, u] = sm[u_kb + uint64(b * CA * LD) + ue + uint64(u)]
+                        vb[b, u] = sm[u_vb + uint64(b * CA * LD) + ue + uint64(u)]
+                for u in range(4):
                     for a in range(AM):
                         for b in range(AN):
-                            s[a, b] += qa[a] * kb[b]
-                            dp[a, b] += da[a] * vb[b]
+                            s[a, b] += qa[a, u] * kb[b, u]
+                            dp[a, b] += da[a, u] * vb[b, u]
 
             for a in range(AM):
                 r = ty_a + int32(a * RA)
@@ -775,23 +812,24 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
                     sm[uint64(O_DS + r * LP + c)] = p * (dp[a, b] - drow)
             cuda.syncthreads()
 
-            # dQ_i += dS K_j, each thread a QM x QN micro-tile.
-            for cc in range(0, BC, UC):
+            # dQ_i += dS K_j, each thread a QM x QN micro-tile, four keys a step.
+            for c4 in range(BC // UC):
+                uc = uint64(c4) * uint64(UC)
+                for a in range(QM):
+                    for u in range(UC):
+                        sq[a, u] = sm[u_sq + uint64(a * RQ * LP) + uc + uint64(u)]
                 for u in range(UC):
-                    c = cc + u
-                    for a in range(QM):
-                        sv[a] = sm[u_sq + uint64(a * RQ * LP + c)]
                     for b in range(QN):
-                        kv[b] = sm[u_kq + uint64(c * LD + b * CQ)]
+                        kq[b] = sm[u_kq + (uc + uint64(u)) * uint64(LD) + uint64((b % VQ) + (b // VQ) * CQ * VQ)]
                     for a in range(QM):
                         for b in range(QN):
-                            acc[a, b] += sv[a] * kv[b]
+                            acc[a, b] += sq[a, u] * kq[b]
 
         for a in range(QM):
             row = r0 + ty_q + int32(a * RQ)
             if row < nq:
                 for b in range(QN):
-                    e = tx_q + int32(b * CQ)
+                    e = tx_q * int32(VQ) + int32((b % VQ) + (b // VQ) * CQ * VQ)
                     if e < d:
                         dq[bh, row, e] = acc[a, b] * scale
 
