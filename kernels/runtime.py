@@ -67,6 +67,47 @@ DEVICE = select_device()
 from numba import cuda  # noqa: E402  (must come after the simulator switch)
 
 
+def _make_simulated_shared_arrays_thread_safe():
+    """The simulator gives each ``cuda.shared.array`` line one NumPy array per block, found by
+    a look-up-then-create that is not locked: two simulated threads can race and end up with
+    different "shared" arrays (seen about once in a few thousand launches). Do it under a lock."""
+    import sys
+    import threading
+
+    import numpy as _np
+    from numba.core import types
+    from numba.np import numpy_support
+
+    try:
+        from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    except ImportError:  # a simulator layout this fix does not know: leave it alone
+        return
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None:
+            raise RuntimeError("Array alignment is not supported in cudasim")
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        if shape == 0:  # dynamic shared memory: one buffer for the whole block
+            count = self._dynshared_size // _np.dtype(dtype).itemsize
+            return _np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = _np.empty(shape, dtype)
+                self._allocations[caller] = res
+        return res
+
+    FakeCUDAShared.array = array
+
+
+if DEVICE == "sim":
+    _make_simulated_shared_arrays_thread_safe()
+
+
 def on_simulator() -> bool:
     """True when kernels run in the Numba CUDA simulator rather than on a GPU."""
     return bool(cuda.simulator_enabled) if hasattr(cuda, "simulator_enabled") else DEVICE == "sim"
