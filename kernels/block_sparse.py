@@ -26,13 +26,16 @@ registers), register-tiled:
 * a block of (Br / RM) x TC threads owns a Br-row query tile; thread (ty, tx) owns rows
   ty*RM .. ty*RM + RM - 1 and, of S, columns tx, tx + TC, ...; of O, the same RM rows
   and head-dim columns tx, tx + TC, ... (RM x Bc/TC scores and RM x D/TC outputs);
-* Q is stored transposed (Qt[dd, r] = Q[r, dd]) so the RM values a thread reads at one
-  dd are adjacent words (no bank conflicts); the scale multiplies the finished dot
-  products (S = scale * Q K^T, rounded like the float32 NumPy it is measured against);
-* K is stored transposed, Kt[dd, c], with the column XOR-swizzled by dd
-  (c ^ (dd mod 32)): the transposing stores and the row reads both hit 32 distinct banks;
-* the row maximum m is combined across the TC threads of a row through a small shared
-  scratch (the simulator has no warp shuffles), the row sum l only once at the end;
+* the tiles live in one dynamic shared buffer (99 KB at Br=128, Bc=64, d=64; above 48 KB
+  through kernels/shared_memory.py): Qt, Kt and Pt transposed, their rows padded by one
+  float; a thread's RM rows of Qt and Pt are adjacent words, its columns of Kt and V are
+  TC apart: every shared load of the hot loops is conflict-free or a broadcast;
+* the scale multiplies the finished dot products (S = scale * Q K^T, rounded like the
+  float32 NumPy it is measured against);
+* the row maximum m is combined across the TC threads of a row with warp shuffles (in the
+  simulator, which has none, through shared memory); the row sum l only once, at the end;
+* query tiles are launched longest list first (``row_order``): with uneven rows (global
+  tokens) the heavy blocks start early and the last wave is short;
 * masked scores are set to a large negative number instead of -inf (fastmath may assume
   no infinities), m starts at -1e30, so exp(masked - m) is exactly 0 and never NaN;
 * per-thread arrays are ``cuda.local.array`` indexed only by unrolled constant loop
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import namedtuple
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +55,7 @@ from numba import cuda, float32, int32, uint64
 from kernels.reference import BlockMask
 from kernels.runtime import (ArrayKind, cdiv, check_flag, check_qkv, check_scale, device_empty,
                              on_simulator, to_device)
+from kernels.shared_memory import allow_dynamic_shared_memory
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_backward", "make_forward", "TileLists",
            "tile_lists", "forward_config", "FORWARD_CONFIGS", "io_model_bytes", "ptx_targets"]
@@ -62,20 +67,33 @@ M_INIT = float32(-1.0e30)
 NEG_INF = float32(-math.inf)
 SHARED_LIMIT = 48 * 1024  # static shared memory a block may declare
 
-# Production tiles for the H100, by padded head dim D: (Br, Bc, RM, TC).
-#   threads = Br / RM * TC; each thread: RM x Bc/TC scores, RM x D/TC outputs.
-# Shared memory (floats): Qt D*Br + Kt D*Bc + V Bc*D + P Br*Bc + scratch Br*TC <= 48 KB.
+# Production tiles for the H100, by padded head dim D: (Br, Bc, RM, TC), the same tiles
+# as chapter 4's dense kernel. threads = Br / RM * TC; each thread owns RM x Bc/TC scores
+# and RM x D/TC outputs. Shared memory (floats, one dynamic buffer, see forward_layout):
+# Qt D x (Br + 1), Kt D x (Bc + 1), V Bc x D, Pt Bc x (Br + 1).
 FORWARD_CONFIGS = {
-    32: (64, 64, 4, 16),    # 8 + 8 + 8 + 16 + 4 KB = 44 KB, 256 threads, 4x4 scores, 4x2 outputs
-    64: (64, 32, 4, 16),    # 16 + 8 + 8 + 8 + 4 KB = 44 KB, 256 threads, 4x2 scores, 4x4 outputs
-    128: (32, 16, 4, 8),    # 16 + 8 + 8 + 2 + 1 KB = 35 KB, 64 threads, 4x2 scores, 4x16 outputs
+    32: (128, 64, 8, 8),    # 66 KB, 128 threads, 8x8 scores, 8x4 outputs
+    64: (128, 64, 8, 8),    # 99 KB, 128 threads, 8x8 scores, 8x8 outputs
+    128: (64, 32, 4, 8),    # 74 KB, 128 threads, 4x4 scores, 4x16 outputs
 }
 # The simulator runs each thread in Python: small tiles, 16 threads.
 SIM_CONFIG = (8, 8, 2, 4)
 
 
-def shared_bytes_forward(Br, Bc, D, RM, TC) -> int:
-    return 4 * (D * Br + D * Bc + Bc * D + Br * Bc + Br * TC)
+def forward_layout(Br, Bc, D):
+    """Offsets (floats) of Qt, Kt, V, Pt in the dynamic shared buffer, the row strides of
+    Qt, Kt and Pt, and the total. The transposed tiles' rows are padded by one float, so
+    that the transposing stores (consecutive threads, consecutive rows) hit different banks."""
+    QS, KS, PS = Br + 1, Bc + 1, Br + 1
+    q_off = 0
+    k_off = q_off + D * QS
+    v_off = k_off + D * KS
+    p_off = v_off + Bc * D
+    return q_off, k_off, v_off, p_off, QS, KS, PS, p_off + Bc * PS
+
+
+def shared_bytes_forward(Br, Bc, D, RM=None, TC=None) -> int:
+    return 4 * forward_layout(Br, Bc, D)[-1]
 
 
 def _pow2_at_most(n: int) -> int:
@@ -175,18 +193,23 @@ class TileLists:
     col_idx: np.ndarray   # (nnz,) int32
     col_ptr: np.ndarray   # (G*Tc + 1,) int32
     row_idx: np.ndarray   # (nnz,) int32
+    row_order: np.ndarray  # (G*Tr,) int32: per group, the query tiles by decreasing list length
+    col_order: np.ndarray  # (G*Tc,) int32: per group, the key tiles by decreasing list length
 
     @property
     def kept_fraction(self) -> float:
         """rho: the fraction of (query tile, key tile) pairs the kernels visit."""
         return float(self.kept.mean()) if self.kept.size else 0.0
 
-    def device(self):
-        """The four index arrays on the device (copied once, then cached)."""
+    def device(self) -> "DeviceLists":
+        """The index arrays on the device (copied once, then cached)."""
         if getattr(self, "_dev", None) is None:
             pad = lambda a: a if a.size else np.zeros(1, np.int32)  # noqa: E731  (no empty device arrays)
-            self._dev = tuple(cuda.to_device(pad(a)) for a in (self.row_ptr, self.col_idx, self.col_ptr, self.row_idx))
+            self._dev = DeviceLists(*(cuda.to_device(pad(getattr(self, name))) for name in DeviceLists._fields))
         return self._dev
+
+
+DeviceLists = namedtuple("DeviceLists", "row_ptr col_idx row_order col_ptr row_idx col_order")
 
 
 def mask_groups(block_mask: BlockMask, b: int, h: int, nq: int, nk: int) -> np.ndarray:
@@ -234,7 +257,11 @@ def tile_lists(block_mask: BlockMask, nq: int, nk: int, *, Br: int, Bc: int, cau
     col_ptr = np.zeros(g * tc + 1, np.int32)
     np.cumsum(kept_t.sum(axis=2).ravel(), out=col_ptr[1:])
     row_idx = np.nonzero(kept_t)[2].astype(np.int32)
-    return TileLists(Br, Bc, nq, nk, bool(causal), g, kept, row_ptr, col_idx, col_ptr, row_idx)
+    # Launch order: the tiles with the most work first (a stable sort keeps ties in order).
+    row_order = np.argsort(-kept.sum(axis=2), axis=1, kind="stable").astype(np.int32).ravel()
+    col_order = np.argsort(-kept.sum(axis=1), axis=1, kind="stable").astype(np.int32).ravel()
+    return TileLists(Br, Bc, nq, nk, bool(causal), g, kept, row_ptr, col_idx, col_ptr, row_idx, row_order,
+                     col_order)
 
 
 def _lists_for(block_mask, lists, b, h, nq, nk, causal, Br, Bc):
@@ -253,52 +280,98 @@ def _lists_for(block_mask, lists, b, h, nq, nk, causal, Br, Bc):
 
 # --------------------------------------------------------------------------- the kernel
 
+def _make_row_reductions(TC: int, NT: int):
+    """row_max(x), row_sum(x) over the TC neighbouring threads that share a row.
+
+    On a GPU: log2(TC) warp shuffles (``shfl_xor``), no shared memory, no barrier (the TC
+    threads of a row are consecutive lanes of one warp). The simulator has no shuffles:
+    there the threads swap values through shared memory between barriers (every thread
+    calls these together, as the lanes of a warp would)."""
+    if not on_simulator():
+        MASK = 0xFFFFFFFF if NT >= 32 else (1 << NT) - 1   # the lanes that exist
+
+        @cuda.jit(device=True, inline=True)
+        def row_max(x):
+            lane = TC // 2
+            while lane > 0:
+                x = max(x, cuda.shfl_xor_sync(MASK, x, lane))
+                lane //= 2
+            return x
+
+        @cuda.jit(device=True, inline=True)
+        def row_sum(x):
+            lane = TC // 2
+            while lane > 0:
+                x += cuda.shfl_xor_sync(MASK, x, lane)
+                lane //= 2
+            return x
+        return row_max, row_sum
+
+    def exchange(x):
+        swap = cuda.shared.array(NT, float32)
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()
+        swap[tid] = x
+        cuda.syncthreads()
+        return swap[tid - tid % TC: tid - tid % TC + TC]
+
+    @cuda.jit(device=True)
+    def row_max(x):
+        return max(exchange(x))
+
+    @cuda.jit(device=True)
+    def row_sum(x):
+        total = float32(0.0)
+        for t in exchange(x):   # in lane order, like the shuffle tree's pairs would not be
+            total += t
+        return total
+    return row_max, row_sum
+
+
 @functools.lru_cache(maxsize=None)
 def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
     """The block-sparse forward kernel for query tile Br, key tile Bc, padded head dim D,
-    RM rows per thread and TC threads across a row. Grid (Tr, B*H), (Br/RM)*TC threads."""
-    if Br % RM or Bc % TC or D % TC or Bc & (Bc - 1):
-        raise ValueError(f"make_forward: need RM | Br, TC | Bc, TC | D and Bc a power of two; got "
-                         f"Br={Br} Bc={Bc} D={D} RM={RM} TC={TC}")
-    if shared_bytes_forward(Br, Bc, D, RM, TC) > SHARED_LIMIT:
-        raise ValueError(f"make_forward: {shared_bytes_forward(Br, Bc, D, RM, TC)} bytes of shared memory > 48 KB")
+    RM rows per thread and TC threads across a row.
+
+    Launch: grid (Tr, B*H), (Br/RM)*TC threads, ``shared_bytes_forward(Br, Bc, D)`` bytes of
+    dynamic shared memory (raised above 48 KB by kernels.shared_memory)."""
+    if Br % RM or Bc % TC or D % TC or Bc & (Bc - 1) or TC & (TC - 1) or TC > 32:
+        raise ValueError(f"make_forward: need RM | Br, TC | Bc, TC | D, Bc a power of two and TC a power of "
+                         f"two <= 32; got Br={Br} Bc={Bc} D={D} RM={RM} TC={TC}")
     TR = Br // RM          # thread rows
     NT = TR * TC           # threads a block
     CN = Bc // TC          # score columns a thread owns
     DN = D // TC           # output columns a thread owns
-    SWM = min(32, Bc) - 1  # swizzle: Kt[dd, c] is stored at column c ^ (dd & SWM)
-    QT_SIZE, KT_SIZE, V_SIZE, P_SIZE, RED_SIZE = D * Br, D * Bc, Bc * D, Br * Bc, Br * TC
+    Q_OFF, K_OFF, V_OFF, P_OFF, QS, KS, PS, _ = forward_layout(Br, Bc, D)
+    row_max, row_sum = _make_row_reductions(TC, NT)
 
     @cuda.jit(fastmath=True)
-    def block_sparse_forward(q, k, v, o, lse, row_ptr, col_idx, nq, nk, d, groups, scale, causal):
-        qt = cuda.shared.array(QT_SIZE, float32)    # Q^T                [dd, r]
-        kt = cuda.shared.array(KT_SIZE, float32)    # K^T, swizzled      [dd, c ^ (dd & SWM)]
-        vs = cuda.shared.array(V_SIZE, float32)    # V                  [c, dd]
-        ps = cuda.shared.array(P_SIZE, float32)   # P                  [r, c]
-        red = cuda.shared.array(RED_SIZE, float32)  # row max / row sum partials [r, tx]
-
+    def block_sparse_forward(q, k, v, o, lse, row_ptr, col_idx, row_order, nq, nk, d, groups, scale, causal):
+        smem = cuda.shared.array(0, float32)       # Qt | Kt | V | Pt, see forward_layout
         tid = int32(cuda.threadIdx.x)
         ty = tid // TC
         tx = tid - ty * TC
-        rt = int32(cuda.blockIdx.x)                # query tile index (of Tr)
         bh = int32(cuda.blockIdx.y)
         tr = int32(cuda.gridDim.x)
-        q0 = rt * Br
         g = bh % groups                            # which mask this head uses
+        # Query tiles with the longest lists first, so that the last wave of blocks is short.
+        rt = row_order[g * tr + int32(cuda.blockIdx.x)]
+        q0 = rt * Br
         shift = nk - nq                            # causal: key j <= query i + shift
         r0 = ty * RM                               # first of this thread's rows
         # Shared-memory offsets in the hot loops are unsigned: Numba adds a negative-index
         # wraparound to signed indices, which costs integer instructions per load.
         utx = uint64(tx)
+        ur0 = uint64(r0)
 
-        # Q tile, transposed, zeros past Nq and past d.
+        # Q tile, transposed (Qt[dd, r], rows padded to QS), zeros past Nq and past d.
         for idx in range(tid, Br * D, NT):
             r = idx // D
             dd = idx - r * D
             val = float32(0.0)
             if q0 + r < nq and dd < d:
                 val = q[bh, q0 + r, dd]
-            qt[dd * Br + r] = val
+            smem[Q_OFF + dd * QS + r] = val
 
         m = cuda.local.array(RM, float32)          # running row max
         l = cuda.local.array(RM, float32)          # running row sum (this thread's columns)
@@ -327,32 +400,32 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
                 if k0 + c < nk and dd < d:
                     kval = k[bh, k0 + c, dd]
                     vval = v[bh, k0 + c, dd]
-                kt[dd * Bc + (c ^ (dd & SWM))] = kval
-                vs[idx] = vval
+                smem[K_OFF + dd * KS + c] = kval
+                smem[V_OFF + idx] = vval
             cuda.syncthreads()
 
             # S = scale * Q K^T for this thread's RM x CN scores.
             for i in range(RM):
                 for j in range(CN):
                     s[i, j] = float32(0.0)
-            qa = uint64(r0)                        # Qt[dd, r0]: dd * Br + r0
-            kb = uint64(0)                         # Kt[dd, 0]:  dd * Bc
+            qa = uint64(Q_OFF) + ur0               # Qt[dd, r0]
+            kb = uint64(K_OFF) + utx               # Kt[dd, tx]
             for dd in range(D):
-                sw = uint64(dd & SWM)
                 for i in range(RM):
-                    a[i] = qt[qa + uint64(i)]
+                    a[i] = smem[qa + uint64(i)]
                 for j in range(CN):
-                    b[j] = kt[kb + ((utx + uint64(j * TC)) ^ sw)]
+                    b[j] = smem[kb + uint64(j * TC)]
                 for i in range(RM):
                     for j in range(CN):
                         s[i, j] += a[i] * b[j]
-                qa += uint64(Br)
-                kb += uint64(Bc)
+                qa += uint64(QS)
+                kb += uint64(KS)
             for i in range(RM):
                 for j in range(CN):
                     s[i, j] *= scale
 
-            # Mask (ragged last key tile, causal diagonal), then this thread's row maxima.
+            # Mask (ragged last key tile, causal diagonal), the row max over the row's TC
+            # threads, P = exp(S - m_new) into Pt, rescale l and O.
             for i in range(RM):
                 qi = q0 + r0 + i
                 mx = m[i]
@@ -362,50 +435,37 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
                         mx = max(mx, s[i, j])
                     else:
                         s[i, j] = MASKED
-                red[(r0 + i) * TC + tx] = mx
-            cuda.syncthreads()
-
-            # m_new = max over the row's TC threads; P = exp(S - m_new); rescale l and O.
-            for i in range(RM):
-                m_new = m[i]
-                for t in range(TC):
-                    m_new = max(m_new, red[(r0 + i) * TC + t])
+                m_new = row_max(mx)
                 alpha = math.exp(m[i] - m_new)
                 m[i] = m_new
                 rowsum = float32(0.0)
                 for j in range(CN):
                     p = math.exp(s[i, j] - m_new)
                     rowsum += p
-                    ps[(r0 + i) * Bc + tx + j * TC] = p
+                    smem[uint64(P_OFF + (tx + j * TC) * PS) + ur0 + uint64(i)] = p
                 l[i] = l[i] * alpha + rowsum
                 for j in range(DN):
                     acc[i, j] *= alpha
             cuda.syncthreads()
 
             # O += P V for this thread's RM x DN outputs.
-            pa = uint64(r0 * Bc)                   # P[r0, c]
-            vb = utx                               # V[c, tx]
+            pa = uint64(P_OFF) + ur0               # Pt[c, r0]
+            vb = uint64(V_OFF) + utx               # V[c, tx]
             for c in range(Bc):
                 for i in range(RM):
-                    a[i] = ps[pa + uint64(i * Bc)]
+                    a[i] = smem[pa + uint64(i)]
                 for j in range(DN):
-                    w[j] = vs[vb + uint64(j * TC)]
+                    w[j] = smem[vb + uint64(j * TC)]
                 for i in range(RM):
                     for j in range(DN):
                         acc[i, j] += a[i] * w[j]
-                pa += uint64(1)
+                pa += uint64(PS)
                 vb += uint64(D)
 
-        # l: sum the row's TC partial sums; O = acc / l, L = m + log(l); empty rows: 0, -inf.
-        cuda.syncthreads()
-        for i in range(RM):
-            red[(r0 + i) * TC + tx] = l[i]
-        cuda.syncthreads()
+        # l: the sum over the row's TC threads; O = acc / l, L = m + log(l); empty rows: 0, -inf.
         for i in range(RM):
             qi = q0 + r0 + i
-            total = float32(0.0)
-            for t in range(TC):
-                total += red[(r0 + i) * TC + t]
+            total = row_sum(l[i])
             if qi < nq:
                 if total > float32(0.0):
                     inv = float32(1.0) / total
@@ -427,7 +487,7 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
 
 
 FORWARD_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
-               "float32[:, ::1], int32[::1], int32[::1], int32, int32, int32, int32, float32, int32)")
+               "float32[:, ::1], int32[::1], int32[::1], int32[::1], int32, int32, int32, int32, float32, int32)")
 
 
 def io_model_bytes(b, h, nq, nk, d, *, Br, rho, in_bytes=4):
@@ -461,14 +521,16 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, blo
     if b * h * nq == 0:
         return kind.give_back(o), kind.give_back(lse)
     qd, kd, vd = (to_device(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    row_ptr, col_idx, _, _ = tl.device()
+    dev = tl.device()
     kernel = make_forward(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
     grid = (cdiv(nq, cfg.Br), b * h)
     threads = (cfg.Br // cfg.RM) * cfg.TC
-    kernel[grid, threads](qd.reshape(b * h, nq, d), kd.reshape(b * h, nk, d), vd.reshape(b * h, nk, d),
-                          o.reshape(b * h, nq, d), lse.reshape(b * h, nq), row_ptr, col_idx,
-                          np.int32(nq), np.int32(nk), np.int32(d), np.int32(tl.groups),
-                          np.float32(scale), np.int32(causal))
+    nbytes = shared_bytes_forward(cfg.Br, cfg.Bc, cfg.D)
+    args = (qd.reshape(b * h, nq, d), kd.reshape(b * h, nk, d), vd.reshape(b * h, nk, d),
+            o.reshape(b * h, nq, d), lse.reshape(b * h, nq), dev.row_ptr, dev.col_idx, dev.row_order,
+            np.int32(nq), np.int32(nk), np.int32(d), np.int32(tl.groups), np.float32(scale), np.int32(causal))
+    allow_dynamic_shared_memory(kernel, args, nbytes)
+    kernel[grid, threads, 0, nbytes](*args)
     return kind.give_back(o), kind.give_back(lse)
 
 

@@ -450,7 +450,8 @@ def block_sparse_attention_backward(q, k, v, o, lse, do, block_mask, *, causal=F
     names = ("q", "k", "v", "o", "lse", "do")
     qd, kd, vd, od, ld, dod = (to_device(x, n) for x, n in zip((q, k, v, o, lse, do), names))
     delta = device_empty((b * h, nq))
-    row_ptr, col_idx, col_ptr, row_idx = tl.device()
+    dev = tl.device()
+    row_ptr, col_idx, col_ptr, row_idx = dev.row_ptr, dev.col_idx, dev.col_ptr, dev.row_idx
     bhn = b * h
     args3 = dict(q=qd.reshape(bhn, nq, d), k=kd.reshape(bhn, nk, d), v=vd.reshape(bhn, nk, d))
     common = (np.int32(nq), np.int32(nk), np.int32(d), np.int32(tl.groups), np.float32(scale), np.int32(causal))

@@ -32,10 +32,11 @@ import kernels  # noqa: F401  (GPU or simulator first)
 from kernels import reference as ref
 from kernels import sparsity_patterns as sp
 from kernels.bench.harness import Result, cupy_or_none, torch_or_none
-from kernels.block_sparse import forward_config, io_model_bytes, make_forward, tile_lists
+from kernels.block_sparse import forward_config, io_model_bytes, make_forward, shared_bytes_forward, tile_lists
 from kernels.block_sparse_backward import backward_config, block_sparse_attention_backward
 from kernels.block_sparse_backward import io_model_bytes as io_model_bytes_backward
 from kernels.runtime import cdiv
+from kernels.shared_memory import allow_dynamic_shared_memory
 
 CHAPTER = 6
 TITLE = "block-sparse attention"
@@ -84,18 +85,23 @@ def forward_fn(b, h, n, d, mask, causal):
 
     cfg = forward_config(d, mask)
     lists = tile_lists(mask, n, n, Br=cfg.Br, Bc=cfg.Bc, causal=causal, batch=b, heads=h)
-    row_ptr, col_idx, _, _ = lists.device()
+    dev = lists.device()
     kernel = make_forward(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
     bh = b * h
     o = cuda.device_array((bh, n, d), np.float32)
     lse = cuda.device_array((bh, n), np.float32)
     grid, threads = (cdiv(n, cfg.Br), bh), (cfg.Br // cfg.RM) * cfg.TC
-    tail = (np.int32(n), np.int32(n), np.int32(d), np.int32(lists.groups), np.float32(1 / math.sqrt(d)),
-            np.int32(causal))
+    nbytes = shared_bytes_forward(cfg.Br, cfg.Bc, cfg.D)
+    tail = (dev.row_ptr, dev.col_idx, dev.row_order, np.int32(n), np.int32(n), np.int32(d),
+            np.int32(lists.groups), np.float32(1 / math.sqrt(d)), np.int32(causal))
+    raised = []
 
     def fn(q, k, v):
-        kernel[grid, threads](q.reshape(bh, n, d), k.reshape(bh, n, d), v.reshape(bh, n, d), o, lse,
-                              row_ptr, col_idx, *tail)
+        args = (q.reshape(bh, n, d), k.reshape(bh, n, d), v.reshape(bh, n, d), o, lse) + tail
+        if not raised:
+            allow_dynamic_shared_memory(kernel, args, nbytes)
+            raised.append(True)
+        kernel[grid, threads, 0, nbytes](*args)
 
     fn.outputs = (o, lse)
     return fn, lists.kept_fraction, cfg
