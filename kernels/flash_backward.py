@@ -31,9 +31,10 @@ Three kernels, launched in this order:
    from run to run. ``dq_mode="atomic"`` selects it, to measure what determinism costs.
 
 Each thread owns a register micro-tile of every product ("register tiling"): for a
-product with an R x C result and NT threads, thread t owns TM x TN entries, strided so
-that the threads of a warp read consecutive shared-memory words. Shared-memory rows are
-padded by one float (row stride d + 1) so that reading a column does not hit one bank.
+product with an R x C result and NT threads, thread t owns TM x TN entries. Operands are
+read from shared memory four floats at a time (one 16-byte load): shared rows are d + 4
+(or Bc + 4) floats apart, which keeps every row 16-byte aligned and sends the 8 threads
+of a load phase to 8 different bank groups.
 
 Tile sizes are compile-time constants: each kernel comes from a cached factory
 (``make_dkdv``, ``make_dq``, ``make_delta``) that closes over them. Above 48 KB of shared

@@ -201,17 +201,20 @@ print(inspect.getsource(make_delta))
 # Each thread owns a *micro-tile* of every product (register tiling): for S and dP
 # (Br x Bc) an AM x AN piece, for dK and dV (Bc x d) a BM x BN piece. The inner loops
 # read a column of one operand and a row of the other from shared memory and do AM x AN
-# fused multiply-adds into registers. P and dS pass through shared memory because the
+# fused multiply-adds into registers. Operands are read 4 floats at a time with one
+# 16-byte load (`ld.shared.v4.f32` in the PTX): rows start 16-byte aligned, offsets are
+# unsigned (Numba adds a negative-index wraparound to signed ones, which hides the
+# alignment from the compiler). P and dS pass through shared memory because the
 # products that consume them (P^T dO, dS^T Q) need a different thread-to-element map.
 #
 # ```
-#   shared memory of one dkdv block (floats; rows padded by one against bank conflicts)
-#   K_j   Bc x (d+1)     loaded once
-#   V_j   Bc x (d+1)     loaded once
-#   Q_i   Br x (d+1)     reloaded every query tile
-#   dO_i  Br x (d+1)     reloaded every query tile
-#   P     Br x (Bc+1)    written by the S/dP threads, read by the dV threads
-#   dS    Br x (Bc+1)    (or sharing P's buffer when 48 KB is tight: two more barriers)
+#   shared memory of one dkdv block (floats; rows padded by 4: 16-byte aligned, conflict-free)
+#   K_j   Bc x (d+4)     loaded once
+#   V_j   Bc x (d+4)     loaded once
+#   Q_i   Br x (d+4)     reloaded every query tile
+#   dO_i  Br x (d+4)     reloaded every query tile
+#   P     Br x (Bc+4)    written by the S/dP threads, read by the dV threads
+#   dS    Br x (Bc+4)    (or sharing P's buffer when 48 KB is tight: two more barriers)
 #   L_i, D_i  Br each
 # ```
 #

@@ -59,22 +59,22 @@ TITLE = "recomputing backward"
 
 # Tile candidates at d = 64. Tiles(block_k, block_q, threads, dq_block_q, dq_block_k, dq_threads).
 DKDV_SWEEP = (
-    (64, 16, 128, None),     # default: 45 KB static (P and dS share a buffer)
-    (64, 16, 128, False),    # two buffers: 49 KB, dynamic
-    (64, 16, 64, None),      # 8 x 8 dK/dV micro-tiles
-    (32, 32, 64, None),      # 41 KB static
-    (64, 32, 128, None),     # 65 KB dynamic
+    (64, 16, 128, None),     # default: 47 KB static (P and dS share a buffer)
+    (64, 16, 128, False),    # two buffers: 51 KB, dynamic
+    (64, 16, 64, None),      # 8 x 8 dK/dV micro-tiles, 47 KB static
+    (32, 32, 64, None),      # 43 KB static
+    (64, 32, 128, None),     # 68 KB dynamic
     (64, 32, 256, None),
-    (64, 64, 128, None),     # 98 KB dynamic, 4 x 8 micro-tiles for every product
-    (128, 32, 256, None),    # 114 KB dynamic
-    (128, 16, 256, None),
+    (64, 64, 128, None),     # 103 KB dynamic, 4 x 8 micro-tiles for every product
+    (128, 32, 256, None),    # 118 KB dynamic
+    (128, 16, 256, None),    # 93 KB dynamic
 )
 DQ_SWEEP = (
-    (64, 16, 128),           # default: 45 KB static
-    (32, 32, 64),
-    (64, 32, 128),           # 58 KB dynamic
-    (64, 64, 256),
-    (128, 32, 256),
+    (64, 16, 128),           # default: 48 KB static
+    (32, 32, 64),            # 39 KB static
+    (64, 32, 128),           # 60 KB dynamic
+    (64, 64, 256),           # 86 KB dynamic
+    (128, 32, 256),          # 104 KB dynamic
     (64, 64, 128),
 )
 
