@@ -193,9 +193,12 @@ print("Br=2:", tile_lists(m, 16, 16, Br=2, Bc=4).row_ptr)
 # %% [markdown]
 # ## 4. The forward kernel
 #
-# It is chapter 4's register-tiled FlashAttention-2 kernel (Q tile outer, O in registers).
-# A block of (Br/RM) x TC threads owns Br query rows; thread (ty, tx) owns RM rows and every
-# TC-th column of S, and every TC-th column of O. The one structural change is the loop:
+# It is chapter 4's register-tiled FlashAttention-2 kernel (Q tile outer, O in registers,
+# the same tiles: Br = 128, Bc = 64 at d = 64, 8 x 8 micro-tiles, 128 threads, 99 KB of
+# dynamic shared memory). A block of (Br/RM) x TC threads owns Br query rows; thread
+# (ty, tx) owns RM rows and every TC-th column of S, and every TC-th column of O. The one
+# structural change is the loop, over this row's list instead of range(Tc); the blocks
+# take their query tiles longest list first (`row_order`):
 
 # %%
 def show(fn, first, last):
@@ -209,9 +212,10 @@ def show(fn, first, last):
 show(make_forward, "# The inner loop walks", "cuda.syncthreads()")
 
 # %% [markdown]
-# The tile's scores: K is stored transposed in shared memory with its columns XOR-swizzled
-# (column c of row dd stored at c ^ (dd mod 32)), so the transposing stores and the reads
-# both touch 32 different banks. Each thread does RM x CN FMAs per dd from registers:
+# The tile's scores. Q and K are stored transposed in shared memory, their rows padded by
+# one float so that the transposing stores hit 32 different banks; at each step dd a
+# thread reads its RM rows of Qt (adjacent words) and its CN columns of Kt (TC apart:
+# different banks for the TC threads of a row) and does RM x CN FMAs from registers:
 
 # %%
 show(make_forward, "# S = scale * Q K^T", "s[i, j] *= scale")
@@ -220,19 +224,24 @@ show(make_forward, "# S = scale * Q K^T", "s[i, j] *= scale")
 # Masking and the online softmax. Masked scores become a large negative *finite* number
 # (fastmath lets the compiler assume there are no infinities) and the running max starts
 # at -1e30, above it, so `exp(masked - m)` is exactly 0. The row max is combined across the
-# TC threads of a row through a small shared scratch (the simulator has no warp shuffles);
-# the row sum l only once, at the end:
+# TC threads of a row by `row_max`: warp shuffles on a GPU, shared memory in the simulator
+# (which has no shuffles); the row sum l only once, at the end. P goes to shared memory,
+# transposed, for O += P V:
 
 # %%
-show(make_forward, "# Mask (ragged", "cuda.syncthreads()")
-show(make_forward, "# m_new = max", "acc[i, j] *= alpha")
+show(make_forward, "# Mask (ragged", "acc[i, j] *= alpha")
+
+# %%
+from kernels.block_sparse import _make_row_reductions
+
+show(_make_row_reductions, "if not on_simulator():", "return row_max, row_sum")
 
 # %% [markdown]
 # The end: a row whose l stayed 0 (no kept tile, or every score masked) writes O = 0 and
 # L = -inf; never 0/0.
 
 # %%
-show(make_forward, "# l: sum the row's", "lse[bh, qi] = NEG_INF")
+show(make_forward, "# l: the sum over", "lse[bh, qi] = NEG_INF")
 
 # %% [markdown]
 # ### Check against the oracle
