@@ -106,11 +106,11 @@ def _forward(q, k, v, causal):
 
 def _check_head(grads, q, k, v, o, lse, do, causal):
     """Head (0, 0) against the float64 oracle under the tolerance rule (the tests do the rest)."""
-    host = [x[0:1, 0:1].copy_to_host() for x in (q, k, v, o, lse, do)]
+    host = [np.asarray(x.copy_to_host())[0:1, 0:1] for x in (q, k, v, o, lse, do)]
     exact = ref.attention_backward(*host, causal=causal)
     baseline = ref.attention_backward(*host, causal=causal, dtype=np.float32)
     for name, g, e, bl in zip(("dq", "dk", "dv"), grads, exact, baseline):
-        assert_close(g[0:1, 0:1].copy_to_host(), e, bl, name=f"bench {name}")
+        assert_close(np.asarray(g.copy_to_host())[0:1, 0:1], e, bl, name=f"bench {name}")
 
 
 def _kernel_resources(tiles, D, dq_mode):
@@ -293,6 +293,7 @@ def _torch_peers(ctx, torch, sets, b, h, n, d, causal, fwd_flops, extra, model, 
         tsets = [tuple(torch.as_tensor(x, device="cuda").detach().clone().requires_grad_(i < 3)
                        for i, x in enumerate(s)) for s in sets]
         for label, fwd, note in peers:
+            graphs = None
             try:
                 graphs = []
                 for q, k, v, do in tsets:
@@ -317,6 +318,7 @@ def _torch_peers(ctx, torch, sets, b, h, n, d, causal, fwd_flops, extra, model, 
                                            extra=dict(extra)))
             except RuntimeError as exc:  # out of memory at large N, or backend unavailable
                 ctx.progress(f"  skipped {label} at {config}: {str(exc)[:120]}")
+                graphs = None
                 torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
