@@ -150,6 +150,8 @@ def check_tiles(tiles, D: int) -> Tiles:
         raise ValueError(f"tiles: expected TX a power of two <= 32 (threads of a row share a warp), got {TX}")
     if Br % TM:
         raise ValueError(f"tiles: expected TM to divide Br, got Br={Br}, TM={TM}")
+    if (Br // TM) & (Br // TM - 1):
+        raise ValueError(f"tiles: expected Br / TM (threads along the rows) a power of two, got {Br // TM}")
     if Bc % TX or D % TX:
         raise ValueError(f"tiles: expected TX to divide Bc={Bc} and D={D}, got TX={TX}")
     limit = 256 if on_simulator() else 1024
@@ -328,7 +330,10 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int):
     RN = Bc // TX                 # columns of S a thread owns
     RD = D // TX                  # columns of O a thread owns
     RB = max(RN, RD)
-    LOG2_D = D.bit_length() - 1   # D is a power of two
+    LOAD_COLS = min(D, THREADS)   # tile copies: columns a pass (D and THREADS are powers of two)
+    LOAD_ROWS = THREADS // LOAD_COLS
+    Q_PASSES, KV_PASSES = cdiv(Br, LOAD_ROWS), cdiv(Bc, LOAD_ROWS)
+    ROWS_EXACT = Br % LOAD_ROWS == 0 and Bc % LOAD_ROWS == 0   # no pass runs past the tile
     Q_OFF, K_OFF, V_OFF, P_OFF, Q_STRIDE, K_STRIDE, P_STRIDE, _ = _layout(Br, Bc, D, TX)
     row_max, row_sum = _make_row_reductions(TX, THREADS)
 
@@ -354,16 +359,26 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int):
         kh = k[bh]
         vh = v[bh]
 
-        # ---- Q_i: Br x d from HBM, once, into shared memory (transposed, zero-padded).
-        # Consecutive threads read consecutive elements of a row (coalesced); D is a power
-        # of two, so element e of the tile is row e >> LOG2_D, column e & (D - 1).
-        for e in range(tid, Br * D, THREADS):
-            r = e >> LOG2_D
-            c = e & (D - 1)
-            x = float32(0.0)
-            if q0 + r < n_q and c < d:
-                x = float32(qh[uint64(q0 + r), uint64(c)])
-            smem[uint64(Q_OFF + c * Q_STRIDE + r)] = x
+        # Tile copies HBM -> shared memory: a pass of the block copies LOAD_ROWS rows of
+        # LOAD_COLS columns, consecutive threads reading consecutive columns (coalesced).
+        # This thread copies column lc (and lc + LOAD_COLS, ... when D > THREADS) of the
+        # rows lr, lr + LOAD_ROWS, ... Every load reads a valid address (row and column
+        # clamped) and is zeroed afterwards if it lies outside the matrix: no branches
+        # around the loads, so they can all be in flight at once.
+        lc = tid % LOAD_COLS
+        lr = tid // LOAD_COLS
+
+        # ---- Q_i: Br x d from HBM, once, into shared memory (transposed, zero-padded)
+        for rr in range(Q_PASSES):
+            r = lr + LOAD_ROWS * rr
+            row = min(q0 + r, n_q - 1)
+            for cc in range(D // LOAD_COLS):
+                c = lc + LOAD_COLS * cc
+                x = float32(qh[uint64(row), uint64(min(c, d - 1))])
+                if q0 + r >= n_q or c >= d:
+                    x = float32(0.0)
+                if ROWS_EXACT or r < Br:
+                    smem[uint64(Q_OFF + c * Q_STRIDE + r)] = x
 
         # ---- on-chip state of this thread's TM rows (registers: every index is a constant)
         m = cuda.local.array(TM, float32)         # running max (raw scores)
@@ -388,16 +403,20 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int):
             k0 = t * Bc
             # -- K_j (transposed) and V_j: Bc x d from HBM into shared memory
             cuda.syncthreads()                    # everyone is done with the last tile
-            for e in range(tid, Bc * D, THREADS):
-                r = e >> LOG2_D
-                c = e & (D - 1)
-                kx = float32(0.0)
-                vx = float32(0.0)
-                if k0 + r < n_k and c < d:
-                    kx = float32(kh[uint64(k0 + r), uint64(c)])
-                    vx = float32(vh[uint64(k0 + r), uint64(c)])
-                smem[uint64(K_OFF + c * K_STRIDE + r)] = kx
-                smem[uint64(V_OFF + r * D + c)] = vx
+            for rr in range(KV_PASSES):
+                r = lr + LOAD_ROWS * rr
+                row = uint64(min(k0 + r, n_k - 1))
+                for cc in range(D // LOAD_COLS):
+                    c = lc + LOAD_COLS * cc
+                    col = uint64(min(c, d - 1))
+                    kx = float32(kh[row, col])
+                    vx = float32(vh[row, col])
+                    if k0 + r >= n_k or c >= d:
+                        kx = float32(0.0)
+                        vx = float32(0.0)
+                    if ROWS_EXACT or r < Bc:
+                        smem[uint64(K_OFF + c * K_STRIDE + r)] = kx
+                        smem[uint64(V_OFF + r * D + c)] = vx
             cuda.syncthreads()
 
             # -- S = Q_i K_j^T: a TM x RN register tile a thread

@@ -96,6 +96,8 @@ def tile_configs():
 @example(case=case_with((1, 1, 7, 5), (1, 1, 9, 5), causal=True), tiles=Tiles(Br=1, Bc=1, TM=1, TX=1))
 @example(case=case_with((1, 1, 9, 3), (1, 1, 20, 3), causal=True), tiles=Tiles(Br=4, Bc=8, TM=1, TX=8))
 @example(case=case_with((1, 1, 17, 6), (1, 1, 6, 6), causal=True), tiles=Tiles(Br=2, Bc=3, TM=2, TX=1))
+@example(case=case_with((1, 1, 9, 1), (1, 1, 7, 1), causal=True), tiles=Tiles(Br=4, Bc=2, TM=1, TX=2))  # a copy pass
+# of 4 rows is longer than the 2-row K/V tile
 def test_drawn_tiles(case, tiles):
     if SIM and tiles.threads > 32:
         tiles = default_tiles(case.q.shape[-1])
