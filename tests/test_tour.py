@@ -77,3 +77,16 @@ def test_tour_finds_the_real_chapters():
     proc = subprocess.run([sys.executable, "-m", "kernels", "--list"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert "gpu_basics" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_chapter_0_bench_runs_in_the_simulator(tmp_path):
+    env = dict(os.environ, WORKBOOK_DEVICE="sim", MPLBACKEND="Agg")
+    proc = subprocess.run([sys.executable, "-m", "kernels", "--chapters", "0", "--quick", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert "== chapter 0" in text and "Traceback" not in text, text
+    _, rows = read_csv(tmp_path / "gpu_basics.csv")
+    kernels = {r["kernel"] for r in rows}
+    assert {"copy kernel, 1 a step", "copy kernel, 4 a step", "launch: empty kernel, no arguments"} <= kernels
+    assert all(r["gbps"] > 0 for r in rows if r["kernel"].startswith("copy kernel"))
+    assert (tmp_path / "gpu_basics.png").exists()
