@@ -28,6 +28,9 @@ Extra entry points for the GPU run (``python -m kernels.bench.flash_forward ...`
                   ncu --metrics dram__bytes_read.sum,dram__bytes_write.sum -k regex:flash_forward
                      --launch-skip 1 --launch-count 1 python -m kernels.bench.flash_forward --ncu 128,64,8,8
                   (prints the IO model's bytes for that Br to compare with).
+    --dram F...   reads the ``ncu --csv`` outputs of such runs and writes
+                  workbook/results/flash_forward_dram.csv (measured DRAM bytes next to the
+                  IO model for each Br), which notebook 04 shows.
 """
 
 from __future__ import annotations
@@ -356,6 +359,45 @@ def _ncu_once(spec: str):
               f"(compulsory {b * h * (4 * n * d + n) * 4 / 1e6:.1f} MB)")
 
 
+_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
+          "KB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}
+
+
+def dram_from_ncu(paths, *, shape=REFERENCE) -> list[Result]:
+    """Rows of measured HBM bytes from Nsight Compute CSV output (``ncu --csv`` of the
+    ``--ncu`` runs above), next to the IO model for the Br each kernel ran with (read off
+    its grid: Tr = ceil(N / Br) blocks along x)."""
+    import csv
+
+    b, h, n, d = shape
+    results = []
+    for path in paths:
+        text = open(path).read().splitlines()
+        rows = list(csv.DictReader(line for line in text if line.startswith('"')))
+        by_launch: dict = {}
+        for row in rows:
+            if "flash_forward" not in row.get("Kernel Name", ""):
+                continue
+            key = (row.get("ID"), row.get("Grid Size"), row.get("Block Size"))
+            value = float(str(row["Metric Value"]).replace(",", "")) * _UNITS.get(row.get("Metric Unit", "byte"), 1)
+            by_launch.setdefault(key, {})[row["Metric Name"]] = value
+        for (launch, grid, block), metrics in by_launch.items():
+            tr = int(grid.strip("()").split(",")[0])
+            br = -(-n // tr)
+            read = metrics.get("dram__bytes_read.sum", float("nan"))
+            write = metrics.get("dram__bytes_write.sum", float("nan"))
+            model = io_model_bytes(b, h, n, n, d, Br=br)
+            results.append(Result(CHAPTER, f"flash fwd Br={br} (Nsight Compute)", _config(b, h, n, d, np.float32, False),
+                                  float("nan"), float("nan"), float("nan"), _flops(b, h, n, n, d, False), model,
+                                  float("nan"), float("nan"), float("nan"), float("nan"), False,
+                                  f"measured DRAM bytes {(read + write) / 1e9:.3f} GB = {(read + write) / model:.2f} x the "
+                                  f"IO model (no L2 reuse); block {block}",
+                                  {"Br": br, "dram_read_bytes": read, "dram_write_bytes": write,
+                                   "dram_total_bytes": read + write, "model_bytes": model,
+                                   "compulsory_bytes": b * h * (4 * n * d + n) * 4, "part": "ncu", "source": str(path)}))
+    return results
+
+
 def main(argv=None) -> int:
     from pathlib import Path
 
@@ -365,6 +407,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--ncu", metavar="Br,Bc,TM,TX")
+    parser.add_argument("--dram", nargs="+", metavar="NCU_CSV",
+                        help="ncu --csv outputs of --ncu runs -> flash_forward_dram.csv")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -380,6 +424,11 @@ def main(argv=None) -> int:
         results = tile_sweep(ctx) + (tile_sweep(ctx, d=128) if not ctx.simulator else [])
         harness.write_csv(out / "flash_forward_sweep.csv", results, env)
         print(harness.format_table(results))
+    if args.dram:
+        results = dram_from_ncu(args.dram)
+        harness.write_csv(out / "flash_forward_dram.csv", results, env)
+        for r in results:
+            print(r.kernel, r.note)
     if args.memory:
         results = memory_demo(ctx)
         harness.write_csv(out / "flash_forward_memory.csv", results, env)
