@@ -129,6 +129,52 @@ def _split(rows: int, cols: int, threads: int):
     return None if best is None else best[1]
 
 
+def _warp_split(rows: int, cols: int, threads: int):
+    """A two-level split of an rows x cols result: warps, then lanes, then micro-tiles.
+
+    Returns (TM, TN, LR, LC, WC): each thread owns TM x TN entries; the 32 lanes of a warp
+    form an LR x LC grid and together cover an (LR*TM) x (LC*TN) block; the warps tile the
+    result, WC of them across the columns. Thread t = 32*w + lane owns rows
+    (w // WC)*LR*TM + lane // LC + LR*a and columns (w % WC)*LC*TN + lane % LC + LC*b.
+    Chosen so that a warp's block is as square as possible: it reads LR*TM + LC*TN rows of
+    the two operands from shared memory per step, the fewer the better. None if nothing
+    divides.
+    """
+    if threads % 32 and threads > 32:
+        return None
+    lanes = min(32, threads)
+    warps = threads // lanes
+    if (rows * cols) % threads:
+        return None
+    per_thread = rows * cols // threads
+    best = None
+    for tm in range(1, per_thread + 1):
+        if per_thread % tm:
+            continue
+        tn = per_thread // tm
+        for lr in range(1, lanes + 1):
+            if lanes % lr:
+                continue
+            lc = lanes // lr
+            if rows % (lr * tm) or cols % (lc * tn):
+                continue
+            wr, wc = rows // (lr * tm), cols // (lc * tn)
+            if wr * wc != warps:
+                continue
+            key = (lr * tm + lc * tn, tm + tn, tm)
+            if best is None or key < best[0]:
+                best = (key, (tm, tn, lr, lc, wc))
+    return None if best is None else best[1]
+
+
+def _need_warp_split(rows, cols, threads, what):
+    split = _warp_split(rows, cols, threads)
+    if split is None:
+        raise ValueError(f"tiles: {what} ({rows} x {cols}) does not split evenly over {threads} threads "
+                         f"(warps of 32)")
+    return split
+
+
 def _need_split(rows, cols, threads, what):
     split = _split(rows, cols, threads)
     if split is None:
@@ -262,12 +308,12 @@ def _check_tiles(tiles, D: int, dq_mode: str):
     for name in ("threads", "dq_threads"):
         if getattr(tiles, name) > 1024:
             raise ValueError(f"tiles: expected {name} <= 1024, got {getattr(tiles, name)}")
-    _need_split(tiles.block_q, tiles.block_k, tiles.threads, "dkdv S tile Br x Bc")
+    _need_warp_split(tiles.block_q, tiles.block_k, tiles.threads, "dkdv S tile Br x Bc")
     _need_split(tiles.block_k, D, tiles.threads, "dkdv dK/dV tile Bc x d")
     if dq_mode == "atomic":
         _need_split(tiles.block_q, D, tiles.threads, "dkdv atomic dQ tile Br x d")
     else:
-        _need_split(tiles.dq_block_q, tiles.dq_block_k, tiles.dq_threads, "dq S tile Br x Bc")
+        _need_warp_split(tiles.dq_block_q, tiles.dq_block_k, tiles.dq_threads, "dq S tile Br x Bc")
         _need_split(tiles.dq_block_q, D, tiles.dq_threads, "dq dQ tile Br x d")
     limit = _max_shared_bytes()
     for what, nbytes in zip(("dkdv", "dq"), shared_bytes(tiles, D)):
@@ -432,8 +478,8 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
     Shared-memory offsets are unsigned (uint64): Numba adds a negative-index wraparound to
     every signed index, which costs integer instructions and hides the alignment.
     """
-    AM, AN = _need_split(BR, BC, NT, "S tile Br x Bc")      # S, dP: Br x Bc
-    RA, CA = BR // AM, BC // AN                             # thread grid of S: RA x CA
+    AM, AN, RA, CA, WCA = _need_warp_split(BR, BC, NT, "S tile Br x Bc")   # S, dP: Br x Bc
+    WRA_ROWS, WCA_COLS = RA * AM, CA * AN                   # the block of S one warp covers
     BM, BN = _need_split(BC, D, NT, "dK/dV tile Bc x d")    # dV, dK: Bc x D
     RB, CB = BC // BM, D // BN
     VM, VN = _vec(BM), _vec(BN)                             # runs of keys / columns a thread owns
@@ -492,8 +538,12 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
         sq = cuda.local.array((QM, UC), float32)
         kq = cuda.local.array(QN, float32)
 
-        ty_a = t // int32(CA)
-        tx_a = t - ty_a * int32(CA)
+        # S and dP: warp w covers a WRA_ROWS x WCA_COLS block; lane (ly, lx) in it owns rows
+        # ty_a + RA*a and columns tx_a + CA*b.
+        w_a = t // int32(32)
+        lane_a = t - w_a * int32(32)
+        ty_a = (w_a // int32(WCA)) * int32(WRA_ROWS) + lane_a // int32(CA)
+        tx_a = (w_a % int32(WCA)) * int32(WCA_COLS) + lane_a % int32(CA)
         ty_b = t // int32(CB)
         tx_b = t - ty_b * int32(CB)
         ty_q = t // int32(CQ)
@@ -688,8 +738,8 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
     Micro-tiles and vector loads as in ``make_dkdv``; dQ_i += dS K_j runs over the keys
     four at a time (one 16-byte load of a dS row per four keys).
     """
-    AM, AN = _need_split(BR, BC, NT, "S tile Br x Bc")      # S, dP: Br x Bc
-    RA, CA = BR // AM, BC // AN
+    AM, AN, RA, CA, WCA = _need_warp_split(BR, BC, NT, "S tile Br x Bc")   # S, dP: Br x Bc
+    WRA_ROWS, WCA_COLS = RA * AM, CA * AN                   # the block of S one warp covers
     QM, QN = _need_split(BR, D, NT, "dQ tile Br x d")       # dQ: Br x D
     RQ, CQ = BR // QM, D // QN
     VQ = _vec(QN)
@@ -745,8 +795,12 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
         sq = cuda.local.array((QM, UC), float32)
         kq = cuda.local.array(QN, float32)
 
-        ty_a = t // int32(CA)
-        tx_a = t - ty_a * int32(CA)
+        # S and dP: warp w covers a WRA_ROWS x WCA_COLS block; lane (ly, lx) in it owns rows
+        # ty_a + RA*a and columns tx_a + CA*b.
+        w_a = t // int32(32)
+        lane_a = t - w_a * int32(32)
+        ty_a = (w_a // int32(WCA)) * int32(WRA_ROWS) + lane_a // int32(CA)
+        tx_a = (w_a % int32(WCA)) * int32(WCA_COLS) + lane_a % int32(CA)
         ty_q = t // int32(CQ)
         tx_q = t - ty_q * int32(CQ)
         u_qa = uint64(O_Q + ty_a * LD)
