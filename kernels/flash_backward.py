@@ -309,11 +309,17 @@ def _check_tiles(tiles, D: int, dq_mode: str):
         if getattr(tiles, name) > 1024:
             raise ValueError(f"tiles: expected {name} <= 1024, got {getattr(tiles, name)}")
     _need_warp_split(tiles.block_q, tiles.block_k, tiles.threads, "dkdv S tile Br x Bc")
+    if (tiles.block_q * D) % tiles.threads or tiles.block_q > tiles.threads:
+        raise ValueError(f"tiles: the dkdv kernel's {tiles.threads} threads must evenly share a Q tile "
+                         f"{tiles.block_q} x {D} and be at least block_q = {tiles.block_q}")
     _need_split(tiles.block_k, D, tiles.threads, "dkdv dK/dV tile Bc x d")
     if dq_mode == "atomic":
         _need_split(tiles.block_q, D, tiles.threads, "dkdv atomic dQ tile Br x d")
     else:
         _need_warp_split(tiles.dq_block_q, tiles.dq_block_k, tiles.dq_threads, "dq S tile Br x Bc")
+        if (tiles.dq_block_k * D) % tiles.dq_threads:
+            raise ValueError(f"tiles: the dq kernel's {tiles.dq_threads} threads must evenly share a K tile "
+                             f"{tiles.dq_block_k} x {D}")
         _need_split(tiles.dq_block_q, D, tiles.dq_threads, "dq dQ tile Br x d")
     limit = _max_shared_bytes()
     for what, nbytes in zip(("dkdv", "dq"), shared_bytes(tiles, D)):
@@ -483,6 +489,7 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
     BM, BN = _need_split(BC, D, NT, "dK/dV tile Bc x d")    # dV, dK: Bc x D
     RB, CB = BC // BM, D // BN
     VM, VN = _vec(BM), _vec(BN)                             # runs of keys / columns a thread owns
+    LQ = BR * D // NT                                       # Q (and dO) elements a thread prefetches
     if atomic_dq:
         QM, QN = _need_split(BR, D, NT, "dQ tile Br x d")   # dQ_i partial: Br x D
     else:
@@ -568,30 +575,60 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
                 i_start = first_row // int32(BR)
         tr = (nq + int32(BR - 1)) // int32(BR)
 
+        # Prefetch: the next query tile (Q, dO, L, D) travels from HBM into registers while
+        # the block computes on the current one; thread t holds elements t + NT*m.
+        pq = cuda.local.array(LQ, float32)
+        pg = cuda.local.array(LQ, float32)
+        pl = DEAD
+        pd = float32(0.0)
+        if i_start < tr:
+            r0 = i_start * int32(BR)
+            for m in range(LQ):
+                idx = t + int32(m * NT)
+                r = idx // int32(D)
+                e = idx - r * int32(D)
+                pq[m] = float32(0.0)
+                pg[m] = float32(0.0)
+                if r0 + r < nq and e < d:
+                    pq[m] = q[bh, r0 + r, e]
+                    pg[m] = do[bh, r0 + r, e]
+            if t < BR and r0 + t < nq:
+                lrow = lse[bh, r0 + t]
+                if lrow > ALIVE:                        # L = -inf: the row sees nothing, P = 0
+                    pl = lrow
+                pd = delta[bh, r0 + t]
+
         for i in range(i_start, tr):
             r0 = int32(i) * int32(BR)
             cuda.syncthreads()                          # the previous step is done with Q_i, dO_i
-            for idx in range(t, BR * D, NT):
-                r = int32(idx) // int32(D)
-                e = int32(idx) - r * int32(D)
-                qv = float32(0.0)
-                gv = float32(0.0)
-                if r0 + r < nq and e < d:
-                    qv = q[bh, r0 + r, e]
-                    gv = do[bh, r0 + r, e]
-                sm[uint64(O_Q + r * LD + e)] = qv
-                sm[uint64(O_DO + r * LD + e)] = gv
-            for r in range(t, BR, NT):
-                lv = DEAD
-                dv_ = float32(0.0)
-                if r0 + r < nq:
-                    lrow = lse[bh, r0 + r]
-                    if lrow > ALIVE:                    # L = -inf: the row sees nothing, P = 0
-                        lv = lrow
-                    dv_ = delta[bh, r0 + r]
-                sm[uint64(O_L + r)] = lv
-                sm[uint64(O_D + r)] = dv_
+            for m in range(LQ):
+                idx = t + int32(m * NT)
+                r = idx // int32(D)
+                e = idx - r * int32(D)
+                sm[uint64(O_Q + r * LD + e)] = pq[m]
+                sm[uint64(O_DO + r * LD + e)] = pg[m]
+            if t < BR:
+                sm[uint64(O_L + t)] = pl
+                sm[uint64(O_D + t)] = pd
             cuda.syncthreads()
+            if i + 1 < tr:                              # start loading tile i + 1
+                n0 = r0 + int32(BR)
+                for m in range(LQ):
+                    idx = t + int32(m * NT)
+                    r = idx // int32(D)
+                    e = idx - r * int32(D)
+                    pq[m] = float32(0.0)
+                    pg[m] = float32(0.0)
+                    if n0 + r < nq and e < d:
+                        pq[m] = q[bh, n0 + r, e]
+                        pg[m] = do[bh, n0 + r, e]
+                pl = DEAD
+                pd = float32(0.0)
+                if t < BR and n0 + t < nq:
+                    lrow = lse[bh, n0 + t]
+                    if lrow > ALIVE:
+                        pl = lrow
+                    pd = delta[bh, n0 + t]
 
             # S = Q_i K_j^T and dP = dO_i V_j^T, each thread an AM x AN micro-tile,
             # four steps of d per 16-byte load.
@@ -744,6 +781,7 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
     RQ, CQ = BR // QM, D // QN
     VQ = _vec(QN)
     UC = _vec(BC)
+    LK = BC * D // NT                                       # K (and V) elements a thread prefetches
     LD, LP = _strides(BC, D)
     (O_Q, O_DO, O_K, O_V, O_DS, O_L, O_D), TOTAL = _dq_layout(BR, BC, D)
     SHARED = 0 if dynamic else TOTAL
@@ -818,20 +856,40 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
         if last_col >= 0:
             tc = last_col // int32(BC) + int32(1)
 
+        # Prefetch: the next K/V tile travels from HBM into registers during the compute.
+        pk = cuda.local.array(LK, float32)
+        pv_ = cuda.local.array(LK, float32)
+        for m in range(LK):
+            idx = t + int32(m * NT)
+            c = idx // int32(D)
+            e = idx - c * int32(D)
+            pk[m] = float32(0.0)
+            pv_[m] = float32(0.0)
+            if tc > 0 and c < nk and e < d:
+                pk[m] = k[bh, c, e]
+                pv_[m] = v[bh, c, e]
+
         for j in range(tc):
             c0 = int32(j) * int32(BC)
             cuda.syncthreads()                          # the previous step is done with K_j, V_j
-            for idx in range(t, BC * D, NT):
-                c = int32(idx) // int32(D)
-                e = int32(idx) - c * int32(D)
-                kv_ = float32(0.0)
-                vv = float32(0.0)
-                if c0 + c < nk and e < d:
-                    kv_ = k[bh, c0 + c, e]
-                    vv = v[bh, c0 + c, e]
-                sm[uint64(O_K + c * LD + e)] = kv_
-                sm[uint64(O_V + c * LD + e)] = vv
+            for m in range(LK):
+                idx = t + int32(m * NT)
+                c = idx // int32(D)
+                e = idx - c * int32(D)
+                sm[uint64(O_K + c * LD + e)] = pk[m]
+                sm[uint64(O_V + c * LD + e)] = pv_[m]
             cuda.syncthreads()
+            if j + 1 < tc:                              # start loading tile j + 1
+                n0 = c0 + int32(BC)
+                for m in range(LK):
+                    idx = t + int32(m * NT)
+                    c = idx // int32(D)
+                    e = idx - c * int32(D)
+                    pk[m] = float32(0.0)
+                    pv_[m] = float32(0.0)
+                    if n0 + c < nk and e < d:
+                        pk[m] = k[bh, n0 + c, e]
+                        pv_[m] = v[bh, n0 + c, e]
 
             for a in range(AM):
                 for b in range(AN):
