@@ -20,11 +20,12 @@ last tiles, and rows that see nothing are masked per element (P = 0 there by a b
 never exp(S - (-inf))). The lists and the tile choice are the forward's (kernels.block_sparse).
 
 Register tiling as in the forward: thread (ty, tx) owns R consecutive rows (query rows
-in the dQ kernel, key rows in the dK/dV kernel) and the columns tx, tx + TC, ...; the
-operand read along the rows is stored transposed (adjacent words), the one read along
-the columns is stored transposed with an XOR swizzle (column c at c ^ (dd mod 32)), so
-that the same buffer also serves, conflict-free, as the untransposed operand of dQ += dS K
-(and of dK += dS^T Q, dV += P^T dO).
+in the dQ kernel, key rows in the dK/dV kernel) and the columns tx, tx + TC, ...; every
+tile lives transposed in one dynamic shared buffer with its rows padded by one float, so
+the same buffer serves, conflict-free, both as the transposed operand of the scores
+(S = Q K^T reads Kt[dd, c] along c) and as the plain operand of the accumulations
+(dQ += dS K reads K[c, dd] = Kt[dd, c] along dd: rows Bc + 1 apart, different banks);
+dS (and P) are stored transposed too, so a thread's R rows are adjacent words.
 """
 
 from __future__ import annotations
@@ -35,30 +36,59 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from kernels.block_sparse import (SHARED_LIMIT, KernelConfig, _lists_for, fit_tiles, padded_head_dim)
+from kernels.block_sparse import KernelConfig, _lists_for, fit_tiles, padded_head_dim
 from kernels.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, device_empty,
                              on_simulator, to_device)
+from kernels.shared_memory import allow_dynamic_shared_memory
 
 __all__ = ["block_sparse_attention_backward", "make_backward_dq", "make_backward_dkdv", "backward_config",
            "BACKWARD_CONFIGS", "io_model_bytes", "ptx_targets"]
 
-# Production tiles for the H100 by padded head dim: (Br, Bc, R, TC), used by both kernels.
-# dQ kernel shared floats: Qt D*Br + dOt D*Br + Kt D*Bc + Vt D*Bc + dS Br*Bc.
-# dK/dV kernel: Kt D*Bc + Vt D*Bc + Qt D*Br + dOt D*Br + P^T, dS^T 2*Bc*Br + L, D 2*Br.
+# Production tiles for the H100 by padded head dim: (Br, Bc, R, TC), used by both kernels
+# (so that one set of lists serves both). dQ kernel: (Br/R) x TC threads, R query rows
+# a thread; dK/dV kernel: (Bc/R) x TC threads, R key rows a thread. Shared memory: one
+# dynamic buffer a kernel (see dq_layout, dkdv_layout), above 48 KB through
+# kernels/shared_memory.py.
 BACKWARD_CONFIGS = {
-    32: (32, 32, 4, 16),   # dQ 20 KB, dK/dV 24 KB, 128 threads
-    64: (32, 32, 4, 16),   # dQ 36 KB, dK/dV 40 KB, 128 threads: 4x2 scores, 4x4 outputs
-    128: (16, 16, 2, 8),   # dQ 33 KB, dK/dV 34 KB, 64 threads: 2x2 scores, 2x16 outputs
+    32: (64, 64, 4, 16),   # dQ 42 KB / dK dV 50 KB at D=32; 256 threads each
+    64: (64, 64, 4, 16),   # dQ 83 KB / dK dV 100 KB; 256 threads each: 4x4 scores, 4x4 outputs
+    128: (64, 32, 4, 16),  # dQ 108 KB / dK dV 118 KB; 256 / 128 threads
 }
 SIM_CONFIG = (8, 8, 2, 4)
 
 
+def dq_layout(Br, Bc, D):
+    """dQ kernel, offsets (floats) in its shared buffer: Qt, dOt D x (Br+1); Kt, Vt D x (Bc+1);
+    dSt Bc x (Br+1). Returns the offsets, the strides QS, KS and the total."""
+    QS, KS = Br + 1, Bc + 1
+    q_off = 0
+    do_off = q_off + D * QS
+    k_off = do_off + D * QS
+    v_off = k_off + D * KS
+    ds_off = v_off + D * KS
+    return q_off, do_off, k_off, v_off, ds_off, QS, KS, ds_off + Bc * QS
+
+
+def dkdv_layout(Br, Bc, D):
+    """dK/dV kernel: Kt, Vt D x (Bc+1); Qt, dOt D x (Br+1); Pt, dSt Br x (Bc+1); L, D Br each."""
+    QS, KS = Br + 1, Bc + 1
+    k_off = 0
+    v_off = k_off + D * KS
+    q_off = v_off + D * KS
+    do_off = q_off + D * QS
+    p_off = do_off + D * QS
+    ds_off = p_off + Br * KS
+    l_off = ds_off + Br * KS
+    dl_off = l_off + Br
+    return k_off, v_off, q_off, do_off, p_off, ds_off, l_off, dl_off, QS, KS, dl_off + Br
+
+
 def shared_bytes_dq(Br, Bc, D):
-    return 4 * (2 * D * Br + 2 * D * Bc + Br * Bc)
+    return 4 * dq_layout(Br, Bc, D)[-1]
 
 
 def shared_bytes_dkdv(Br, Bc, D):
-    return 4 * (2 * D * Bc + 2 * D * Br + 2 * Bc * Br + 2 * Br)
+    return 4 * dkdv_layout(Br, Bc, D)[-1]
 
 
 def backward_config(d, block_mask, block_m=None, block_n=None) -> KernelConfig:
@@ -77,39 +107,33 @@ def backward_config(d, block_mask, block_m=None, block_n=None) -> KernelConfig:
 
 @functools.lru_cache(maxsize=None)
 def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
-    """dQ kernel: grid (Tr, B*H), (Br/RM)*TC threads; also writes D = rowsum(dO * O)."""
-    if Br % RM or Bc % TC or D % TC or Bc & (Bc - 1) or Br < TC:
-        raise ValueError(f"make_backward_dq: need RM | Br, TC | Bc, TC | D, TC <= Br, Bc a power of two; "
-                         f"got Br={Br} Bc={Bc} D={D} RM={RM} TC={TC}")
-    if shared_bytes_dq(Br, Bc, D) > SHARED_LIMIT:
-        raise ValueError(f"make_backward_dq: {shared_bytes_dq(Br, Bc, D)} bytes of shared memory > 48 KB")
+    """dQ kernel: grid (Tr, B*H), (Br/RM)*TC threads, ``shared_bytes_dq`` bytes of dynamic
+    shared memory; also writes D = rowsum(dO * O)."""
+    if Br % RM or Bc % TC or D % TC:
+        raise ValueError(f"make_backward_dq: need RM | Br, TC | Bc and TC | D; got Br={Br} Bc={Bc} D={D} "
+                         f"RM={RM} TC={TC}")
     TR = Br // RM
     NT = TR * TC
     CN = Bc // TC
     DN = D // TC
-    SWM = min(32, Bc) - 1
-    QT_SIZE, KT_SIZE, DS_SIZE = D * Br, D * Bc, Br * Bc
+    Q_OFF, DO_OFF, K_OFF, V_OFF, DS_OFF, QS, KS, _ = dq_layout(Br, Bc, D)
 
     @cuda.jit(fastmath=True)
-    def block_sparse_backward_dq(q, k, v, o, lse, do, dq, delta, row_ptr, col_idx, nq, nk, d, groups,
-                                 scale, causal):
-        qt = cuda.shared.array(QT_SIZE, float32)   # Q^T [dd, r]
-        dot = cuda.shared.array(QT_SIZE, float32)  # dO^T        [dd, r]
-        kt = cuda.shared.array(KT_SIZE, float32)   # K^T swizzled [dd, c ^ (dd & SWM)]
-        vt = cuda.shared.array(KT_SIZE, float32)   # V^T swizzled
-        ds = cuda.shared.array(DS_SIZE, float32)   # dS [r, c]
-
+    def block_sparse_backward_dq(q, k, v, o, lse, do, dq, delta, row_ptr, col_idx, row_order, nq, nk, d,
+                                 groups, scale, causal):
+        smem = cuda.shared.array(0, float32)       # Qt | dOt | Kt | Vt | dSt, see dq_layout
         tid = int32(cuda.threadIdx.x)
         ty = tid // TC
         tx = tid - ty * TC
-        rt = int32(cuda.blockIdx.x)
         bh = int32(cuda.blockIdx.y)
         tr = int32(cuda.gridDim.x)
-        q0 = rt * Br
         g = bh % groups
+        rt = row_order[g * tr + int32(cuda.blockIdx.x)]   # longest lists first
+        q0 = rt * Br
         shift = nk - nq
         r0 = ty * RM
         utx = uint64(tx)
+        ur0 = uint64(r0)
 
         for idx in range(tid, Br * D, NT):
             r = idx // D
@@ -119,8 +143,8 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
             if q0 + r < nq and dd < d:
                 qv = q[bh, q0 + r, dd]
                 dov = do[bh, q0 + r, dd]
-            qt[dd * Br + r] = qv
-            dot[dd * Br + r] = dov
+            smem[Q_OFF + dd * QS + r] = qv
+            smem[DO_OFF + dd * QS + r] = dov
 
         Lr = cuda.local.array(RM, float32)
         Dr = cuda.local.array(RM, float32)
@@ -144,7 +168,7 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
             if qi < nq:
                 Lr[i] = lse[bh, qi]
                 for dd in range(d):
-                    total += dot[dd * Br + r0 + i] * o[bh, qi, dd]
+                    total += smem[DO_OFF + dd * QS + r0 + i] * o[bh, qi, dd]
             Dr[i] = total
             if tx == 0 and qi < nq:
                 delta[bh, qi] = total
@@ -155,7 +179,7 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
         end = row_ptr[g * tr + rt + 1]
         for it in range(start, end):
             k0 = col_idx[it] * Bc
-            cuda.syncthreads()                     # done with the previous Kt, Vt, dS
+            cuda.syncthreads()                     # done with the previous Kt, Vt, dSt
             for idx in range(tid, Bc * D, NT):
                 c = idx // D
                 dd = idx - c * D
@@ -164,9 +188,8 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
                 if k0 + c < nk and dd < d:
                     kv = k[bh, k0 + c, dd]
                     vv = v[bh, k0 + c, dd]
-                sw = dd * Bc + (c ^ (dd & SWM))
-                kt[sw] = kv
-                vt[sw] = vv
+                smem[K_OFF + dd * KS + c] = kv
+                smem[V_OFF + dd * KS + c] = vv
             cuda.syncthreads()
 
             # S = scale * Q K^T and dP = dO V^T, RM x CN each.
@@ -174,28 +197,26 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
                 for j in range(CN):
                     s[i, j] = float32(0.0)
                     dp[i, j] = float32(0.0)
-            qa = uint64(r0)
-            kb = uint64(0)
+            qa = ur0
+            kb = utx
             for dd in range(D):
-                sw = uint64(dd & SWM)
                 for i in range(RM):
-                    a[i] = qt[qa + uint64(i)]
-                    a2[i] = dot[qa + uint64(i)]
+                    a[i] = smem[uint64(Q_OFF) + qa + uint64(i)]
+                    a2[i] = smem[uint64(DO_OFF) + qa + uint64(i)]
                 for j in range(CN):
-                    col = kb + ((utx + uint64(j * TC)) ^ sw)
-                    b[j] = kt[col]
-                    b2[j] = vt[col]
+                    b[j] = smem[uint64(K_OFF) + kb + uint64(j * TC)]
+                    b2[j] = smem[uint64(V_OFF) + kb + uint64(j * TC)]
                 for i in range(RM):
                     for j in range(CN):
                         s[i, j] += a[i] * b[j]
                         dp[i, j] += a2[i] * b2[j]
-                qa += uint64(Br)
-                kb += uint64(Bc)
+                qa += uint64(QS)
+                kb += uint64(KS)
             for i in range(RM):
                 for j in range(CN):
                     s[i, j] *= scale
 
-            # P = exp(S - L) where allowed, 0 elsewhere; dS = P * (dP - D).
+            # P = exp(S - L) where allowed, 0 elsewhere; dS = P * (dP - D), into dSt[c, r].
             for i in range(RM):
                 qi = q0 + r0 + i
                 for j in range(CN):
@@ -203,22 +224,22 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
                     val = float32(0.0)
                     if qi < nq and kj < nk and (causal == 0 or kj <= qi + shift):
                         val = math.exp(s[i, j] - Lr[i]) * (dp[i, j] - Dr[i])
-                    ds[(r0 + i) * Bc + tx + j * TC] = val
+                    smem[uint64(DS_OFF + (tx + j * TC) * QS) + ur0 + uint64(i)] = val
             cuda.syncthreads()
 
-            # dQ += dS K, with K[c, dd] read from the swizzled Kt[dd, c].
-            pa = uint64(r0 * Bc)
+            # dQ += dS K, with K[c, dd] read from Kt[dd, c].
+            pa = uint64(DS_OFF) + ur0              # dSt[c, r0]
+            kc = uint64(K_OFF) + utx * uint64(KS)  # Kt[tx, c]
             for c in range(Bc):
-                uc = uint64(c)
                 for i in range(RM):
-                    a[i] = ds[pa + uint64(i * Bc)]
+                    a[i] = smem[pa + uint64(i)]
                 for j in range(DN):
-                    col = utx + uint64(j * TC)
-                    w[j] = kt[col * uint64(Bc) + (uc ^ (col & uint64(SWM)))]
+                    w[j] = smem[kc + uint64(j * TC * KS)]
                 for i in range(RM):
                     for j in range(DN):
                         acc[i, j] += a[i] * w[j]
-                pa += uint64(1)
+                pa += uint64(QS)
+                kc += uint64(1)
 
         for i in range(RM):
             qi = q0 + r0 + i
@@ -235,42 +256,33 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
 
 @functools.lru_cache(maxsize=None)
 def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
-    """dK/dV kernel: grid (Tc, B*H), (Bc/RN)*TC threads."""
-    if Bc % RN or Br % TC or D % TC or Br & (Br - 1):
-        raise ValueError(f"make_backward_dkdv: need RN | Bc, TC | Br, TC | D and Br a power of two; "
-                         f"got Br={Br} Bc={Bc} D={D} RN={RN} TC={TC}")
-    if shared_bytes_dkdv(Br, Bc, D) > SHARED_LIMIT:
-        raise ValueError(f"make_backward_dkdv: {shared_bytes_dkdv(Br, Bc, D)} bytes of shared memory > 48 KB")
+    """dK/dV kernel: grid (Tc, B*H), (Bc/RN)*TC threads, ``shared_bytes_dkdv`` bytes of
+    dynamic shared memory."""
+    if Bc % RN or Br % TC or D % TC:
+        raise ValueError(f"make_backward_dkdv: need RN | Bc, TC | Br and TC | D; got Br={Br} Bc={Bc} D={D} "
+                         f"RN={RN} TC={TC}")
     TY = Bc // RN
     NT = TY * TC
     QN = Br // TC          # query columns of S^T a thread owns
     DN = D // TC
-    SWM = min(32, Br) - 1
-    KT_SIZE, QT_SIZE, PT_SIZE = D * Bc, D * Br, Bc * Br
+    K_OFF, V_OFF, Q_OFF, DO_OFF, P_OFF, DS_OFF, L_OFF, DL_OFF, QS, KS, _ = dkdv_layout(Br, Bc, D)
 
     @cuda.jit(fastmath=True)
-    def block_sparse_backward_dkdv(q, k, v, lse, do, delta, dk, dv, col_ptr, row_idx, nq, nk, d, groups,
-                                   scale, causal):
-        kts = cuda.shared.array(KT_SIZE, float32)  # K^T [dd, c]
-        vts = cuda.shared.array(KT_SIZE, float32)  # V^T [dd, c]
-        qts = cuda.shared.array(QT_SIZE, float32)  # Q^T swizzled [dd, r ^ (dd & SWM)]
-        dots = cuda.shared.array(QT_SIZE, float32)  # dO^T swizzled
-        pts = cuda.shared.array(PT_SIZE, float32)  # P^T [c, r]
-        dsts = cuda.shared.array(PT_SIZE, float32)  # dS^T [c, r]
-        ls = cuda.shared.array(Br, float32)        # L of the query tile
-        dls = cuda.shared.array(Br, float32)       # D of the query tile
-
+    def block_sparse_backward_dkdv(q, k, v, lse, do, delta, dk, dv, col_ptr, row_idx, col_order, nq, nk, d,
+                                   groups, scale, causal):
+        smem = cuda.shared.array(0, float32)       # Kt | Vt | Qt | dOt | Pt | dSt | L | D
         tid = int32(cuda.threadIdx.x)
         ty = tid // TC
         tx = tid - ty * TC
-        ct = int32(cuda.blockIdx.x)                # key tile index (of Tc)
         bh = int32(cuda.blockIdx.y)
         tcn = int32(cuda.gridDim.x)
-        k0 = ct * Bc
         g = bh % groups
+        ct = col_order[g * tcn + int32(cuda.blockIdx.x)]  # longest lists first
+        k0 = ct * Bc
         shift = nk - nq
         c0 = ty * RN
         utx = uint64(tx)
+        uc0 = uint64(c0)
 
         for idx in range(tid, Bc * D, NT):
             c = idx // D
@@ -280,8 +292,8 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
             if k0 + c < nk and dd < d:
                 kv = k[bh, k0 + c, dd]
                 vv = v[bh, k0 + c, dd]
-            kts[dd * Bc + c] = kv
-            vts[dd * Bc + c] = vv
+            smem[K_OFF + dd * KS + c] = kv
+            smem[V_OFF + dd * KS + c] = vv
 
         dka = cuda.local.array((RN, DN), float32)
         dva = cuda.local.array((RN, DN), float32)
@@ -302,7 +314,7 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
         end = col_ptr[g * tcn + ct + 1]
         for it in range(start, end):
             q0 = row_idx[it] * Br
-            cuda.syncthreads()                     # done with the previous Q, dO, P^T, dS^T
+            cuda.syncthreads()                     # done with the previous Q, dO, P, dS
             for idx in range(tid, Br * D, NT):
                 r = idx // D
                 dd = idx - r * D
@@ -311,17 +323,16 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
                 if q0 + r < nq and dd < d:
                     qv = q[bh, q0 + r, dd]
                     dov = do[bh, q0 + r, dd]
-                sw = dd * Br + (r ^ (dd & SWM))
-                qts[sw] = qv
-                dots[sw] = dov
+                smem[Q_OFF + dd * QS + r] = qv
+                smem[DO_OFF + dd * QS + r] = dov
             for r in range(tid, Br, NT):
                 lv = float32(0.0)
                 dlv = float32(0.0)
                 if q0 + r < nq:
                     lv = lse[bh, q0 + r]
                     dlv = delta[bh, q0 + r]
-                ls[r] = lv
-                dls[r] = dlv
+                smem[L_OFF + r] = lv
+                smem[DL_OFF + r] = dlv
             cuda.syncthreads()
 
             # S^T = scale * K Q^T and dP^T = V dO^T, RN x QN each.
@@ -329,28 +340,27 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
                 for j in range(QN):
                     st[i, j] = float32(0.0)
                     dpt[i, j] = float32(0.0)
-            ka = uint64(c0)
-            qb = uint64(0)
+            ka = uc0
+            qb = utx
             for dd in range(D):
-                sw = uint64(dd & SWM)
                 for i in range(RN):
-                    a[i] = kts[ka + uint64(i)]
-                    a2[i] = vts[ka + uint64(i)]
+                    a[i] = smem[uint64(K_OFF) + ka + uint64(i)]
+                    a2[i] = smem[uint64(V_OFF) + ka + uint64(i)]
                 for j in range(QN):
-                    col = qb + ((utx + uint64(j * TC)) ^ sw)
-                    b[j] = qts[col]
-                    b2[j] = dots[col]
+                    b[j] = smem[uint64(Q_OFF) + qb + uint64(j * TC)]
+                    b2[j] = smem[uint64(DO_OFF) + qb + uint64(j * TC)]
                 for i in range(RN):
                     for j in range(QN):
                         st[i, j] += a[i] * b[j]
                         dpt[i, j] += a2[i] * b2[j]
-                ka += uint64(Bc)
-                qb += uint64(Br)
+                ka += uint64(KS)
+                qb += uint64(QS)
             for i in range(RN):
                 for j in range(QN):
                     st[i, j] *= scale
 
-            # P^T = exp(S^T - L), dS^T = P^T * (dP^T - D), 0 where not allowed.
+            # P^T = exp(S^T - L), dS^T = P^T * (dP^T - D), 0 where not allowed; stored as
+            # Pt[r, c] and dSt[r, c] (query-major) so the accumulation reads adjacent words.
             for i in range(RN):
                 kj = k0 + c0 + i
                 for j in range(QN):
@@ -359,29 +369,29 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
                     p = float32(0.0)
                     dsv = float32(0.0)
                     if qi < nq and kj < nk and (causal == 0 or kj <= qi + shift):
-                        p = math.exp(st[i, j] - ls[r])
-                        dsv = p * (dpt[i, j] - dls[r])
-                    pts[(c0 + i) * Br + r] = p
-                    dsts[(c0 + i) * Br + r] = dsv
+                        p = math.exp(st[i, j] - smem[L_OFF + r])
+                        dsv = p * (dpt[i, j] - smem[DL_OFF + r])
+                    at = uint64(r * KS) + uc0 + uint64(i)
+                    smem[uint64(P_OFF) + at] = p
+                    smem[uint64(DS_OFF) + at] = dsv
             cuda.syncthreads()
 
-            # dV += P^T dO, dK += dS^T Q; dO[r, dd], Q[r, dd] read from the swizzled transposes.
-            pa = uint64(c0 * Br)
+            # dV += P^T dO, dK += dS^T Q; dO[r, dd] and Q[r, dd] read from dOt, Qt[dd, r].
+            pa = uc0                               # Pt[r, c0]
+            qc = utx * uint64(QS)                  # Qt[tx, r]
             for r in range(Br):
-                ur = uint64(r)
                 for i in range(RN):
-                    a[i] = pts[pa + uint64(i * Br)]
-                    a2[i] = dsts[pa + uint64(i * Br)]
+                    a[i] = smem[uint64(P_OFF) + pa + uint64(i)]
+                    a2[i] = smem[uint64(DS_OFF) + pa + uint64(i)]
                 for j in range(DN):
-                    col = utx + uint64(j * TC)
-                    at = col * uint64(Br) + (ur ^ (col & uint64(SWM)))
-                    w[j] = dots[at]
-                    w2[j] = qts[at]
+                    w[j] = smem[uint64(DO_OFF) + qc + uint64(j * TC * QS)]
+                    w2[j] = smem[uint64(Q_OFF) + qc + uint64(j * TC * QS)]
                 for i in range(RN):
                     for j in range(DN):
                         dva[i, j] += a[i] * w[j]
                         dka[i, j] += a2[i] * w2[j]
-                pa += uint64(1)
+                pa += uint64(KS)
+                qc += uint64(1)
 
         for i in range(RN):
             kj = k0 + c0 + i
@@ -397,10 +407,10 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
 
 DQ_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
           "float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], int32[::1], int32[::1], "
-          "int32, int32, int32, int32, float32, int32)")
+          "int32[::1], int32, int32, int32, int32, float32, int32)")
 DKDV_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
             "float32[:, :, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], int32[::1], "
-            "int32[::1], int32, int32, int32, int32, float32, int32)")
+            "int32[::1], int32[::1], int32, int32, int32, int32, float32, int32)")
 
 
 def io_model_bytes(b, h, nq, nk, d, *, Br, Bc, rho, in_bytes=4):
@@ -456,14 +466,18 @@ def block_sparse_attention_backward(q, k, v, o, lse, do, block_mask, *, causal=F
     args3 = dict(q=qd.reshape(bhn, nq, d), k=kd.reshape(bhn, nk, d), v=vd.reshape(bhn, nk, d))
     common = (np.int32(nq), np.int32(nk), np.int32(d), np.int32(tl.groups), np.float32(scale), np.int32(causal))
     kern_dq = make_backward_dq(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
-    kern_dq[(cdiv(nq, cfg.Br), bhn), (cfg.Br // cfg.RM) * cfg.TC](
-        args3["q"], args3["k"], args3["v"], od.reshape(bhn, nq, d), ld.reshape(bhn, nq), dod.reshape(bhn, nq, d),
-        dq.reshape(bhn, nq, d), delta, row_ptr, col_idx, *common)
+    args = (args3["q"], args3["k"], args3["v"], od.reshape(bhn, nq, d), ld.reshape(bhn, nq),
+            dod.reshape(bhn, nq, d), dq.reshape(bhn, nq, d), delta, row_ptr, col_idx, dev.row_order, *common)
+    nbytes = shared_bytes_dq(cfg.Br, cfg.Bc, cfg.D)
+    allow_dynamic_shared_memory(kern_dq, args, nbytes)
+    kern_dq[(cdiv(nq, cfg.Br), bhn), (cfg.Br // cfg.RM) * cfg.TC, 0, nbytes](*args)
     if nk > 0:
         kern_kv = make_backward_dkdv(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
-        kern_kv[(cdiv(nk, cfg.Bc), bhn), (cfg.Bc // cfg.RM) * cfg.TC](
-            args3["q"], args3["k"], args3["v"], ld.reshape(bhn, nq), dod.reshape(bhn, nq, d), delta,
-            dk.reshape(bhn, nk, d), dv.reshape(bhn, nk, d), col_ptr, row_idx, *common)
+        args = (args3["q"], args3["k"], args3["v"], ld.reshape(bhn, nq), dod.reshape(bhn, nq, d), delta,
+                dk.reshape(bhn, nk, d), dv.reshape(bhn, nk, d), col_ptr, row_idx, dev.col_order, *common)
+        nbytes = shared_bytes_dkdv(cfg.Br, cfg.Bc, cfg.D)
+        allow_dynamic_shared_memory(kern_kv, args, nbytes)
+        kern_kv[(cdiv(nk, cfg.Bc), bhn), (cfg.Bc // cfg.RM) * cfg.TC, 0, nbytes](*args)
     return kind.give_back(dq), kind.give_back(dk), kind.give_back(dv)
 
 

@@ -61,7 +61,7 @@ print("running on:", device_name())
 # %% tags=["parameters"]
 # Tiny sizes in the simulator (every GPU thread is a Python thread there), real ones on a GPU.
 if on_simulator():
-    B, H, N, D_HEAD, BLOCK = 1, 2, 40, 8, 8      # kernel checks
+    B, H, N, D_HEAD, BLOCK = 1, 2, 33, 6, 8      # kernel checks
 else:
     B, H, N, D_HEAD, BLOCK = 2, 4, 1000, 64, 64
 N_STUDY = 512                                    # the accuracy study (NumPy only)
@@ -297,7 +297,7 @@ except ImportError:
 
 # %%
 show(make_backward_dkdv, "start = col_ptr", "cuda.syncthreads()")
-show(make_backward_dkdv, "# P^T = exp(S^T - L)", "dsts[(c0 + i) * Br + r] = dsv")
+show(make_backward_dkdv, "# P^T = exp(S^T - L)", "smem[uint64(DS_OFF) + at] = dsv")
 
 # %%
 do = rng.standard_normal(q.shape).astype(np.float32)
@@ -309,9 +309,9 @@ for causal in (False, True):
     f32 = ref.attention_backward(q, k, v, o32, lse32, do, causal=causal, block_mask=mask, dtype=np.float32)
     for g, e, b_, name in zip(got, exact, f32, ("dQ", "dK", "dV")):
         assert_close(g, e, b_, name=name)
-    again = block_sparse_attention_backward(q, k, v, o32, lse32, do, mask, causal=causal)
-    same = all(np.array_equal(a, b_) for a, b_ in zip(got, again))
-    print(f"causal={causal}: dQ, dK, dV agree with the oracle; a second run is bit-identical: {same}")
+    print(f"causal={causal}: dQ, dK, dV agree with the oracle")
+again = block_sparse_attention_backward(q, k, v, o32, lse32, do, mask, causal=True)
+print("a second run is bit-identical:", all(np.array_equal(a, b_) for a, b_ in zip(got, again)))
 
 # %% [markdown]
 # ## 6. Bytes and FLOPs
