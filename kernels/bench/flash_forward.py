@@ -329,6 +329,10 @@ def memory_demo(ctx, n=131072, d=64):
         except Exception as exc:
             note = f"failed: {type(exc).__name__}: {str(exc)[:100]}"
             ctx.progress(f"  naive attention at N={n}: {note}")
+        import gc
+
+        gc.collect()                                   # give back whatever the attempt held
+        cuda.current_context().deallocations.clear()
         results.append(Result(CHAPTER, "naive_attention() (chapter 1)", config, float("nan"), float("nan"),
                               float("nan"), flops, float(4 * (4 * n * d + 4 * n * n + n)), float("nan"),
                               float("nan"), float("nan"), float(2 * s_bytes / 1e6), False,
