@@ -279,3 +279,19 @@ def test_backward_bad_input_names_the_argument():
         block_sparse_attention_backward(q, k, v, o, lse, o, ref.BlockMask(np.ones((3, 2), bool), 4, 4))
     with pytest.raises(ValueError, match="block_mask"):
         block_sparse_attention_backward(q, k, v, o, lse, o, mask, block_n=8)
+
+
+def test_precomputed_lists_are_reused_and_checked():
+    q, k, v = _inputs(nq=12, nk=12)
+    mask = sp.random_blocks(12, 12, block=4, density=0.5, seed=4)
+    lists = tile_lists(mask, 12, 12, Br=4, Bc=4, causal=True, batch=1, heads=2)
+    assert sorted(lists.row_order.tolist()) == [0, 1, 2] and sorted(lists.col_order.tolist()) == [0, 1, 2]
+    counts = np.diff(lists.row_ptr)
+    assert list(counts[lists.row_order]) == sorted(counts, reverse=True)   # longest first
+    got = block_sparse_attention(q, k, v, mask, causal=True, block_m=4, block_n=4, lists=lists)
+    want = block_sparse_attention(q, k, v, mask, causal=True, block_m=4, block_n=4)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="lists"):
+        block_sparse_attention(q, k, v, mask, causal=False, block_m=4, block_n=4, lists=lists)
+    with pytest.raises(TypeError, match="lists"):
+        block_sparse_attention(q, k, v, mask, lists=[1, 2])
