@@ -251,7 +251,12 @@ def run(ctx) -> list[Result]:
             CHAPTER, "flash_attention_backward() launcher", config,
             lambda q, k, v, o, lse, do: flash_attention_backward(q, k, v, o, lse, do),
             full, flops=2.5 * fwd_flops, model_bytes=model, note="N sweep at B*N = 16384 tokens",
-            extra=dict(extra)))
+            extra=dict(extra, dq_mode="separate")))
+        results.append(ctx.measure(
+            CHAPTER, "flash_attention_backward() atomic dQ", config,
+            lambda q, k, v, o, lse, do: flash_attention_backward(q, k, v, o, lse, do, dq_mode="atomic"),
+            full, flops=2.5 * fwd_flops, model_bytes=io_model_bytes(b, h, n, n, d, dq_mode="atomic"),
+            note="N sweep; dQ by float32 atomics", peak_memory=False, extra=dict(extra, dq_mode="atomic")))
         if torch is not None:
             results += _torch_peers(ctx, torch, sets, b, h, n, d, False, fwd_flops, extra, model,
                                     with_forward=False)
