@@ -327,7 +327,7 @@ print("a second run is bit-identical:", all(np.array_equal(a, b_) for a, b_ in z
 # rows of very different lengths (global tokens) make some blocks run much longer.
 
 # %%
-n, d, Br = 4096, 64, 64
+n, d, Br = 4096, 64, 128   # the production query tile at d = 64
 print(f"B=4 H=16 N={n} d={d} fp32, Br={Br}")
 print(f"{'rho':>8}{'GFLOP':>10}{'model MB':>11}{'vs dense':>10}")
 for rho in (1.0, 0.5, 0.25, 0.125, 0.0625):
