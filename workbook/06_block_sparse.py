@@ -435,6 +435,19 @@ if csv_path.exists():
     for r in rows_:
         print(f"{r['kernel']:<40.40}{r['config']:<50.50}{r['median_ms']:>9.4g}{r['tflops']:>9.3g}"
               f"{r['gbps']:>8.4g}  {r['extra']}")
+    # the speed-up over the dense fused kernels of chapters 4 and 5, per N and pass
+    def extra_of(r):
+        return dict(kv.split("=", 1) for kv in r["extra"].split(";") if "=" in kv)
+
+    dense_ms = {(extra_of(r).get("N"), extra_of(r).get("part")): r["median_ms"] for r in rows_
+                if r["kernel"].startswith("dense") and extra_of(r).get("density") == "1.0"}
+    print(f"\n{'pass':<10}{'N':>7}{'rho':>8}{'ms':>10}{'x faster than dense':>22}")
+    for r in rows_:
+        ex = extra_of(r)
+        base = dense_ms.get((ex.get("N"), ex.get("part")))
+        if r["kernel"].startswith("block-sparse") and "pattern" not in ex and base:
+            print(f"{ex['part']:<10}{ex['N']:>7}{float(ex['rho']):>8.3f}{r['median_ms']:>10.3f}"
+                  f"{base / r['median_ms']:>22.2f}")
     # time against rho, per N and pass
     fig, ax = plt.subplots(figsize=(7, 4))
     for part in ("forward", "backward"):

@@ -271,7 +271,8 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
     results.append(r)
     if extra0.get("density") == 1.0 or extra0.get("pattern"):
         _dense_chapter4(ctx, results, sets, config, dense_flops / (2 if causal else 1),
-                        io_model_bytes(b, h, n, n, d, Br=cfg.Br, rho=1.0), dict(extra, part="forward"), causal)
+                        io_model_bytes(b, h, n, n, d, Br=cfg.Br, rho=1.0), dict(extra, part="forward", rho=1.0),
+                        causal)
     if torch is not None:
         _torch_forward_peers(ctx, results, torch, sets, mask.flags, n, d, mask.block_q, causal, config, flops,
                              model, dict(extra, part="forward"))
@@ -297,8 +298,8 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
         note=f"launcher, Br={bcfg.Br} Bc={bcfg.Bc}, lists built once; dQ kernel + dK/dV kernel", extra=bextra))
     if extra0.get("density") == 1.0 or extra0.get("pattern"):
         _dense_chapter5(ctx, results, grads, config, 2.5 * dense_flops / (2 if causal else 1),
-                        io_model_bytes_backward(b, h, n, n, d, Br=bcfg.Br, Bc=bcfg.Bc, rho=1.0), bextra,
-                        causal)
+                        io_model_bytes_backward(b, h, n, n, d, Br=bcfg.Br, Bc=bcfg.Bc, rho=1.0),
+                        dict(bextra, rho=1.0), causal)
     if torch is not None:
         _torch_backward_peers(ctx, results, torch, sets, mask.flags, n, d, mask.block_q, causal, config, bflops,
                               bmodel, bextra)
