@@ -144,7 +144,8 @@ def _flex(torch, flags, n, block, causal):
     return torch.compile(flex_attention), block_mask
 
 
-def _torch_forward_peers(ctx, results, torch, sets, flags, n, d, block, causal, config, flops, model, extra):
+def _torch_forward_peers(ctx, results, torch, sets, flags, n, d, block, causal, config, flops, model, extra,
+                         dense_flops):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -166,7 +167,7 @@ def _torch_forward_peers(ctx, results, torch, sets, flags, n, d, block, causal, 
                 return sdpa(q, k, v, is_causal=causal, scale=scale)
         try:
             results.append(ctx.measure(CHAPTER, "peer: SDPA efficient fp32 (dense)", config, dense, tsets,
-                                       flops=flops / max(extra["rho"], 1e-9), model_bytes=model, is_peer=True,
+                                       flops=dense_flops, model_bytes=model, is_peer=True,
                                        note="dense attention, no mask", extra=dict(extra)))
         except RuntimeError as exc:
             ctx.progress(f"  skipped SDPA efficient: {str(exc)[:120]}")
@@ -275,7 +276,7 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
                         causal)
     if torch is not None:
         _torch_forward_peers(ctx, results, torch, sets, mask.flags, n, d, mask.block_q, causal, config, flops,
-                             model, dict(extra, part="forward"))
+                             model, dict(extra, part="forward"), dense_flops / (2 if causal else 1))
 
     # backward: the launcher with the lists built once (it allocates dQ, dK, dV and D)
     bcfg = backward_config(d, mask)
