@@ -19,7 +19,10 @@ from kernels.testing import MAX_BH, MAX_D, assert_close, random_array
 
 # Sequence lengths: the simulator runs every thread in Python, keep them small there.
 MAX_N = 40 if on_simulator() else 512
-BLOCKS = (4, 8, 16) if on_simulator() else (16, 32, 64, 128)
+BLOCKS = (4, 8, 16) if on_simulator() else (16, 64, 128)
+# Explicit kernel tiles (block_m, block_n) the tests draw, besides the launcher's choice.
+# Each distinct tile configuration is a compile on the GPU: keep the set small there.
+TILE_CHOICES = (4, 8, 16) if on_simulator() else (16,)
 PATTERN_NAMES = ["random", "sliding window", "global + local", "strided", "butterfly", "dense", "empty"]
 
 
@@ -55,11 +58,8 @@ def sparse_cases(draw, max_n=MAX_N, max_d=MAX_D, magnitudes=(0.3, 1.0, 3.0), max
     density = draw(st.floats(0.0, 1.0))
     seed = draw(st.integers(0, 2**32 - 1))
     # kernel tiles: the launcher's choice, or an explicit divisor of the mask block
-    bm = draw(st.one_of(st.none(), st.sampled_from([t for t in (1, 2, 4, 8, 16) if bq % t == 0])))
-    bn = draw(st.one_of(st.none(), st.sampled_from([t for t in (1, 2, 4, 8, 16) if bk % t == 0])))
-    if on_simulator():  # tiny explicit tiles mean many blocks: keep the simulator fast
-        bm = None if bm is not None and bm < 4 else bm
-        bn = None if bn is not None and bn < 4 else bn
+    bm = draw(st.one_of(st.none(), st.sampled_from([t for t in TILE_CHOICES if bq % t == 0])))
+    bn = draw(st.one_of(st.none(), st.sampled_from([t for t in TILE_CHOICES if bk % t == 0])))
     return dict(b=b, h=h, nq=nq, nk=nk, d=d, causal=causal, scale=scale, magnitude=magnitude, kind=kind,
                 bq=bq, bk=bk, layout=layout, density=density, seed=seed, block_m=bm, block_n=bn)
 
