@@ -32,7 +32,8 @@ import kernels  # noqa: F401  (GPU or simulator first)
 from kernels import reference as ref
 from kernels import sparsity_patterns as sp
 from kernels.bench.harness import Result, cupy_or_none, torch_or_none
-from kernels.block_sparse import forward_config, io_model_bytes, make_forward, shared_bytes_forward, tile_lists
+from kernels.block_sparse import (KernelConfig, forward_config, io_model_bytes, make_forward, padded_head_dim,
+                                  shared_bytes_forward, tile_lists)
 from kernels.block_sparse_backward import backward_config, block_sparse_attention_backward
 from kernels.block_sparse_backward import io_model_bytes as io_model_bytes_backward
 from kernels.runtime import cdiv
@@ -79,11 +80,12 @@ def _mask(n, block, density, seed=0):
     return sp.random_blocks(n, n, block=block, density=rest, seed=seed, keep_diagonal=True)
 
 
-def forward_fn(b, h, n, d, mask, causal):
-    """(fn(q, k, v), rho, Br): a bare launch of the block-sparse forward on preallocated O, L."""
+def forward_fn(b, h, n, d, mask, causal, cfg=None):
+    """(fn(q, k, v), rho, cfg): a bare launch of the block-sparse forward on preallocated O, L
+    (``cfg``: a KernelConfig to try instead of the production tiles)."""
     from numba import cuda
 
-    cfg = forward_config(d, mask)
+    cfg = cfg or forward_config(d, mask)
     lists = tile_lists(mask, n, n, Br=cfg.Br, Bc=cfg.Bc, causal=causal, batch=b, heads=h)
     dev = lists.device()
     kernel = make_forward(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
@@ -307,6 +309,36 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
     del sets, grads
 
 
+# Tile configurations (Br, Bc, RM, TC) the sweep tries at d = 64 (all divide 128 x 128 blocks).
+SWEEP = [(128, 64, 8, 8), (128, 64, 8, 16), (128, 32, 8, 8), (64, 64, 4, 8), (64, 64, 8, 8), (64, 32, 4, 8)]
+
+
+def tile_sweep(ctx, results):
+    """The forward at N = 4096, densities 1 and 1/8, with each candidate tile configuration."""
+    if ctx.simulator:
+        b, h, n, d, block, sweep = 1, 1, 32, 8, 8, [(8, 8, 2, 4), (8, 4, 2, 4)]
+    else:
+        b, h, n, d, block, sweep = 4, 16, 4096, 64, BLOCK, SWEEP
+    sets = _inputs(b, h, n, d, 2)
+    for density in (1.0, 0.125):
+        mask = _mask(n, block, density)
+        for Br, Bc, RM, TC in sweep:
+            try:
+                cfg = KernelConfig(Br, Bc, RM, TC, padded_head_dim(d, TC))
+                fn, rho, _ = forward_fn(b, h, n, d, mask, False, cfg)
+                _check_head(fn, sets, mask, False)
+                results.append(ctx.measure(
+                    CHAPTER, f"block-sparse forward Br={Br} Bc={Bc} RM={RM} TC={TC}",
+                    _config(b, h, n, d, False, f"random {density:g} (tile sweep)"), fn, sets,
+                    flops=4.0 * b * h * n * n * d * rho, model_bytes=io_model_bytes(b, h, n, n, d, Br=Br, rho=rho),
+                    peak_memory=False, note="tile sweep, bare launch",
+                    extra={"part": "tile sweep", "rho": round(rho, 4), "threads": Br // RM * TC,
+                           "smem_bytes": shared_bytes_forward(Br, Bc, cfg.D)}))
+            except Exception as exc:  # a candidate the device cannot run: report, keep sweeping
+                ctx.progress(f"  tile sweep: {(Br, Bc, RM, TC)} failed: {type(exc).__name__}: {str(exc)[:160]}")
+    del sets
+
+
 def run(ctx) -> list[Result]:
     torch = torch_or_none()
     results: list[Result] = []
@@ -320,4 +352,6 @@ def run(ctx) -> list[Result]:
         mask = sp.sliding_window(n, n, block=block, window=1)
         _one_mask(ctx, results, torch, b, h, n, d, mask, True, "causal sliding window",
                   {"pattern": "causal sliding window"})
+    if not ctx.quick:
+        tile_sweep(ctx, results)
     return results
