@@ -20,6 +20,7 @@ import gc
 import importlib
 import importlib.util
 import math
+import os
 import pkgutil
 import re
 import sys
@@ -28,6 +29,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernels import runtime
 from kernels.bench import harness
 from kernels.runtime import on_simulator
 
@@ -227,7 +229,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     if simulator:
-        print("No GPU found: falling back to the Numba CUDA simulator at small sizes.\n"
+        forced = os.environ.get("WORKBOOK_DEVICE", "").strip().lower() == "sim" or \
+            os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" and runtime._cuda_device_count() > 0
+        print(f"{'Simulator requested' if forced else 'No GPU found'}: "
+              "falling back to the Numba CUDA simulator at small sizes.\n"
               "Every timing below is a SIMULATOR timing (Python threads on the CPU): it says nothing\n"
               "about GPU performance. The committed GPU results are in workbook/results/.")
     env = harness.environment()
