@@ -54,11 +54,18 @@ def make_copy(items: int = 1):
         step = cuda.gridDim.x * cuda.blockDim.x * ITEMS
         for base in range(start, n, step):
             # ITEMS elements a block-width apart: a warp's 32 threads still read 32
-            # consecutive floats at each of them (coalesced).
+            # consecutive floats at each of them (coalesced). All ITEMS loads are issued
+            # before any store: a store in between could alias src, so the compiler would
+            # make every load wait for the previous store, one load in flight per thread.
+            vals = cuda.local.array(ITEMS, float32)
             for j in range(ITEMS):
                 i = base + j * cuda.blockDim.x
                 if i < n:
-                    dst[i] = src[i]
+                    vals[j] = src[i]
+            for j in range(ITEMS):
+                i = base + j * cuda.blockDim.x
+                if i < n:
+                    dst[i] = vals[j]
 
     return copy_kernel
 
