@@ -97,6 +97,14 @@ DQ_MODES = ("separate", "atomic")
 # any finite S, and no infinity ever enters the fast-math kernel.
 _DEAD_ROW_L = 1.0e30
 
+# Two-level sums in the dK/dV kernel: each thread sums about ACC_ROWS query rows of
+# dV_j += P^T dO_i and dK_j += dS^T Q_i in registers, then adds that partial to a running
+# sum it keeps in shared memory. One long float32 sum over all N rows (a register growing
+# to O(1) while each step adds O(1/N)) rounds about sqrt(N) times worse than NumPy's blocked
+# sums; at N = 4096 (causal, the first keys: P >= 0, nothing cancels) it broke the
+# tolerance rule. Summed in blocks of ACC_ROWS, its error grows with N / ACC_ROWS instead.
+ACC_ROWS = 64
+
 
 def head_dim_bucket(d: int) -> int:
     """The compile-time head dim D a kernel is built for: the smallest bucket >= d (zero padded)."""
@@ -195,7 +203,8 @@ def _strides(BC, D):
 
 
 def _dkdv_layout(BC, BR, D, merged=False):
-    """Offsets (in floats) of the dkdv kernel's shared tiles: K_j, V_j, Q_i, dO_i, P, dS, L_i, D_i.
+    """Offsets (in floats) of the dkdv kernel's shared tiles: K_j, V_j, Q_i, dO_i, P, dS, L_i, D_i,
+    and the running sums of dV_j and dK_j (Bc x D each, every thread its own slots).
 
     ``merged``: P and dS share one buffer (P first, then dS), which saves Br x Bc floats
     for two more barriers a step.
@@ -209,7 +218,9 @@ def _dkdv_layout(BC, BR, D, merged=False):
     o_ds = o_p if merged else o_p + BR * LP
     o_l = o_ds + BR * LP
     o_d = o_l + BR
-    return (o_k, o_v, o_q, o_do, o_p, o_ds, o_l, o_d), o_d + BR
+    o_sv = -(-(o_d + BR) // 4) * 4                  # running sums of dV_j, dK_j (16-byte aligned)
+    o_sk = o_sv + BC * D
+    return (o_k, o_v, o_q, o_do, o_p, o_ds, o_l, o_d, o_sv, o_sk), o_sk + BC * D
 
 
 def _dkdv_merged(BC, BR, D) -> bool:
@@ -481,6 +492,8 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
     with one 16-byte load (rows are D + 4 floats apart: aligned, and the 8 threads of a
     load phase hit 8 different bank groups). dV and dK (Bc x D): thread (ty, tx) owns runs
     of VM consecutive keys and VN consecutive columns, read as vectors from P, dS, dO, Q.
+    Two-level sums: the registers hold dV_j and dK_j summed over the last ACC_ROWS query
+    rows; every ACC_ROWS rows each thread adds them to its own running sums in shared memory.
     Shared-memory offsets are unsigned (uint64): Numba adds a negative-index wraparound to
     every signed index, which costs integer instructions and hides the alignment.
     """
@@ -498,7 +511,8 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
     VQ = _vec(QN)
     UC = _vec(BC)
     LD, LP = _strides(BC, D)
-    (O_K, O_V, O_Q, O_DO, O_P, O_DS, O_L, O_D), TOTAL = _dkdv_layout(BC, BR, D, merged)
+    (O_K, O_V, O_Q, O_DO, O_P, O_DS, O_L, O_D, O_SV, O_SK), TOTAL = _dkdv_layout(BC, BR, D, merged)
+    FLUSH = max(1, ACC_ROWS // BR)                          # query tiles summed in registers per flush
     SHARED = 0 if dynamic else TOTAL
     DEAD = float32(_DEAD_ROW_L)
     ALIVE = float32(-1.0e30)
@@ -525,12 +539,18 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
             sm[uint64(O_K + c * LD + e)] = kv
             sm[uint64(O_V + c * LD + e)] = vv
 
+        # dV_j, dK_j: partial sums in registers (acc_*), running sums in shared memory; the
+        # thread's slot for entry (a, b) is (a * BN + b) * NT + t (consecutive threads,
+        # consecutive words: no bank conflicts, and no other thread touches it).
         acc_dv = cuda.local.array((BM, BN), float32)
         acc_dk = cuda.local.array((BM, BN), float32)
         for a in range(BM):
             for b in range(BN):
                 acc_dv[a, b] = float32(0.0)
                 acc_dk[a, b] = float32(0.0)
+                sm[uint64(O_SV + (a * BN + b) * NT + t)] = float32(0.0)
+                sm[uint64(O_SK + (a * BN + b) * NT + t)] = float32(0.0)
+        since_flush = int32(0)
         s = cuda.local.array((AM, AN), float32)
         dp = cuda.local.array((AM, AN), float32)
         qa = cuda.local.array((AM, 4), float32)
@@ -726,6 +746,16 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
                     rp += uint64(LP)
                     rd += uint64(LD)
 
+            since_flush += int32(1)
+            if since_flush == int32(FLUSH):             # partial sums into the running sums
+                since_flush = int32(0)
+                for a in range(BM):
+                    for b in range(BN):
+                        sm[uint64(O_SV + (a * BN + b) * NT + t)] += acc_dv[a, b]
+                        sm[uint64(O_SK + (a * BN + b) * NT + t)] += acc_dk[a, b]
+                        acc_dv[a, b] = float32(0.0)
+                        acc_dk[a, b] = float32(0.0)
+
             if atomic_dq:
                 # dQ_i += scale * dS K_j, added atomically: other key blocks add to the same rows.
                 for a in range(QM):
@@ -756,8 +786,8 @@ def make_dkdv(BC: int, BR: int, D: int, NT: int, dynamic: bool = False, atomic_d
                 for b in range(BN):
                     e = tx_b * int32(VN) + int32((b % VN) + (b // VN) * CB * VN)
                     if e < d:
-                        dv[bh, c, e] = acc_dv[a, b]
-                        dk[bh, c, e] = acc_dk[a, b] * scale
+                        dv[bh, c, e] = sm[uint64(O_SV + (a * BN + b) * NT + t)] + acc_dv[a, b]
+                        dk[bh, c, e] = (sm[uint64(O_SK + (a * BN + b) * NT + t)] + acc_dk[a, b]) * scale
 
     return dkdv
 
@@ -1087,15 +1117,17 @@ def ptx_targets():
     targets = []
     for D in (16, 32, 64, 128):
         t = _GPU_TILES[D]
+        dkdv_b, dq_b = shared_bytes(t, D)
         targets.append((f"flash bwd delta fp32 d={D}", make_delta(D)[0], DELTA_SIG))
         targets.append((f"flash bwd dkdv fp32 Bc={t.block_k} Br={t.block_q} t={t.threads} d={D}",
-                        make_dkdv(t.block_k, t.block_q, D, t.threads, False, False,
-                                  _dkdv_merged(t.block_k, t.block_q, D)), DKDV_SIG))
+                        make_dkdv(t.block_k, t.block_q, D, t.threads, dkdv_b > STATIC_SHARED_LIMIT, False,
+                                  t.dkdv_merged(D)), DKDV_SIG))
         targets.append((f"flash bwd dq fp32 Br={t.dq_block_q} Bc={t.dq_block_k} t={t.dq_threads} d={D}",
-                        make_dq(t.dq_block_q, t.dq_block_k, D, t.dq_threads), DQ_SIG))
+                        make_dq(t.dq_block_q, t.dq_block_k, D, t.dq_threads, dq_b > STATIC_SHARED_LIMIT), DQ_SIG))
     t = _GPU_TILES[64]
+    dkdv_b = shared_bytes(t, 64)[0]
     targets.append(("flash bwd delta + clear dQ fp32 d=64", make_delta(64, 4, True)[0], DELTA_SIG))
     targets.append((f"flash bwd dkdv+atomic dQ fp32 Bc={t.block_k} Br={t.block_q} t={t.threads} d=64",
-                    make_dkdv(t.block_k, t.block_q, 64, t.threads, False, True,
-                              _dkdv_merged(t.block_k, t.block_q, 64)), DKDV_SIG))
+                    make_dkdv(t.block_k, t.block_q, 64, t.threads, dkdv_b > STATIC_SHARED_LIMIT, True,
+                              t.dkdv_merged(64)), DKDV_SIG))
     return targets

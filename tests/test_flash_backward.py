@@ -174,6 +174,31 @@ def test_device_arrays_in_device_arrays_out():
     _check_gradients(case, [g.copy_to_host() for g in got], o, lse, do)
 
 
+def test_two_level_sums_across_many_query_tiles():
+    # More query rows than ACC_ROWS: dV_j and dK_j pass through the running sums in shared
+    # memory (several flushes, and a partial left in registers at the end).
+    from kernels.flash_backward import ACC_ROWS
+
+    nq = 2 * ACC_ROWS + 7
+    case = case_with((1, 1, nq, 4), (1, 1, 10, 4), seed=14)
+    o, lse, do = _forward_and_grad(case)
+    tiles = Tiles(8, 8, 16, 8, 8, 16) if SIM else None
+    got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, tiles=tiles)
+    _check_gradients(case, got, o, lse, do)
+
+
+@pytest.mark.skipif(SIM, reason="N = 4096 is for the GPU")
+@pytest.mark.parametrize("dq_mode", DQ_MODES)
+def test_long_causal_sequence(dq_mode):
+    # Causal N = 4096: the first keys are seen by every row and P >= 0 there, so dV_j is a
+    # long sum that never cancels. One float32 register summing all 4096 rows broke the
+    # tolerance rule here (about 4x NumPy's blocked error); the two-level sums meet it.
+    case = case_with((1, 1, 4096, 64), (1, 1, 4096, 64), causal=True, seed=15)
+    o, lse, do = _forward_and_grad(case)
+    got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=True, dq_mode=dq_mode)
+    _check_gradients(case, got, o, lse, do)
+
+
 def test_micro_tiles_split_the_threads():
     for rows, cols, threads in [(16, 64, 128), (64, 64, 128), (8, 8, 16), (32, 128, 128)]:
         tm, tn = _split(rows, cols, threads)
