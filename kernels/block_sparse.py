@@ -60,10 +60,10 @@ from kernels.shared_memory import allow_dynamic_shared_memory
 __all__ = ["block_sparse_attention", "block_sparse_attention_backward", "make_forward", "TileLists",
            "tile_lists", "forward_config", "FORWARD_CONFIGS", "io_model_bytes", "ptx_targets"]
 
-# Scores outside the mask become MASKED; the running max starts at M_INIT > MASKED, so
-# exp(MASKED - m) underflows to exactly 0 for every m the kernel can hold.
-MASKED = float32(-3.0e38)
-M_INIT = float32(-1.0e30)
+# Scores outside the mask become MASKED, a finite sentinel (fastmath lets the compiler
+# assume there are no infinities); the running max starts there too, and a row whose max is
+# still MASKED has seen no key (its P is 0 by a branch, never exp(0) of two sentinels).
+MASKED = float32(-1.0e30)
 NEG_INF = float32(-math.inf)
 SHARED_LIMIT = 48 * 1024  # static shared memory a block may declare
 
@@ -80,11 +80,11 @@ FORWARD_CONFIGS = {
 SIM_CONFIG = (8, 8, 2, 4)
 
 
-def forward_layout(Br, Bc, D):
+def forward_layout(Br, Bc, D, TC):
     """Offsets (floats) of Qt, Kt, V, Pt in the dynamic shared buffer, the row strides of
-    Qt, Kt and Pt, and the total. The transposed tiles' rows are padded by one float, so
-    that the transposing stores (consecutive threads, consecutive rows) hit different banks."""
-    QS, KS, PS = Br + 1, Bc + 1, Br + 1
+    Qt, Kt and Pt, and the total. The transposed tiles' rows are padded (Qt, Kt by one
+    float, Pt by 32/TC), so that the transposing stores hit different banks."""
+    QS, KS, PS = Br + 1, Bc + 1, Br + 32 // TC
     q_off = 0
     k_off = q_off + D * QS
     v_off = k_off + D * KS
@@ -92,8 +92,8 @@ def forward_layout(Br, Bc, D):
     return q_off, k_off, v_off, p_off, QS, KS, PS, p_off + Bc * PS
 
 
-def shared_bytes_forward(Br, Bc, D, RM=None, TC=None) -> int:
-    return 4 * forward_layout(Br, Bc, D)[-1]
+def shared_bytes_forward(Br, Bc, D, RM, TC) -> int:
+    return 4 * forward_layout(Br, Bc, D, TC)[-1]
 
 
 def _pow2_at_most(n: int) -> int:
@@ -107,10 +107,11 @@ def _largest_pow2_divisor(block: int, cap: int) -> int:
 
 
 def padded_head_dim(d: int, tc: int) -> int:
-    """D: the head dim the kernel is compiled for (a multiple of TC; zeros fill the rest)."""
-    if on_simulator():
-        return cdiv(max(d, 1), tc) * tc
-    return max(tc, 16, 1 << (max(d, 1) - 1).bit_length())
+    """D: the head dim the kernel is compiled for, the next power of two >= d (and >= TC,
+    >= 16 on a GPU); zeros fill the rest. A power of two, so that the tile copies split the
+    block's threads evenly over the columns."""
+    D = 1 << (max(d, 1) - 1).bit_length()
+    return max(D, tc) if on_simulator() else max(D, tc, 16)
 
 
 @dataclass(frozen=True)
@@ -331,18 +332,25 @@ def _make_row_reductions(TC: int, NT: int):
 @functools.lru_cache(maxsize=None)
 def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
     """The block-sparse forward kernel for query tile Br, key tile Bc, padded head dim D,
-    RM rows per thread and TC threads across a row.
+    RM rows per thread and TC threads across a row (all powers of two).
 
-    Launch: grid (Tr, B*H), (Br/RM)*TC threads, ``shared_bytes_forward(Br, Bc, D)`` bytes of
-    dynamic shared memory (raised above 48 KB by kernels.shared_memory)."""
-    if Br % RM or Bc % TC or D % TC or Bc & (Bc - 1) or TC & (TC - 1) or TC > 32:
-        raise ValueError(f"make_forward: need RM | Br, TC | Bc, TC | D, Bc a power of two and TC a power of "
-                         f"two <= 32; got Br={Br} Bc={Bc} D={D} RM={RM} TC={TC}")
-    TR = Br // RM          # thread rows
+    Launch: grid (Tr, B*H), (Br/RM)*TC threads, ``shared_bytes_forward(Br, Bc, D, RM, TC)``
+    bytes of dynamic shared memory (raised above 48 KB by kernels.shared_memory)."""
+    for name, x in (("Br", Br), ("Bc", Bc), ("D", D), ("RM", RM), ("TC", TC)):
+        if x < 1 or x & (x - 1):
+            raise ValueError(f"make_forward: expected {name} a power of two, got {x}")
+    if RM > Br or TC > Bc or TC > D or TC > 32:
+        raise ValueError(f"make_forward: need RM <= Br, TC <= Bc, TC <= D and TC <= 32; got Br={Br} Bc={Bc} "
+                         f"D={D} RM={RM} TC={TC}")
+    TR = Br // RM          # thread rows: thread (ty, tx) owns the rows ty + TR*i, i < RM
     NT = TR * TC           # threads a block
-    CN = Bc // TC          # score columns a thread owns
-    DN = D // TC           # output columns a thread owns
-    Q_OFF, K_OFF, V_OFF, P_OFF, QS, KS, PS, _ = forward_layout(Br, Bc, D)
+    CN = Bc // TC          # score columns a thread owns: tx + TC*j
+    DN = D // TC           # output columns a thread owns: tx + TC*j
+    LOAD_COLS = min(D, NT)            # tile copies: a pass copies LOAD_ROWS rows of LOAD_COLS columns
+    LOAD_ROWS = NT // LOAD_COLS
+    Q_PASSES, KV_PASSES = cdiv(Br, LOAD_ROWS), cdiv(Bc, LOAD_ROWS)
+    ROWS_EXACT = Br % LOAD_ROWS == 0 and Bc % LOAD_ROWS == 0   # no pass runs past the tile
+    Q_OFF, K_OFF, V_OFF, P_OFF, QS, KS, PS, _ = forward_layout(Br, Bc, D, TC)
     row_max, row_sum = _make_row_reductions(TC, NT)
 
     @cuda.jit(fastmath=True)
@@ -358,22 +366,34 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
         rt = row_order[g * tr + int32(cuda.blockIdx.x)]
         q0 = rt * Br
         shift = nk - nq                            # causal: key j <= query i + shift
-        r0 = ty * RM                               # first of this thread's rows
         # Shared-memory offsets in the hot loops are unsigned: Numba adds a negative-index
         # wraparound to signed indices, which costs integer instructions per load.
         utx = uint64(tx)
-        ur0 = uint64(r0)
+        uty = uint64(ty)
+        qh = q[uint64(bh)]                         # this head's Q, K, V: (N, d) views
+        kh = k[uint64(bh)]
+        vh = v[uint64(bh)]
+
+        # Tile copies, HBM -> shared memory: thread tid copies column lc of the rows lr,
+        # lr + LOAD_ROWS, ... (consecutive threads, consecutive columns: coalesced). Every
+        # load reads a valid address (row and column clamped) and is zeroed afterwards if it
+        # lies outside the matrix: no branch around a load, so they are all in flight at once.
+        lc = tid % LOAD_COLS
+        lr = tid // LOAD_COLS
 
         # Q tile, transposed (Qt[dd, r], rows padded to QS), zeros past Nq and past d.
-        for idx in range(tid, Br * D, NT):
-            r = idx // D
-            dd = idx - r * D
-            val = float32(0.0)
-            if q0 + r < nq and dd < d:
-                val = q[bh, q0 + r, dd]
-            smem[Q_OFF + dd * QS + r] = val
+        for rr in range(Q_PASSES):
+            r = lr + LOAD_ROWS * rr
+            row = uint64(min(q0 + r, nq - 1))
+            for cc in range(D // LOAD_COLS):
+                c = lc + LOAD_COLS * cc
+                x = qh[row, uint64(min(c, d - 1))]
+                if q0 + r >= nq or c >= d:
+                    x = float32(0.0)
+                if ROWS_EXACT or r < Br:
+                    smem[uint64(Q_OFF + c * QS + r)] = x
 
-        m = cuda.local.array(RM, float32)          # running row max
+        m = cuda.local.array(RM, float32)          # running row max of the raw scores
         l = cuda.local.array(RM, float32)          # running row sum (this thread's columns)
         acc = cuda.local.array((RM, DN), float32)  # O, unnormalised
         s = cuda.local.array((RM, CN), float32)    # S tile, then P
@@ -381,107 +401,116 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
         b = cuda.local.array(CN, float32)
         w = cuda.local.array(DN, float32)
         for i in range(RM):
-            m[i] = M_INIT
+            m[i] = MASKED
             l[i] = float32(0.0)
             for j in range(DN):
                 acc[i, j] = float32(0.0)
 
-        # The inner loop walks the kept key tiles of this query tile only.
+        # The inner loop walks the kept key tiles of this query tile only. The next tile's
+        # column index is read one step ahead, so that its load is not on the critical path
+        # of the next K/V copy.
         start = row_ptr[g * tr + rt]
         end = row_ptr[g * tr + rt + 1]
+        nxt = col_idx[min(start, end - 1)] if end > start else int32(0)
         for it in range(start, end):
-            k0 = col_idx[it] * Bc
+            k0 = nxt * Bc
+            nxt = col_idx[min(it + 1, end - 1)]
             cuda.syncthreads()                     # everyone is done with the previous Kt, V, P
-            for idx in range(tid, Bc * D, NT):
-                c = idx // D
-                dd = idx - c * D
-                kval = float32(0.0)
-                vval = float32(0.0)
-                if k0 + c < nk and dd < d:
-                    kval = k[bh, k0 + c, dd]
-                    vval = v[bh, k0 + c, dd]
-                smem[K_OFF + dd * KS + c] = kval
-                smem[V_OFF + idx] = vval
+            for rr in range(KV_PASSES):
+                r = lr + LOAD_ROWS * rr
+                row = uint64(min(k0 + r, nk - 1))
+                for cc in range(D // LOAD_COLS):
+                    c = lc + LOAD_COLS * cc
+                    col = uint64(min(c, d - 1))
+                    kx = kh[row, col]
+                    vx = vh[row, col]
+                    if k0 + r >= nk or c >= d:
+                        kx = float32(0.0)
+                        vx = float32(0.0)
+                    if ROWS_EXACT or r < Bc:
+                        smem[uint64(K_OFF + c * KS + r)] = kx
+                        smem[uint64(V_OFF + r * D + c)] = vx
             cuda.syncthreads()
 
-            # S = scale * Q K^T for this thread's RM x CN scores.
+            # S = Q K^T (raw dot products) for this thread's RM x CN scores.
             for i in range(RM):
                 for j in range(CN):
                     s[i, j] = float32(0.0)
-            qa = uint64(Q_OFF) + ur0               # Qt[dd, r0]
-            kb = uint64(K_OFF) + utx               # Kt[dd, tx]
+            qa = uint64(Q_OFF) + uty               # walks down Qt[dd, ty + TR*i]
+            kb = uint64(K_OFF) + utx               # walks down Kt[dd, tx + TC*j]
             for dd in range(D):
                 for i in range(RM):
-                    a[i] = smem[qa + uint64(i)]
+                    a[i] = smem[qa + uint64(TR * i)]
                 for j in range(CN):
-                    b[j] = smem[kb + uint64(j * TC)]
+                    b[j] = smem[kb + uint64(TC * j)]
                 for i in range(RM):
                     for j in range(CN):
                         s[i, j] += a[i] * b[j]
                 qa += uint64(QS)
                 kb += uint64(KS)
-            for i in range(RM):
-                for j in range(CN):
-                    s[i, j] *= scale
 
-            # Mask (ragged last key tile, causal diagonal), the row max over the row's TC
-            # threads, P = exp(S - m_new) into Pt, rescale l and O.
+            # Mask, only in the tiles the ragged end of K or the causal diagonal crosses.
+            if k0 + Bc > nk or (causal and k0 + Bc - 1 > q0 + shift):
+                for i in range(RM):
+                    qi = q0 + ty + TR * i
+                    for j in range(CN):
+                        kj = k0 + tx + TC * j
+                        if kj >= nk or (causal and kj > qi + shift):
+                            s[i, j] = MASKED
+
+            # Online softmax: the row max over the row's TC threads, P = exp(scale (S - m'))
+            # into Pt, rescale l and O by exp(scale (m - m')).
+            pt = uint64(P_OFF) + utx * uint64(PS) + uty     # Pt[tx, ty]
             for i in range(RM):
-                qi = q0 + r0 + i
                 mx = m[i]
                 for j in range(CN):
-                    kj = k0 + tx + j * TC
-                    if kj < nk and (causal == 0 or kj <= qi + shift):
-                        mx = max(mx, s[i, j])
-                    else:
-                        s[i, j] = MASKED
-                m_new = row_max(mx)
-                alpha = math.exp(m[i] - m_new)
-                m[i] = m_new
-                rowsum = float32(0.0)
-                for j in range(CN):
-                    p = math.exp(s[i, j] - m_new)
-                    rowsum += p
-                    smem[uint64(P_OFF + (tx + j * TC) * PS) + ur0 + uint64(i)] = p
-                l[i] = l[i] * alpha + rowsum
+                    mx = max(mx, s[i, j])
+                mx = row_max(mx)
+                live = mx > MASKED                 # has this row seen a key yet?
+                alpha = math.exp((m[i] - mx) * scale)
+                m[i] = mx
+                l[i] *= alpha
                 for j in range(DN):
                     acc[i, j] *= alpha
+                for j in range(CN):
+                    p = math.exp((s[i, j] - mx) * scale) if live else float32(0.0)
+                    l[i] += p
+                    smem[pt + uint64(TC * j * PS + TR * i)] = p
             cuda.syncthreads()
 
             # O += P V for this thread's RM x DN outputs.
-            pa = uint64(P_OFF) + ur0               # Pt[c, r0]
-            vb = uint64(V_OFF) + utx               # V[c, tx]
+            pa = uint64(P_OFF) + uty               # walks down Pt[c, ty + TR*i]
+            vb = uint64(V_OFF) + utx               # walks down V[c, tx + TC*j]
             for c in range(Bc):
                 for i in range(RM):
-                    a[i] = smem[pa + uint64(i)]
+                    a[i] = smem[pa + uint64(TR * i)]
                 for j in range(DN):
-                    w[j] = smem[vb + uint64(j * TC)]
+                    w[j] = smem[vb + uint64(TC * j)]
                 for i in range(RM):
                     for j in range(DN):
                         acc[i, j] += a[i] * w[j]
                 pa += uint64(PS)
                 vb += uint64(D)
 
-        # l: the sum over the row's TC threads; O = acc / l, L = m + log(l); empty rows: 0, -inf.
+        # l: the sum over the row's TC threads; O = acc / l, L = scale m + log(l); a row
+        # that saw no key (l = 0: empty list, or every score masked): O = 0, L = -inf.
+        oh = o[uint64(bh)]
         for i in range(RM):
-            qi = q0 + r0 + i
+            qi = q0 + ty + TR * i
             total = row_sum(l[i])
             if qi < nq:
                 if total > float32(0.0):
                     inv = float32(1.0) / total
-                    for j in range(DN):
-                        dd = tx + j * TC
-                        if dd < d:
-                            o[bh, qi, dd] = acc[i, j] * inv
-                    if tx == 0:
-                        lse[bh, qi] = m[i] + math.log(total)
+                    lse_row = m[i] * scale + math.log(total)
                 else:
-                    for j in range(DN):
-                        dd = tx + j * TC
-                        if dd < d:
-                            o[bh, qi, dd] = float32(0.0)
-                    if tx == 0:
-                        lse[bh, qi] = NEG_INF
+                    inv = float32(0.0)
+                    lse_row = NEG_INF
+                for j in range(DN):
+                    dd = tx + TC * j
+                    if dd < d:
+                        oh[uint64(qi), uint64(dd)] = acc[i, j] * inv
+                if tx == 0:
+                    lse[bh, qi] = lse_row
 
     return block_sparse_forward
 
@@ -525,7 +554,7 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, blo
     kernel = make_forward(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
     grid = (cdiv(nq, cfg.Br), b * h)
     threads = (cfg.Br // cfg.RM) * cfg.TC
-    nbytes = shared_bytes_forward(cfg.Br, cfg.Bc, cfg.D)
+    nbytes = shared_bytes_forward(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
     args = (qd.reshape(b * h, nq, d), kd.reshape(b * h, nk, d), vd.reshape(b * h, nk, d),
             o.reshape(b * h, nq, d), lse.reshape(b * h, nq), dev.row_ptr, dev.col_idx, dev.row_order,
             np.int32(nq), np.int32(nk), np.int32(d), np.int32(tl.groups), np.float32(scale), np.int32(causal))

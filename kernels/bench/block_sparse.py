@@ -93,7 +93,7 @@ def forward_fn(b, h, n, d, mask, causal, cfg=None):
     o = cuda.device_array((bh, n, d), np.float32)
     lse = cuda.device_array((bh, n), np.float32)
     grid, threads = (cdiv(n, cfg.Br), bh), (cfg.Br // cfg.RM) * cfg.TC
-    nbytes = shared_bytes_forward(cfg.Br, cfg.Bc, cfg.D)
+    nbytes = shared_bytes_forward(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
     tail = (dev.row_ptr, dev.col_idx, dev.row_order, np.int32(n), np.int32(n), np.int32(d),
             np.int32(lists.groups), np.float32(1 / math.sqrt(d)), np.int32(causal))
     raised = []
@@ -333,7 +333,7 @@ def tile_sweep(ctx, results):
                     flops=4.0 * b * h * n * n * d * rho, model_bytes=io_model_bytes(b, h, n, n, d, Br=Br, rho=rho),
                     peak_memory=False, note="tile sweep, bare launch",
                     extra={"part": "tile sweep", "rho": round(rho, 4), "threads": Br // RM * TC,
-                           "smem_bytes": shared_bytes_forward(Br, Bc, cfg.D)}))
+                           "smem_bytes": shared_bytes_forward(Br, Bc, cfg.D, RM, TC)}))
             except Exception as exc:  # a candidate the device cannot run: report, keep sweeping
                 ctx.progress(f"  tile sweep: {(Br, Bc, RM, TC)} failed: {type(exc).__name__}: {str(exc)[:160]}")
     del sets
