@@ -21,23 +21,27 @@ diagonal crosses are masked element by element in the kernel. A query row with n
 key gives O = 0 and L = -inf (its list is empty, or every score in it is masked).
 
 The kernel is chapter 4's FlashAttention-2 loop order (Q tile outer, O accumulated in
-registers), register-tiled:
+registers), register-tiled, with chapter 4's tiles and per-tile code; only the loop differs:
 
-* a block of (Br / RM) x TC threads owns a Br-row query tile; thread (ty, tx) owns rows
-  ty*RM .. ty*RM + RM - 1 and, of S, columns tx, tx + TC, ...; of O, the same RM rows
-  and head-dim columns tx, tx + TC, ... (RM x Bc/TC scores and RM x D/TC outputs);
-* the tiles live in one dynamic shared buffer (99 KB at Br=128, Bc=64, d=64; above 48 KB
-  through kernels/shared_memory.py): Qt, Kt and Pt transposed, their rows padded by one
-  float; a thread's RM rows of Qt and Pt are adjacent words, its columns of Kt and V are
-  TC apart: every shared load of the hot loops is conflict-free or a broadcast;
-* the scale multiplies the finished dot products (S = scale * Q K^T, rounded like the
-  float32 NumPy it is measured against);
+* a block of (Br / RM) x TC threads owns a Br-row query tile; thread (ty, tx) owns RM rows
+  and, of S, Bc/TC columns, of O, D/TC columns, in runs of 4 adjacent rows or columns
+  (one 16-byte shared-memory load each);
+* the tiles live in one dynamic shared buffer (103 KB at Br=128, Bc=64, d=64; above 48 KB
+  through kernels/shared_memory.py): Qt, Kt and Pt transposed; row strides are multiples
+  of 4 floats (16-byte aligned rows) padded so that the tile copies' stores hit 32 banks;
+* tile copies: every thread copies fixed columns of fixed rows, its loads clamped to valid
+  addresses and zeroed afterwards (no branch around a load: all of them in flight at
+  once); the next kept K/V tile is loaded into registers while the current one is computed
+  (its column index read one step ahead);
+* S stays the raw dot products; P = exp2((S - m) * scale * log2(e)), the difference first
+  (exact when S is close to m), so a large scale * S is never rounded on its own;
+* masking (the ragged last key tile, the causal diagonal) happens only in the tiles those
+  cross; masked scores are the finite MASKED (fastmath may assume no infinities) and a row
+  whose max is still MASKED has P = 0 by a branch, never exp(0) of two sentinels;
 * the row maximum m is combined across the TC threads of a row with warp shuffles (in the
   simulator, which has none, through shared memory); the row sum l only once, at the end;
 * query tiles are launched longest list first (``row_order``): with uneven rows (global
   tokens) the heavy blocks start early and the last wave is short;
-* masked scores are set to a large negative number instead of -inf (fastmath may assume
-  no infinities), m starts at -1e30, so exp(masked - m) is exactly 0 and never NaN;
 * per-thread arrays are ``cuda.local.array`` indexed only by unrolled constant loop
   indices, so they live in registers (the PTX check warns on any ``.local``).
 """
@@ -65,6 +69,9 @@ __all__ = ["block_sparse_attention", "block_sparse_attention_backward", "make_fo
 # still MASKED has seen no key (its P is 0 by a branch, never exp(0) of two sentinels).
 MASKED = float32(-1.0e30)
 NEG_INF = float32(-math.inf)
+LOG2E = 1.4426950408889634        # exp(x) = exp2(x log2(e)): the hardware's ex2
+# Shared rows start 16-byte aligned (vector loads); the simulator refuses the option.
+ALIGN = None if on_simulator() else 16
 SHARED_LIMIT = 48 * 1024  # static shared memory a block may declare
 
 # Production tiles for the H100, by padded head dim D: (Br, Bc, RM, TC), the same tiles
@@ -80,20 +87,20 @@ FORWARD_CONFIGS = {
 SIM_CONFIG = (8, 8, 2, 4)
 
 
-def forward_layout(Br, Bc, D, TC):
-    """Offsets (floats) of Qt, Kt, V, Pt in the dynamic shared buffer, the row strides of
-    Qt, Kt and Pt, and the total. The transposed tiles' rows are padded (Qt, Kt by one
-    float, Pt by 32/TC), so that the transposing stores hit different banks."""
-    QS, KS, PS = Br + 1, Bc + 1, Br + 32 // TC
+def forward_layout(Br, Bc, D):
+    """Offsets (floats) of Qt, Kt, V, Pt in the dynamic shared buffer, their row strides,
+    and the total. Strides are multiples of 4 floats (every row starts 16-byte aligned, for
+    vector loads), padded so that the tile copies' stores spread over all 32 banks."""
+    QS, KS, VS, PS = Br + 4, Bc + 4, D + 8, Br + 4
     q_off = 0
     k_off = q_off + D * QS
     v_off = k_off + D * KS
-    p_off = v_off + Bc * D
-    return q_off, k_off, v_off, p_off, QS, KS, PS, p_off + Bc * PS
+    p_off = v_off + Bc * VS
+    return q_off, k_off, v_off, p_off, QS, KS, VS, PS, p_off + Bc * PS
 
 
-def shared_bytes_forward(Br, Bc, D, RM, TC) -> int:
-    return 4 * forward_layout(Br, Bc, D, TC)[-1]
+def shared_bytes_forward(Br, Bc, D, RM=None, TC=None) -> int:
+    return 4 * forward_layout(Br, Bc, D)[-1]
 
 
 def _pow2_at_most(n: int) -> int:
@@ -329,10 +336,18 @@ def _make_row_reductions(TC: int, NT: int):
     return row_max, row_sum
 
 
+def _run(n: int) -> int:
+    """How many consecutive rows (columns) of a micro-tile a thread owns: a run of 4 floats
+    is one 16-byte shared load; shorter when n is not a multiple of 4."""
+    return 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
+
+
 @functools.lru_cache(maxsize=None)
-def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
+def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int, prefetch: bool = True):
     """The block-sparse forward kernel for query tile Br, key tile Bc, padded head dim D,
-    RM rows per thread and TC threads across a row (all powers of two).
+    RM rows per thread and TC threads across a row (all powers of two). ``prefetch``: load
+    the next kept K/V tile into registers while the current one is computed (False: load
+    each tile when it is needed, fewer registers).
 
     Launch: grid (Tr, B*H), (Br/RM)*TC threads, ``shared_bytes_forward(Br, Bc, D, RM, TC)``
     bytes of dynamic shared memory (raised above 48 KB by kernels.shared_memory)."""
@@ -342,23 +357,49 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
     if RM > Br or TC > Bc or TC > D or TC > 32:
         raise ValueError(f"make_forward: need RM <= Br, TC <= Bc, TC <= D and TC <= 32; got Br={Br} Bc={Bc} "
                          f"D={D} RM={RM} TC={TC}")
-    TR = Br // RM          # thread rows: thread (ty, tx) owns the rows ty + TR*i, i < RM
+    TR = Br // RM          # thread rows
     NT = TR * TC           # threads a block
-    CN = Bc // TC          # score columns a thread owns: tx + TC*j
-    DN = D // TC           # output columns a thread owns: tx + TC*j
-    LOAD_COLS = min(D, NT)            # tile copies: a pass copies LOAD_ROWS rows of LOAD_COLS columns
-    LOAD_ROWS = NT // LOAD_COLS
-    Q_PASSES, KV_PASSES = cdiv(Br, LOAD_ROWS), cdiv(Bc, LOAD_ROWS)
-    ROWS_EXACT = Br % LOAD_ROWS == 0 and Bc % LOAD_ROWS == 0   # no pass runs past the tile
-    Q_OFF, K_OFF, V_OFF, P_OFF, QS, KS, PS, _ = forward_layout(Br, Bc, D, TC)
+    CN = Bc // TC          # score columns a thread owns
+    DN = D // TC           # output columns a thread owns
+    VM, VN, VD = _run(RM), _run(CN), _run(DN)   # a thread's rows / S columns / O columns come in runs
+    Q_OFF, K_OFF, V_OFF, P_OFF, QS, KS, VS, PS, _ = forward_layout(Br, Bc, D)
+    CW = min(8, D, NT)     # tile copies: a pass copies LR rows of CW columns (a warp: 8 x 4)
+    LR = NT // CW
+    Q_PASSES, KV_PASSES = cdiv(Br, LR), cdiv(Bc, LR)      # row passes; D // CW column passes each
+    ROWS_EXACT = Br % LR == 0 and Bc % LR == 0            # no pass runs past the tile
+    KV_REGS = KV_PASSES * (D // CW)
     row_max, row_sum = _make_row_reductions(TC, NT)
+
+    # Thread (ty, tx) owns the rows ty*VM + (i // VM)*TR*VM + i % VM (i < RM) of S and O,
+    # the columns tx*VN + (j // VN)*TC*VN + j % VN (j < CN) of S, and likewise (VD) of O:
+    # runs of 4 adjacent rows or columns, one 16-byte shared load each.
+    @cuda.jit(device=True, inline=True)
+    def load_kv(kh, vh, kr, vr, k0, nk, d, tid):
+        """This thread's part of the K and V tile starting at key k0: HBM -> registers.
+        Thread tid copies column tid % CW + CW*cc of the rows tid // CW + LR*rr. Every
+        load reads a valid address (clamped) and is zeroed afterwards if it lies outside
+        the matrix: no branch around a load, so they are all in flight at once."""
+        lr = tid // CW
+        lc = tid % CW
+        for rr in range(KV_PASSES):
+            r = k0 + lr + LR * rr
+            row = uint64(min(r, nk - 1))
+            for cc in range(D // CW):
+                c = lc + CW * cc
+                kx = kh[row, uint64(min(c, d - 1))]
+                vx = vh[row, uint64(min(c, d - 1))]
+                if r >= nk or c >= d:
+                    kx = float32(0.0)
+                    vx = float32(0.0)
+                kr[rr * (D // CW) + cc] = kx
+                vr[rr * (D // CW) + cc] = vx
 
     @cuda.jit(fastmath=True)
     def block_sparse_forward(q, k, v, o, lse, row_ptr, col_idx, row_order, nq, nk, d, groups, scale, causal):
-        smem = cuda.shared.array(0, float32)       # Qt | Kt | V | Pt, see forward_layout
+        smem = cuda.shared.array(0, float32, alignment=ALIGN)   # Qt | Kt | V | Pt, see forward_layout
         tid = int32(cuda.threadIdx.x)
         ty = tid // TC
-        tx = tid - ty * TC
+        tx = tid % TC
         bh = int32(cuda.blockIdx.y)
         tr = int32(cuda.gridDim.x)
         g = bh % groups                            # which mask this head uses
@@ -366,27 +407,27 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
         rt = row_order[g * tr + int32(cuda.blockIdx.x)]
         q0 = rt * Br
         shift = nk - nq                            # causal: key j <= query i + shift
+        scale_log2e = scale * float32(LOG2E)       # exp(scale x) = exp2(scale log2(e) x)
         # Shared-memory offsets in the hot loops are unsigned: Numba adds a negative-index
-        # wraparound to signed indices, which costs integer instructions per load.
-        utx = uint64(tx)
-        uty = uint64(ty)
+        # wraparound to signed indices, which costs integer instructions per load (and hides
+        # from the compiler that a thread's 4-float runs are contiguous: LDS.128).
+        row_u = uint64(ty * VM)                    # first row of this thread's first row run
+        col_u = uint64(tx * VN)                    # first column of its first S-column run
+        out_u = uint64(tx * VD)                    # first column of its first O-column run
         qh = q[uint64(bh)]                         # this head's Q, K, V: (N, d) views
         kh = k[uint64(bh)]
         vh = v[uint64(bh)]
 
-        # Tile copies, HBM -> shared memory: thread tid copies column lc of the rows lr,
-        # lr + LOAD_ROWS, ... (consecutive threads, consecutive columns: coalesced). Every
-        # load reads a valid address (row and column clamped) and is zeroed afterwards if it
-        # lies outside the matrix: no branch around a load, so they are all in flight at once.
-        lc = tid % LOAD_COLS
-        lr = tid // LOAD_COLS
-
-        # Q tile, transposed (Qt[dd, r], rows padded to QS), zeros past Nq and past d.
+        # Q tile, transposed (Qt[c, r]), zeros past Nq and past d, in load_kv's order: a
+        # warp reads 8 consecutive columns of 4 rows (32-byte pieces of HBM rows) and its
+        # stores to the padded rows (4 floats apart in the bank order) hit 32 banks.
+        lr = tid // CW
+        lc = tid % CW
         for rr in range(Q_PASSES):
-            r = lr + LOAD_ROWS * rr
+            r = lr + LR * rr
             row = uint64(min(q0 + r, nq - 1))
-            for cc in range(D // LOAD_COLS):
-                c = lc + LOAD_COLS * cc
+            for cc in range(D // CW):
+                c = lc + CW * cc
                 x = qh[row, uint64(min(c, d - 1))]
                 if q0 + r >= nq or c >= d:
                     x = float32(0.0)
@@ -396,53 +437,55 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
         m = cuda.local.array(RM, float32)          # running row max of the raw scores
         l = cuda.local.array(RM, float32)          # running row sum (this thread's columns)
         acc = cuda.local.array((RM, DN), float32)  # O, unnormalised
-        s = cuda.local.array((RM, CN), float32)    # S tile, then P
+        s = cuda.local.array((RM, CN), float32)    # S tile
         a = cuda.local.array(RM, float32)
         b = cuda.local.array(CN, float32)
         w = cuda.local.array(DN, float32)
+        kr = cuda.local.array(KV_REGS, float32)    # this thread's part of the next K, V tile
+        vr = cuda.local.array(KV_REGS, float32)
         for i in range(RM):
             m[i] = MASKED
             l[i] = float32(0.0)
             for j in range(DN):
                 acc[i, j] = float32(0.0)
 
-        # The inner loop walks the kept key tiles of this query tile only. The next tile's
-        # column index is read one step ahead, so that its load is not on the critical path
-        # of the next K/V copy.
+        # The inner loop walks the kept key tiles of this query tile only. The next tile is
+        # loaded into registers while this one is computed on (its column index read first).
         start = row_ptr[g * tr + rt]
         end = row_ptr[g * tr + rt + 1]
-        nxt = col_idx[min(start, end - 1)] if end > start else int32(0)
+        k_next = int32(0)
+        if end > start:
+            k_next = col_idx[start] * Bc
+            if prefetch:
+                load_kv(kh, vh, kr, vr, k_next, nk, d, tid)
         for it in range(start, end):
-            k0 = nxt * Bc
-            nxt = col_idx[min(it + 1, end - 1)]
+            k0 = k_next
+            k_next = col_idx[min(it + 1, end - 1)] * Bc
+            if not prefetch:
+                load_kv(kh, vh, kr, vr, k0, nk, d, tid)
             cuda.syncthreads()                     # everyone is done with the previous Kt, V, P
-            for rr in range(KV_PASSES):
-                r = lr + LOAD_ROWS * rr
-                row = uint64(min(k0 + r, nk - 1))
-                for cc in range(D // LOAD_COLS):
-                    c = lc + LOAD_COLS * cc
-                    col = uint64(min(c, d - 1))
-                    kx = kh[row, col]
-                    vx = vh[row, col]
-                    if k0 + r >= nk or c >= d:
-                        kx = float32(0.0)
-                        vx = float32(0.0)
+            for rr in range(KV_PASSES):            # K (transposed) and V: registers -> shared
+                r = lr + LR * rr
+                for cc in range(D // CW):
+                    c = lc + CW * cc
                     if ROWS_EXACT or r < Bc:
-                        smem[uint64(K_OFF + c * KS + r)] = kx
-                        smem[uint64(V_OFF + r * D + c)] = vx
+                        smem[uint64(K_OFF + c * KS + r)] = kr[rr * (D // CW) + cc]
+                        smem[uint64(V_OFF + r * VS + c)] = vr[rr * (D // CW) + cc]
             cuda.syncthreads()
+            if prefetch and it + 1 < end:          # the next tile: in flight during this one
+                load_kv(kh, vh, kr, vr, k_next, nk, d, tid)
 
             # S = Q K^T (raw dot products) for this thread's RM x CN scores.
             for i in range(RM):
                 for j in range(CN):
                     s[i, j] = float32(0.0)
-            qa = uint64(Q_OFF) + uty               # walks down Qt[dd, ty + TR*i]
-            kb = uint64(K_OFF) + utx               # walks down Kt[dd, tx + TC*j]
+            qa = uint64(Q_OFF) + row_u             # walks down Qt[dd, rows of this thread]
+            kb = uint64(K_OFF) + col_u             # walks down Kt[dd, columns of this thread]
             for dd in range(D):
                 for i in range(RM):
-                    a[i] = smem[qa + uint64(TR * i)]
+                    a[i] = smem[qa + uint64((i // VM) * TR * VM + i % VM)]
                 for j in range(CN):
-                    b[j] = smem[kb + uint64(TC * j)]
+                    b[j] = smem[kb + uint64((j // VN) * TC * VN + j % VN)]
                 for i in range(RM):
                     for j in range(CN):
                         s[i, j] += a[i] * b[j]
@@ -452,51 +495,52 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
             # Mask, only in the tiles the ragged end of K or the causal diagonal crosses.
             if k0 + Bc > nk or (causal and k0 + Bc - 1 > q0 + shift):
                 for i in range(RM):
-                    qi = q0 + ty + TR * i
+                    qi = q0 + ty * VM + (i // VM) * TR * VM + i % VM
                     for j in range(CN):
-                        kj = k0 + tx + TC * j
+                        kj = k0 + tx * VN + (j // VN) * TC * VN + j % VN
                         if kj >= nk or (causal and kj > qi + shift):
                             s[i, j] = MASKED
 
             # Online softmax: the row max over the row's TC threads, P = exp(scale (S - m'))
-            # into Pt, rescale l and O by exp(scale (m - m')).
-            pt = uint64(P_OFF) + utx * uint64(PS) + uty     # Pt[tx, ty]
+            # into Pt, rescale l and O by exp(scale (m - m')). S - m' first (exact when
+            # close), then one multiply: no rounding of a large scale * S.
+            pt = uint64(P_OFF) + col_u * uint64(PS) + row_u    # Pt[this thread's first column, first row]
             for i in range(RM):
                 mx = m[i]
                 for j in range(CN):
                     mx = max(mx, s[i, j])
                 mx = row_max(mx)
                 live = mx > MASKED                 # has this row seen a key yet?
-                alpha = math.exp((m[i] - mx) * scale)
+                alpha = math.exp2((m[i] - mx) * scale_log2e)
                 m[i] = mx
                 l[i] *= alpha
                 for j in range(DN):
                     acc[i, j] *= alpha
                 for j in range(CN):
-                    p = math.exp((s[i, j] - mx) * scale) if live else float32(0.0)
+                    p = math.exp2((s[i, j] - mx) * scale_log2e) if live else float32(0.0)
                     l[i] += p
-                    smem[pt + uint64(TC * j * PS + TR * i)] = p
+                    smem[pt + uint64(((j // VN) * TC * VN + j % VN) * PS + (i // VM) * TR * VM + i % VM)] = p
             cuda.syncthreads()
 
             # O += P V for this thread's RM x DN outputs.
-            pa = uint64(P_OFF) + uty               # walks down Pt[c, ty + TR*i]
-            vb = uint64(V_OFF) + utx               # walks down V[c, tx + TC*j]
+            pa = uint64(P_OFF) + row_u             # walks down Pt[c, rows of this thread]
+            vb = uint64(V_OFF) + out_u             # walks down V[c, O columns of this thread]
             for c in range(Bc):
                 for i in range(RM):
-                    a[i] = smem[pa + uint64(TR * i)]
+                    a[i] = smem[pa + uint64((i // VM) * TR * VM + i % VM)]
                 for j in range(DN):
-                    w[j] = smem[vb + uint64(TC * j)]
+                    w[j] = smem[vb + uint64((j // VD) * TC * VD + j % VD)]
                 for i in range(RM):
                     for j in range(DN):
                         acc[i, j] += a[i] * w[j]
                 pa += uint64(PS)
-                vb += uint64(D)
+                vb += uint64(VS)
 
         # l: the sum over the row's TC threads; O = acc / l, L = scale m + log(l); a row
         # that saw no key (l = 0: empty list, or every score masked): O = 0, L = -inf.
         oh = o[uint64(bh)]
         for i in range(RM):
-            qi = q0 + ty + TR * i
+            qi = q0 + ty * VM + (i // VM) * TR * VM + i % VM
             total = row_sum(l[i])
             if qi < nq:
                 if total > float32(0.0):
@@ -506,7 +550,7 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int):
                     inv = float32(0.0)
                     lse_row = NEG_INF
                 for j in range(DN):
-                    dd = tx + TC * j
+                    dd = tx * VD + (j // VD) * TC * VD + j % VD
                     if dd < d:
                         oh[uint64(qi), uint64(dd)] = acc[i, j] * inv
                 if tx == 0:

@@ -80,15 +80,16 @@ def _mask(n, block, density, seed=0):
     return sp.random_blocks(n, n, block=block, density=rest, seed=seed, keep_diagonal=True)
 
 
-def forward_fn(b, h, n, d, mask, causal, cfg=None):
+def forward_fn(b, h, n, d, mask, causal, cfg=None, prefetch=True):
     """(fn(q, k, v), rho, cfg): a bare launch of the block-sparse forward on preallocated O, L
-    (``cfg``: a KernelConfig to try instead of the production tiles)."""
+    (``cfg``: a KernelConfig to try instead of the production tiles; ``prefetch``: the
+    next K/V tile loaded into registers during the current one, or not)."""
     from numba import cuda
 
     cfg = cfg or forward_config(d, mask)
     lists = tile_lists(mask, n, n, Br=cfg.Br, Bc=cfg.Bc, causal=causal, batch=b, heads=h)
     dev = lists.device()
-    kernel = make_forward(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
+    kernel = make_forward(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC, prefetch)
     bh = b * h
     o = cuda.device_array((bh, n, d), np.float32)
     lse = cuda.device_array((bh, n), np.float32)
@@ -310,32 +311,35 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
 
 
 # Tile configurations (Br, Bc, RM, TC) the sweep tries at d = 64 (all divide 128 x 128 blocks).
-SWEEP = [(128, 64, 8, 8), (128, 64, 8, 16), (128, 32, 8, 8), (64, 64, 4, 8), (64, 64, 8, 8), (64, 32, 4, 8)]
+# The last field: the next K/V tile prefetched into registers (255 registers and a little
+# spilling at 128 x 64) or loaded when needed (no spilling).
+SWEEP = [(128, 64, 8, 8, True), (128, 64, 8, 8, False), (128, 64, 8, 16, True), (128, 32, 8, 8, True),
+         (64, 64, 4, 8, True), (64, 64, 8, 8, True), (64, 32, 4, 8, True)]
 
 
 def tile_sweep(ctx, results):
     """The forward at N = 4096, densities 1 and 1/8, with each candidate tile configuration."""
     if ctx.simulator:
-        b, h, n, d, block, sweep = 1, 1, 32, 8, 8, [(8, 8, 2, 4), (8, 4, 2, 4)]
+        b, h, n, d, block, sweep = 1, 1, 32, 8, 8, [(8, 8, 2, 4, True), (8, 4, 2, 4, False)]
     else:
         b, h, n, d, block, sweep = 4, 16, 4096, 64, BLOCK, SWEEP
     sets = _inputs(b, h, n, d, 2)
     for density in (1.0, 0.125):
         mask = _mask(n, block, density)
-        for Br, Bc, RM, TC in sweep:
+        for Br, Bc, RM, TC, pf in sweep:
             try:
                 cfg = KernelConfig(Br, Bc, RM, TC, padded_head_dim(d, TC))
-                fn, rho, _ = forward_fn(b, h, n, d, mask, False, cfg)
+                fn, rho, _ = forward_fn(b, h, n, d, mask, False, cfg, prefetch=pf)
                 _check_head(fn, sets, mask, False)
                 results.append(ctx.measure(
-                    CHAPTER, f"block-sparse forward Br={Br} Bc={Bc} RM={RM} TC={TC}",
+                    CHAPTER, f"block-sparse forward Br={Br} Bc={Bc} RM={RM} TC={TC}" + ("" if pf else " no prefetch"),
                     _config(b, h, n, d, False, f"random {density:g} (tile sweep)"), fn, sets,
                     flops=4.0 * b * h * n * n * d * rho, model_bytes=io_model_bytes(b, h, n, n, d, Br=Br, rho=rho),
                     peak_memory=False, note="tile sweep, bare launch",
-                    extra={"part": "tile sweep", "rho": round(rho, 4), "threads": Br // RM * TC,
+                    extra={"part": "tile sweep", "rho": round(rho, 4), "threads": Br // RM * TC, "prefetch": pf,
                            "smem_bytes": shared_bytes_forward(Br, Bc, cfg.D, RM, TC)}))
             except Exception as exc:  # a candidate the device cannot run: report, keep sweeping
-                ctx.progress(f"  tile sweep: {(Br, Bc, RM, TC)} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                ctx.progress(f"  tile sweep: {(Br, Bc, RM, TC, pf)} failed: {type(exc).__name__}: {str(exc)[:160]}")
     del sets
 
 
