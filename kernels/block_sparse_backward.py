@@ -26,6 +26,11 @@ the same buffer serves, conflict-free, both as the transposed operand of the sco
 (S = Q K^T reads Kt[dd, c] along c) and as the plain operand of the accumulations
 (dQ += dS K reads K[c, dd] = Kt[dd, c] along dd: rows Bc + 1 apart, different banks);
 dS (and P) are stored transposed too, so a thread's R rows are adjacent words.
+
+Tile copies are branch-free (``_make_tile_copy``: loads clamped to valid addresses, zeroed
+afterwards, all of a thread's loads in flight at once). P is rebuilt as exp of one fma,
+scale * S - L rounded once: with large logits a separately rounded scale * S would carry
+an error of a few ulps of |scale * S| into the small difference.
 """
 
 from __future__ import annotations
@@ -103,6 +108,40 @@ def backward_config(d, block_mask, block_m=None, block_n=None) -> KernelConfig:
     return KernelConfig(Br, Bc, R, TC, padded_head_dim(d, TC))
 
 
+def _make_tile_copy(R: int, D: int, NT: int, S: int):
+    """copy(x, y, r0, n, d, smem, x_off, y_off, tid): rows r0 .. r0 + R - 1 of two (N, d)
+    matrices x and y (Q and dO, or K and V) into shared memory, transposed: element (r, c)
+    to ``off + c * S + r``; zeros past N and past d. A pass of the NT threads copies
+    NT // LC rows of LC columns, consecutive threads reading consecutive columns (coalesced)
+    and storing to rows S = R + 1 apart (different banks). Every load reads a valid address
+    (row and column clamped) and is zeroed afterwards if it lies outside the matrix: no
+    branch around a load, so all of a thread's loads are in flight at once."""
+    LC = min(D, NT)
+    LR = NT // LC
+    PASSES = cdiv(R, LR)
+    EXACT = R % LR == 0
+
+    @cuda.jit(device=True, inline=True)
+    def copy(x, y, r0, n, d, smem, x_off, y_off, tid):
+        lc = tid % LC
+        lr = tid // LC
+        for rr in range(PASSES):
+            r = lr + LR * rr
+            row = uint64(min(r0 + r, n - 1))
+            for cc in range(D // LC):
+                c = lc + LC * cc
+                col = uint64(min(c, d - 1))
+                xv = x[row, col]
+                yv = y[row, col]
+                if r0 + r >= n or c >= d:
+                    xv = float32(0.0)
+                    yv = float32(0.0)
+                if EXACT or r < R:
+                    smem[uint64(x_off + c * S + r)] = xv
+                    smem[uint64(y_off + c * S + r)] = yv
+    return copy
+
+
 # --------------------------------------------------------------------------- dQ (and D)
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +156,8 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
     CN = Bc // TC
     DN = D // TC
     Q_OFF, DO_OFF, K_OFF, V_OFF, DS_OFF, QS, KS, _ = dq_layout(Br, Bc, D)
+    copy_q = _make_tile_copy(Br, D, NT, QS)
+    copy_k = _make_tile_copy(Bc, D, NT, KS)
 
     @cuda.jit(fastmath=True)
     def block_sparse_backward_dq(q, k, v, o, lse, do, dq, delta, row_ptr, col_idx, row_order, nq, nk, d,
@@ -134,17 +175,10 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
         r0 = ty * RM
         utx = uint64(tx)
         ur0 = uint64(r0)
+        kh = k[uint64(bh)]                         # this head's K, V: (Nk, d) views
+        vh = v[uint64(bh)]
 
-        for idx in range(tid, Br * D, NT):
-            r = idx // D
-            dd = idx - r * D
-            qv = float32(0.0)
-            dov = float32(0.0)
-            if q0 + r < nq and dd < d:
-                qv = q[bh, q0 + r, dd]
-                dov = do[bh, q0 + r, dd]
-            smem[Q_OFF + dd * QS + r] = qv
-            smem[DO_OFF + dd * QS + r] = dov
+        copy_q(q[uint64(bh)], do[uint64(bh)], q0, nq, d, smem, Q_OFF, DO_OFF, tid)
 
         Lr = cuda.local.array(RM, float32)
         Dr = cuda.local.array(RM, float32)
@@ -180,19 +214,10 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
         for it in range(start, end):
             k0 = col_idx[it] * Bc
             cuda.syncthreads()                     # done with the previous Kt, Vt, dSt
-            for idx in range(tid, Bc * D, NT):
-                c = idx // D
-                dd = idx - c * D
-                kv = float32(0.0)
-                vv = float32(0.0)
-                if k0 + c < nk and dd < d:
-                    kv = k[bh, k0 + c, dd]
-                    vv = v[bh, k0 + c, dd]
-                smem[K_OFF + dd * KS + c] = kv
-                smem[V_OFF + dd * KS + c] = vv
+            copy_k(kh, vh, k0, nk, d, smem, K_OFF, V_OFF, tid)
             cuda.syncthreads()
 
-            # S = scale * Q K^T and dP = dO V^T, RM x CN each.
+            # S = Q K^T (raw dot products) and dP = dO V^T, RM x CN each.
             for i in range(RM):
                 for j in range(CN):
                     s[i, j] = float32(0.0)
@@ -212,18 +237,18 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
                         dp[i, j] += a2[i] * b2[j]
                 qa += uint64(QS)
                 kb += uint64(KS)
-            for i in range(RM):
-                for j in range(CN):
-                    s[i, j] *= scale
 
-            # P = exp(S - L) where allowed, 0 elsewhere; dS = P * (dP - D), into dSt[c, r].
+            # P = exp(scale S - L) where allowed, 0 elsewhere; dS = P * (dP - D), into dSt[c, r].
+            # The exponent is one fma: scale S - L rounded once. (Rounding scale S first, or
+            # scaling both by log2(e) first, would each add an error of a few ulps of |scale S|,
+            # large next to the small difference when the logits are large.)
             for i in range(RM):
                 qi = q0 + r0 + i
                 for j in range(CN):
                     kj = k0 + tx + j * TC
                     val = float32(0.0)
                     if qi < nq and kj < nk and (causal == 0 or kj <= qi + shift):
-                        val = math.exp(s[i, j] - Lr[i]) * (dp[i, j] - Dr[i])
+                        val = math.exp(cuda.fma(s[i, j], scale, -Lr[i])) * (dp[i, j] - Dr[i])
                     smem[uint64(DS_OFF + (tx + j * TC) * QS) + ur0 + uint64(i)] = val
             cuda.syncthreads()
 
@@ -266,8 +291,15 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
     QN = Br // TC          # query columns of S^T a thread owns
     DN = D // TC
     K_OFF, V_OFF, Q_OFF, DO_OFF, P_OFF, DS_OFF, L_OFF, DL_OFF, QS, KS, _ = dkdv_layout(Br, Bc, D)
+    copy_q = _make_tile_copy(Br, D, NT, QS)
+    copy_k = _make_tile_copy(Bc, D, NT, KS)
+    # Two blocks an SM (100 KB of shared memory each at D = 64) also need <= 128 registers
+    # a thread: 2 x 256 threads x 128 fill the 64 K register file. Left alone, ptxas takes
+    # about 178 (one block an SM); capped at 128 it fits without spilling for D <= 64.
+    # (D = 128: 118 KB of shared memory, one block an SM anyway.) The simulator has no cap.
+    opts = {} if on_simulator() or D > 64 else {"max_registers": 128}
 
-    @cuda.jit(fastmath=True)
+    @cuda.jit(fastmath=True, **opts)
     def block_sparse_backward_dkdv(q, k, v, lse, do, delta, dk, dv, col_ptr, row_idx, col_order, nq, nk, d,
                                    groups, scale, causal):
         smem = cuda.shared.array(0, float32)       # Kt | Vt | Qt | dOt | Pt | dSt | L | D
@@ -283,17 +315,10 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
         c0 = ty * RN
         utx = uint64(tx)
         uc0 = uint64(c0)
+        qh = q[uint64(bh)]                         # this head's Q, dO: (Nq, d) views
+        doh = do[uint64(bh)]
 
-        for idx in range(tid, Bc * D, NT):
-            c = idx // D
-            dd = idx - c * D
-            kv = float32(0.0)
-            vv = float32(0.0)
-            if k0 + c < nk and dd < d:
-                kv = k[bh, k0 + c, dd]
-                vv = v[bh, k0 + c, dd]
-            smem[K_OFF + dd * KS + c] = kv
-            smem[V_OFF + dd * KS + c] = vv
+        copy_k(k[uint64(bh)], v[uint64(bh)], k0, nk, d, smem, K_OFF, V_OFF, tid)
 
         dka = cuda.local.array((RN, DN), float32)
         dva = cuda.local.array((RN, DN), float32)
@@ -315,16 +340,7 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
         for it in range(start, end):
             q0 = row_idx[it] * Br
             cuda.syncthreads()                     # done with the previous Q, dO, P, dS
-            for idx in range(tid, Br * D, NT):
-                r = idx // D
-                dd = idx - r * D
-                qv = float32(0.0)
-                dov = float32(0.0)
-                if q0 + r < nq and dd < d:
-                    qv = q[bh, q0 + r, dd]
-                    dov = do[bh, q0 + r, dd]
-                smem[Q_OFF + dd * QS + r] = qv
-                smem[DO_OFF + dd * QS + r] = dov
+            copy_q(qh, doh, q0, nq, d, smem, Q_OFF, DO_OFF, tid)
             for r in range(tid, Br, NT):
                 lv = float32(0.0)
                 dlv = float32(0.0)
@@ -335,7 +351,7 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
                 smem[DL_OFF + r] = dlv
             cuda.syncthreads()
 
-            # S^T = scale * K Q^T and dP^T = V dO^T, RN x QN each.
+            # S^T = K Q^T (raw dot products) and dP^T = V dO^T, RN x QN each.
             for i in range(RN):
                 for j in range(QN):
                     st[i, j] = float32(0.0)
@@ -355,11 +371,9 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
                         dpt[i, j] += a2[i] * b2[j]
                 ka += uint64(KS)
                 qb += uint64(QS)
-            for i in range(RN):
-                for j in range(QN):
-                    st[i, j] *= scale
 
-            # P^T = exp(S^T - L), dS^T = P^T * (dP^T - D), 0 where not allowed; stored as
+            # P^T = exp(scale S^T - L) (one fma, as in the dQ kernel), dS^T = P^T * (dP^T - D),
+            # 0 where not allowed; stored as
             # Pt[r, c] and dSt[r, c] (query-major) so the accumulation reads adjacent words.
             for i in range(RN):
                 kj = k0 + c0 + i
@@ -369,7 +383,7 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
                     p = float32(0.0)
                     dsv = float32(0.0)
                     if qi < nq and kj < nk and (causal == 0 or kj <= qi + shift):
-                        p = math.exp(st[i, j] - smem[L_OFF + r])
+                        p = math.exp(cuda.fma(st[i, j], scale, -smem[L_OFF + r]))
                         dsv = p * (dpt[i, j] - smem[DL_OFF + r])
                     at = uint64(r * KS) + uc0 + uint64(i)
                     smem[uint64(P_OFF) + at] = p
