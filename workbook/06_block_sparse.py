@@ -194,42 +194,60 @@ print("Br=2:", tile_lists(m, 16, 16, Br=2, Bc=4).row_ptr)
 # ## 4. The forward kernel
 #
 # It is chapter 4's register-tiled FlashAttention-2 kernel (Q tile outer, O in registers,
-# the same tiles: Br = 128, Bc = 64 at d = 64, 8 x 8 micro-tiles, 128 threads, 99 KB of
-# dynamic shared memory). A block of (Br/RM) x TC threads owns Br query rows; thread
-# (ty, tx) owns RM rows and every TC-th column of S, and every TC-th column of O. The one
-# structural change is the loop, over this row's list instead of range(Tc); the blocks
-# take their query tiles longest list first (`row_order`):
+# the same tiles: Br = 128, Bc = 64 at d = 64, 8 x 8 micro-tiles, 128 threads, 103 KB of
+# dynamic shared memory), with the same per-tile code: a sparse kernel that is slower per
+# tile than the dense one gives back part of what skipping tiles won. A block of
+# (Br/RM) x TC threads owns Br query rows; thread (ty, tx) owns RM rows, Bc/TC columns of
+# S and D/TC columns of O, in runs of 4 adjacent rows or columns. The one structural
+# change is the loop, over this row's list instead of range(Tc); the blocks take their
+# query tiles longest list first (`row_order`). The next kept K/V tile is loaded into
+# registers while the current one is computed on, its column index read one step ahead:
 
 # %%
-def show(fn, first, last):
-    """Print the lines of ``fn``'s source from the one containing ``first`` to ``last``."""
+def show(fn, first, last, more=0):
+    """Print the lines of ``fn``'s source from the one containing ``first`` to the one
+    containing ``last`` (and ``more`` lines after it)."""
     lines = inspect.getsource(fn).splitlines()
     i = next(n for n, line in enumerate(lines) if first in line)
     j = next(n for n, line in enumerate(lines[i:], i) if last in line)
-    print("\n".join(lines[i:j + 1]))
+    print("\n".join(lines[i:j + 1 + more]))
 
 
-show(make_forward, "# The inner loop walks", "cuda.syncthreads()")
-
-# %% [markdown]
-# The tile's scores. Q and K are stored transposed in shared memory, their rows padded by
-# one float so that the transposing stores hit 32 different banks; at each step dd a
-# thread reads its RM rows of Qt (adjacent words) and its CN columns of Kt (TC apart:
-# different banks for the TC threads of a row) and does RM x CN FMAs from registers:
-
-# %%
-show(make_forward, "# S = scale * Q K^T", "s[i, j] *= scale")
+show(make_forward, "# The inner loop walks", "if prefetch and it + 1 < end:", more=1)
 
 # %% [markdown]
-# Masking and the online softmax. Masked scores become a large negative *finite* number
-# (fastmath lets the compiler assume there are no infinities) and the running max starts
-# at -1e30, above it, so `exp(masked - m)` is exactly 0. The row max is combined across the
-# TC threads of a row by `row_max`: warp shuffles on a GPU, shared memory in the simulator
-# (which has no shuffles); the row sum l only once, at the end. P goes to shared memory,
-# transposed, for O += P V:
+# The copies themselves (`load_kv`) have no branch around a load: each thread reads fixed
+# columns of fixed rows, its addresses clamped into the matrix and the values zeroed
+# afterwards where they fall outside (ragged N, padded d). All of a thread's loads are
+# then in flight at once; a guarded load (`if row < N: x = k[row, col]`) would wait for
+# each in turn.
 
 # %%
-show(make_forward, "# Mask (ragged", "acc[i, j] *= alpha")
+show(make_forward, "def load_kv", "vr[rr * (D // CW) + cc] = vx")
+
+# %% [markdown]
+# The tile's scores. Q and K are stored transposed in shared memory, their rows padded
+# to a multiple of 4 floats (every row starts 16-byte aligned, and the transposing stores
+# still hit 32 different banks); at each step dd a thread reads its RM rows of Qt and its
+# CN columns of Kt in runs of 4 adjacent words, one 16-byte load a run, and does RM x CN
+# FMAs from registers. S stays the raw dot products; the scale goes into the exponent:
+
+# %%
+show(make_forward, "# S = Q K^T (raw", "kb += uint64(KS)")
+
+# %% [markdown]
+# Masking and the online softmax. Only the tiles that the ragged end of K or the causal
+# diagonal cross are masked. Masked scores become -1e30, a *finite* sentinel (fastmath
+# lets the compiler assume there are no infinities); the running max starts there too, and
+# a row whose max is still the sentinel has seen no key, so its P is 0 by a branch. The
+# row max is combined across the TC threads of a row by `row_max`: warp shuffles on a GPU,
+# shared memory in the simulator (which has no shuffles); the row sum l only once, at the
+# end. P = exp2((S - m) scale log2 e): the difference first (exact when S is close to m),
+# then one multiply, then the hardware's ex2. P goes to shared memory, transposed, for
+# O += P V:
+
+# %%
+show(make_forward, "# Mask, only in the tiles", "smem[pt + uint64(")
 
 # %%
 from kernels.block_sparse import _make_row_reductions
@@ -241,7 +259,7 @@ show(_make_row_reductions, "if not on_simulator():", "return row_max, row_sum")
 # L = -inf; never 0/0.
 
 # %%
-show(make_forward, "# l: the sum over", "lse[bh, qi] = NEG_INF")
+show(make_forward, "# l: the sum over", "lse[bh, qi] = lse_row")
 
 # %% [markdown]
 # ### Check against the oracle
@@ -286,18 +304,21 @@ except ImportError:
 # Chapter 5's recomputing backward, over kept tiles. Two kernels, no atomics, so the
 # gradients are bit-for-bit deterministic:
 #
-# * **dQ**, Q tile outer, walks the *row* lists (the forward's): rebuilds P = exp(S - L),
+# * **dQ**, Q tile outer, walks the *row* lists (the forward's): rebuilds P = exp(scale S - L),
 #   dP = dO V^T, dS = P * (dP - D), accumulates dQ = scale dS K in registers. It also
 #   computes D = rowsum(dO * O) for its rows (summed in the same order as dP's dot
 #   products, so that dP - D is exactly 0 where it should be) and writes it out;
 # * **dK, dV**, K/V tile outer, walks the *column* lists (the transposed mask): rebuilds
 #   P^T and dS^T, accumulates dV = P^T dO and dK = scale dS^T Q.
 #
-# P is computed twice, the price of a dQ without atomics. The column loop of the second:
+# P is computed twice, the price of a dQ without atomics. Its exponent, scale S - L, is
+# one fma, rounded once: with large logits, scale S and L are large and nearly equal, and
+# rounding scale S on its own first would put an error of a few ulps of |scale S| into the
+# small difference (and so into P, relatively). The column loop of the second kernel:
 
 # %%
-show(make_backward_dkdv, "start = col_ptr", "cuda.syncthreads()")
-show(make_backward_dkdv, "# P^T = exp(S^T - L)", "smem[uint64(DS_OFF) + at] = dsv")
+show(make_backward_dkdv, "start = col_ptr", "copy_q(qh, doh")
+show(make_backward_dkdv, "# P^T = exp(scale S^T - L)", "smem[uint64(DS_OFF) + at] = dsv")
 
 # %%
 do = rng.standard_normal(q.shape).astype(np.float32)
