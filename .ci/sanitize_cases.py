@@ -30,8 +30,12 @@ def main(only):
 
     shapes = [(1, 2, 130, 67, 64), (1, 1, 67, 130, 64), (1, 1, 33, 33, 128), (2, 1, 1, 1, 16)]
     if want("gpu_basics") and (m := have("gpu_basics")):
-        for name, disp, _sig in m.ptx_targets():
-            ran.append(f"gpu_basics (ptx target {name} listed)")
+        for n in (1, 1000, 4097, 1 << 20):
+            x = rand(rng, n)
+            m.copy(x)
+            m.copy(x, items=4)
+            m.block_sums(x)
+        ran.append("gpu_basics")
     if want("naive_attention") and (m := have("naive_attention")):
         for b, h, nq, nk, d in shapes:
             for causal in (False, True):

@@ -62,6 +62,11 @@ class Context:
         self._ceiling = None
 
     # -- the fp32 ceiling, measured once per run
+    @property
+    def measured_ceiling_tflops(self) -> float:
+        """The ceiling if this run has measured it already, NaN otherwise (never measures)."""
+        return self._ceiling if self._ceiling is not None else float("nan")
+
     def fp32_ceiling_tflops(self) -> float:
         if self._ceiling is None:
             self._ceiling = float("nan") if self.simulator else _measure_cublas_fp32_ceiling()
@@ -225,10 +230,10 @@ def read_csv(path):
 
 
 def format_table(results) -> str:
-    head = f"{'kernel':<36}{'config':<44}{'median ms':>11}{'spread':>8}{'TFLOP/s':>9}{'GB/s':>9}{'%FMA':>7}{'peak MB':>9}"
+    head = f"{'kernel':<36}{'config':<44}{'median ms':>11} {'spread':>7} {'TFLOP/s':>8} {'GB/s':>8} {'%FMA':>6} {'peak MB':>8}"
     lines = [head, "-" * len(head)]
     for r in results:
         spread = (r.p90_ms - r.p10_ms) / r.median_ms if r.median_ms else 0
-        lines.append(f"{r.kernel:<36.36}{r.config:<44.44}{r.median_ms:>11.4g}{spread:>8.1%}{r.tflops:>9.3g}"
-                     f"{r.gbps:>9.4g}{r.pct_fma_ceiling:>7.3g}{r.peak_mem_mb:>9.4g}")
+        lines.append(f"{r.kernel:<36.36}{r.config:<44.44}{r.median_ms:>11.4g} {spread:>7.1%} {r.tflops:>8.3g}"
+                     f" {r.gbps:>8.4g} {r.pct_fma_ceiling:>6.3g} {r.peak_mem_mb:>8.4g}")
     return "\n".join(lines)

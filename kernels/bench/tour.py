@@ -266,7 +266,7 @@ def main(argv=None) -> int:
         chapter_env["date (UTC)"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
         chapter_env["quick"] = str(args.quick)
         chapter_env["warmup, repeat"] = f"{warmup}, {repeat}"
-        ceiling = ctx._ceiling if ctx._ceiling is not None else math.nan
+        ceiling = ctx.measured_ceiling_tflops
         if math.isfinite(ceiling):
             chapter_env["fp32 ceiling TFLOP/s (cuBLAS, this run)"] = f"{ceiling:.2f}"
         csv_path, png_path = out / f"{c.name}.csv", out / f"{c.name}.png"
