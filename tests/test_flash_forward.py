@@ -23,6 +23,7 @@ from kernels.flash_forward import (
     flash_forward_numpy,
     head_dim_tile,
     io_model_bytes,
+    make_flash_forward,
     shared_bytes,
     tile_update,
     tile_update_cases,
@@ -49,8 +50,8 @@ def check(case, tiles=None):
 
 # --------------------------------------------------------------------------- the oracle
 
-# One past a tile of the default configuration (simulator Br = Bc = 8; GPU 128 / 64).
-ONE_PAST = 9 if SIM else 129
+# One past a query tile of the default configuration (simulator Br = 8; GPU Br = 256).
+ONE_PAST = default_tiles(16).Br + 1
 
 
 @given(attention_cases(dtypes=BOTH_DTYPES))
@@ -103,12 +104,17 @@ def test_drawn_tiles(case, tiles):
         tiles = default_tiles(case.q.shape[-1])
     if not SIM and tiles.threads % 32:       # the tiny pinned examples: a small GPU configuration
         tiles = Tiles(32, 32, 2, 8)
+    d = case.q.shape[-1]
+    if not SIM and shared_bytes(tiles, head_dim_tile(d, tiles.TX)) > 227 * 1024:
+        tiles = default_tiles(d)             # a d=64 candidate asked for d > 64: too big a block
     check(case, tiles)
 
 
 def test_gpu_tiles_fit_every_head_dim():
-    for tiles in GPU_TILES:
-        for d in (1, 16, 33, 64, 100, 128):
+    """The d=64 candidates up to d=64, the others (and the defaults) at every head dim."""
+    for tiles, dims in [(t, (1, 16, 33, 64)) for t in SWEEP_D64] + [(t, (1, 16, 33, 64, 100, 128))
+                                                                    for t in GPU_TILES if t not in SWEEP_D64]:
+        for d in dims:
             D = max(head_dim_tile(d, tiles.TX), 16)
             assert D % tiles.TX == 0 and tiles.Bc % tiles.TX == 0 and tiles.Br % tiles.TM == 0
             assert tiles.threads % 32 == 0 and shared_bytes(tiles, D) <= 227 * 1024, (tiles, d)
@@ -139,6 +145,33 @@ def test_float16_inputs_use_the_rounded_values():
     assert o.dtype == np.float32
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefetching_variant_gives_the_same_result(causal):
+    """make_flash_forward(..., prefetch=True) loads K/V tile j + 1 while computing tile j:
+    the same arithmetic in the same order, so the same bits."""
+    from numba import cuda
+
+    case = case_with((1, 2, 19, 8), (1, 2, 37, 8), causal=causal)
+    tiles = default_tiles(8) if SIM else Tiles(128, 32, 4, 8)
+    D = head_dim_tile(8, tiles.TX)
+    outs = []
+    for prefetch in (False, True):
+        kernel = make_flash_forward(tiles.Br, tiles.Bc, D, tiles.TM, tiles.TX, prefetch=prefetch)
+        o = cuda.device_array((2, 19, 8), np.float32)
+        lse = cuda.device_array((2, 19), np.float32)
+        args = (cuda.to_device(case.q.reshape(2, 19, 8)), cuda.to_device(case.k.reshape(2, 37, 8)),
+                cuda.to_device(case.v.reshape(2, 37, 8)), o, lse, np.int32(8), np.float32(1 / math.sqrt(8)),
+                np.int32(causal))
+        allow_dynamic_shared_memory(kernel, args, shared_bytes(tiles, D))
+        kernel[(math.ceil(19 / tiles.Br), 2), tiles.threads, 0, shared_bytes(tiles, D)](*args)
+        outs.append((o.copy_to_host(), lse.copy_to_host()))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+    exact_o, _ = ref.attention(case.q, case.k, case.v, causal=causal)
+    base_o, _ = ref.attention(case.q, case.k, case.v, causal=causal, dtype=np.float32)
+    assert_close(outs[1][0].reshape(1, 2, 19, 8), exact_o, base_o, name="O")
+
+
 def test_lse_rebuilds_the_probabilities():
     """What chapter 5 relies on: P = exp(scale * S - L) has rows summing to 1."""
     case = case_with((1, 1, 9, 8), (1, 1, 12, 8), causal=True, seed=7)
@@ -165,10 +198,10 @@ def test_device_arrays_in_device_arrays_out():
 # --------------------------------------------------------------------------- tiles, shared memory
 
 def test_shared_memory_budget():
-    """Qt D x (Br+1), Kt D x (Bc+1), V Bc x D, Pt Bc x (Br + 32/TX), float32."""
+    """Qt D x (Br+4), Kt D x (Bc+4), V Bc x (D+8), Pt Bc x (Br+4), float32."""
     t = Tiles(Br=128, Bc=64, TM=8, TX=8)
-    assert shared_bytes(t, 64) == 4 * (64 * 129 + 64 * 65 + 64 * 64 + 64 * 132)
-    assert shared_bytes(Tiles(Br=64, Bc=32, TM=4, TX=8), 128) == 4 * (128 * 65 + 128 * 33 + 32 * 128 + 32 * 68)
+    assert shared_bytes(t, 64) == 4 * (64 * 132 + 64 * 68 + 64 * 72 + 64 * 132)
+    assert shared_bytes(Tiles(Br=64, Bc=32, TM=4, TX=8), 128) == 4 * (128 * 68 + 128 * 36 + 32 * 136 + 32 * 68)
     for tiles, d in [(t, 64) for t in SWEEP_D64] + [(t, 128) for t in SWEEP_D128]:
         assert shared_bytes(tiles, d) <= 227 * 1024
         assert tiles.threads % 32 == 0 and tiles.threads <= 1024

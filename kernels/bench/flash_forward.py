@@ -24,9 +24,9 @@ Extra entry points for the GPU run (``python -m kernels.bench.flash_forward ...`
     --sweep       the tile sweep alone (more candidates, also at d=128); writes
                   workbook/results/flash_forward_sweep.csv
     --ncu TILES   one warm-up launch, then one launch at the reference configuration with
-                  the given tiles ("128,64,8,8" = Br,Bc,TM,TX), for
+                  the given tiles ("256,64,8,8" = Br,Bc,TM,TX), for
                   ncu --metrics dram__bytes_read.sum,dram__bytes_write.sum -k regex:flash_forward
-                     --launch-skip 1 --launch-count 1 python -m kernels.bench.flash_forward --ncu 128,64,8,8
+                     --launch-skip 1 --launch-count 1 python -m kernels.bench.flash_forward --ncu 256,64,8,8
                   (prints the IO model's bytes for that Br to compare with).
     --dram F...   reads the ``ncu --csv`` outputs of such runs and writes
                   workbook/results/flash_forward_dram.csv (measured DRAM bytes next to the
@@ -84,13 +84,14 @@ def _input_sets(b, h, n, d, count, dtype=np.float32, seed=400):
     return sets
 
 
-def bare_launch(tiles: Tiles, b, h, n_q, n_k, d, *, causal=False, scale=None):
+def bare_launch(tiles: Tiles, b, h, n_q, n_k, d, *, causal=False, scale=None, prefetch=False):
     """A function (q, k, v) -> None that launches the kernel on preallocated O and L: what
-    the timings measure (no argument checks, no allocation). Returns (fn, o, lse)."""
+    the timings measure (no argument checks, no allocation). Returns (fn, o, lse).
+    ``prefetch``: the variant that loads the next K/V tile while computing the current one."""
     from numba import cuda
 
     D = head_dim_tile(d, tiles.TX)
-    kernel = make_flash_forward(tiles.Br, tiles.Bc, D, tiles.TM, tiles.TX)
+    kernel = make_flash_forward(tiles.Br, tiles.Bc, D, tiles.TM, tiles.TX, prefetch=prefetch)
     nbytes = shared_bytes(tiles, D)
     bh = b * h
     o = cuda.device_array((bh, n_q, d), np.float32)
@@ -180,17 +181,17 @@ def _torch_peers(ctx, results, torch, sets, config, flops, model, extra, *, caus
 # --------------------------------------------------------------------------- parts of the run
 
 def measure_kernel(ctx, tiles, b, h, n, d, *, causal=False, dtype=np.float32, sets=None, label=None,
-                   check=True, extra=None):
+                   check=True, extra=None, prefetch=False):
     """One bare-launch measurement of the kernel with ``tiles``."""
     sets = sets or _input_sets(b, h, n, d, 2, dtype)
-    fn, o, _ = bare_launch(tiles, b, h, n, n, d, causal=causal)
+    fn, o, _ = bare_launch(tiles, b, h, n, n, d, causal=causal, prefetch=prefetch)
     fn(*sets[0])
     if check and n <= 4096:
         _check_head(o, *sets[0], causal, tol=1e-4 if dtype == np.float32 else 1e-3)
     in_bytes = np.dtype(dtype).itemsize
     D = head_dim_tile(d, tiles.TX)
     info = {"N": n, "d": d, "causal": causal, "Br": tiles.Br, "Bc": tiles.Bc, "TM": tiles.TM, "TX": tiles.TX,
-            "threads": tiles.threads, "smem_bytes": shared_bytes(tiles, D)}
+            "threads": tiles.threads, "smem_bytes": shared_bytes(tiles, D), "prefetch": prefetch}
     info.update(extra or {})
     return ctx.measure(CHAPTER, label or f"flash fwd {tiles}", _config(b, h, n, d, dtype, causal), fn, sets,
                        flops=_flops(b, h, n, n, d, causal),
@@ -229,9 +230,11 @@ def tile_sweep(ctx, candidates=None, *, d=None, causal=False):
             list(SWEEP_D64 if d <= 64 else SWEEP_D128)
     sets = _input_sets(b, h, n, d, 2)
     out = []
-    for tiles in candidates:
+    # each candidate, then the default tiles loading the next K/V tile ahead (prefetch)
+    for tiles, prefetch in [(t, False) for t in candidates] + [(candidates[0], True)]:
         try:
-            out.append(measure_kernel(ctx, tiles, b, h, n, d, causal=causal, sets=sets,
+            out.append(measure_kernel(ctx, tiles, b, h, n, d, causal=causal, sets=sets, prefetch=prefetch,
+                                      label=f"flash fwd {tiles}{' prefetch' if prefetch else ''}",
                                       extra={"part": "tile sweep"}))
         except Exception as exc:   # a candidate the device cannot run: report, keep sweeping
             ctx.progress(f"  tile sweep: {tiles} failed: {type(exc).__name__}: {str(exc)[:160]}")
@@ -284,6 +287,8 @@ def run(ctx) -> list[Result]:
     results: list[Result] = []
     reference_rows(ctx, results, torch)
     results.extend(tile_sweep(ctx))
+    if not ctx.simulator and not ctx.quick:
+        results.extend(tile_sweep(ctx, d=128))
     n_sweep(ctx, results, torch)
     fp16_rows(ctx, results, torch)
     return results
