@@ -12,7 +12,7 @@ matrices S or P: it recomputes them, one tile at a time, from Q, K and L:
     dQ = scale * dS K
     dK = scale * dS^T Q
 
-Three kernels, launched in this order:
+Three kernels (two with atomic dQ, the default), launched in this order:
 
 1. ``delta``: the pre-pass D = rowsum(dO * O), one float per query row.
 2. ``dkdv``: K/V tiles outer. One block owns Bc key rows: it keeps K_j and V_j in shared
@@ -28,7 +28,8 @@ Three kernels, launched in this order:
    The other design, atomics, adds each block's partial dQ_i += scale * dS K_j into dQ
    with float32 atomic adds from the dkdv kernel: no recomputation, but the order of the
    additions depends on which block gets there first, so dQ changes in its last bits
-   from run to run. ``dq_mode="atomic"`` selects it, to measure what determinism costs.
+   from run to run. It is the default (``dq_mode="atomic"``, as in FlashAttention-2),
+   because it measured faster on the H100; ``dq_mode="separate"`` buys determinism.
 
 Each thread owns a register micro-tile of every product ("register tiling"): for a
 product with an R x C result and NT threads, thread t owns TM x TN entries. Operands are
@@ -88,6 +89,7 @@ __all__ = [
 ]
 
 STATIC_SHARED_LIMIT = 48 * 1024
+MAX_SHARED_H100 = 227 * 1024      # the most shared memory one block may opt in to
 MAX_GRID_Y = 65535
 ALIGN = None if on_simulator() else 16   # shared rows start 16-byte aligned (the simulator refuses the option)
 HEAD_DIM_BUCKETS = (8, 16, 32, 64, 128)
@@ -99,10 +101,13 @@ _DEAD_ROW_L = 1.0e30
 
 # Two-level sums in the dK/dV kernel: each thread sums about ACC_ROWS query rows of
 # dV_j += P^T dO_i and dK_j += dS^T Q_i in registers, then adds that partial to a running
-# sum it keeps in shared memory. One long float32 sum over all N rows (a register growing
-# to O(1) while each step adds O(1/N)) rounds about sqrt(N) times worse than NumPy's blocked
-# sums; at N = 4096 (causal, the first keys: P >= 0, nothing cancels) it broke the
-# tolerance rule. Summed in blocks of ACC_ROWS, its error grows with N / ACC_ROWS instead.
+# sum it keeps in shared memory. One long float32 sum over all N rows (a register that grows
+# to O(1) while each step adds a small term) rounds at every one of its N additions; at
+# N = 4096, causal (the first keys: P >= 0, nothing cancels), its dV error was 4x NumPy's
+# blocked sums and broke the tolerance rule. Summed in blocks of ACC_ROWS rows, the long
+# sum has N / ACC_ROWS additions (measured: 0.7x NumPy's error there).
+# The dQ kernel does the same over the keys. (Atomic dQ is two-level by construction: each
+# block adds a partial over its Bc keys.)
 ACC_ROWS = 64
 
 
@@ -225,14 +230,16 @@ def _dkdv_layout(BC, BR, D, merged=False):
 
 def _dkdv_merged(BC, BR, D) -> bool:
     """Merge the P and dS buffers when that is what keeps the block within 48 KB of static
-    shared memory (above 48 KB either way, dynamic shared memory takes both buffers)."""
+    shared memory, or within the 227 KB a block may have at all (H100); otherwise keep two
+    buffers (two fewer barriers a step)."""
     two = 4 * _dkdv_layout(BC, BR, D, False)[1]
     one = 4 * _dkdv_layout(BC, BR, D, True)[1]
-    return two > STATIC_SHARED_LIMIT >= one
+    return two > STATIC_SHARED_LIMIT >= one or two > MAX_SHARED_H100 >= one
 
 
 def _dq_layout(BR, BC, D):
-    """Offsets (in floats) of the dq kernel's shared tiles: Q_i, dO_i, K_j, V_j, dS, L_i, D_i."""
+    """Offsets (in floats) of the dq kernel's shared tiles: Q_i, dO_i, K_j, V_j, dS, L_i, D_i,
+    and the running sum of dQ_i (Br x D, every thread its own slots)."""
     LD, LP = _strides(BC, D)
     o_q = 0
     o_do = o_q + BR * LD
@@ -241,7 +248,8 @@ def _dq_layout(BR, BC, D):
     o_ds = o_v + BC * LD
     o_l = o_ds + BR * LP
     o_d = o_l + BR
-    return (o_q, o_do, o_k, o_v, o_ds, o_l, o_d), o_d + BR
+    o_sq = -(-(o_d + BR) // 4) * 4
+    return (o_q, o_do, o_k, o_v, o_ds, o_l, o_d, o_sq), o_sq + BR * D
 
 
 def _raise_dynamic_limit(kernel, signature: str, args, nbytes: int):
@@ -283,12 +291,12 @@ class Tiles:
     ``dq_block_k`` = Bc key rows per step, ``dq_threads``.
     """
 
-    block_k: int = 64
-    block_q: int = 16
-    threads: int = 128
-    dq_block_q: int = 64
-    dq_block_k: int = 16
-    dq_threads: int = 128
+    block_k: int = 128
+    block_q: int = 64
+    threads: int = 256
+    dq_block_q: int = 128
+    dq_block_k: int = 64
+    dq_threads: int = 256
     merged: bool | None = None      # P and dS in one shared buffer; None: only when needed
 
     def label(self) -> str:
@@ -353,14 +361,18 @@ def _max_shared_bytes() -> int:
         return STATIC_SHARED_LIMIT
 
 
-# Production tiles by head-dim bucket (GPU). The bench sweeps the candidates in
-# ``kernels/bench/flash_backward.py``; these are the ones that fit 48 KB of static shared memory.
+# Production tiles by head-dim bucket (GPU), from the sweeps on the H100 (B=4 H=16 N=4096,
+# fp32; ``kernels/bench/flash_backward.py`` sweeps d = 64). d = 64: dK/dV Bc=128 Br=64 with
+# 256 threads (8 x 4 S micro-tiles, 199 KB: one block an SM) was the fastest dK/dV kernel by
+# far, with atomic dQ and with the separate one; the separate dQ kernel's best was Br=128
+# Bc=64 with 256 threads. d = 32 and d = 128: dK/dV candidates timed with atomic dQ (the
+# dQ-kernel tiles there are not swept). d <= 16: not measured.
 _GPU_TILES = {
     8: Tiles(64, 64, 128, 64, 64, 128),
     16: Tiles(64, 64, 128, 64, 64, 128),
-    32: Tiles(64, 32, 128, 64, 32, 128),
-    64: Tiles(64, 16, 128, 64, 16, 128),
-    128: Tiles(32, 8, 128, 32, 8, 128),
+    32: Tiles(128, 64, 256, 64, 32, 128, merged=True),
+    64: Tiles(128, 64, 256, 128, 64, 256),
+    128: Tiles(64, 32, 256, 32, 8, 128, merged=True),
 }
 # The simulator runs every thread in Python: small blocks.
 _SIM_TILES = Tiles(8, 8, 16, 8, 8, 16)
@@ -801,7 +813,9 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
 
     Block i keeps Q_i, dO_i (Br x D), L_i and D_i in shared memory and dQ_i in registers;
     for each key tile j it recomputes S, P, dP and dS and accumulates dQ_i += dS K_j.
-    Each dQ entry is summed by one thread in a fixed order: bitwise reproducible.
+    Each dQ entry is summed by one thread in a fixed order: bitwise reproducible. Two-level
+    sums as in ``make_dkdv``: about ACC_ROWS keys in registers, then into a running sum in
+    shared memory.
     Micro-tiles and vector loads as in ``make_dkdv``; dQ_i += dS K_j runs over the keys
     four at a time (one 16-byte load of a dS row per four keys).
     """
@@ -813,7 +827,8 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
     UC = _vec(BC)
     LK = BC * D // NT                                       # K (and V) elements a thread prefetches
     LD, LP = _strides(BC, D)
-    (O_Q, O_DO, O_K, O_V, O_DS, O_L, O_D), TOTAL = _dq_layout(BR, BC, D)
+    (O_Q, O_DO, O_K, O_V, O_DS, O_L, O_D, O_SQ), TOTAL = _dq_layout(BR, BC, D)
+    FLUSH = max(1, ACC_ROWS // BC)                          # key tiles summed in registers per flush
     SHARED = 0 if dynamic else TOTAL
     DEAD = float32(_DEAD_ROW_L)
     ALIVE = float32(-1.0e30)
@@ -850,10 +865,13 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
             sm[uint64(O_L + r)] = lv
             sm[uint64(O_D + r)] = dv_
 
+        # dQ_i: partial sums in registers, running sums in shared memory (two-level, as dK/dV).
         acc = cuda.local.array((QM, QN), float32)
         for a in range(QM):
             for b in range(QN):
                 acc[a, b] = float32(0.0)
+                sm[uint64(O_SQ + (a * QN + b) * NT + t)] = float32(0.0)
+        since_flush = int32(0)
         s = cuda.local.array((AM, AN), float32)
         dp = cuda.local.array((AM, AN), float32)
         qa = cuda.local.array((AM, 4), float32)
@@ -967,6 +985,13 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
                     for a in range(QM):
                         for b in range(QN):
                             acc[a, b] += sq[a, u] * kq[b]
+            since_flush += int32(1)
+            if since_flush == int32(FLUSH):
+                since_flush = int32(0)
+                for a in range(QM):
+                    for b in range(QN):
+                        sm[uint64(O_SQ + (a * QN + b) * NT + t)] += acc[a, b]
+                        acc[a, b] = float32(0.0)
 
         for a in range(QM):
             row = r0 + ty_q + int32(a * RQ)
@@ -974,7 +999,7 @@ def make_dq(BR: int, BC: int, D: int, NT: int, dynamic: bool = False):
                 for b in range(QN):
                     e = tx_q * int32(VQ) + int32((b % VQ) + (b // VQ) * CQ * VQ)
                     if e < d:
-                        dq[bh, row, e] = acc[a, b] * scale
+                        dq[bh, row, e] = (sm[uint64(O_SQ + (a * QN + b) * NT + t)] + acc[a, b]) * scale
 
     return dq_kernel
 
@@ -989,16 +1014,17 @@ def _check_like(x, name, shape, what):
 
 
 def flash_attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, tiles=None,
-                             dq_mode="separate"):
+                             dq_mode="atomic"):
     """Gradients (dq, dk, dv) of attention for the upstream gradient ``do``.
 
     q: (B, H, Nq, d), k and v: (B, H, Nk, d), o and do: (B, H, Nq, d), lse: (B, H, Nq)
     (natural log, -inf on rows that see nothing), all float32, the o and lse that the
     forward (``kernels.flash_forward.flash_attention``) returned. ``causal`` masks
     bottom-right aligned; ``scale`` defaults to 1/sqrt(d). ``tiles`` overrides the tile
-    sizes (a ``Tiles``). ``dq_mode``: "separate" (a second, Q-tile-outer kernel;
-    deterministic, the default) or "atomic" (float32 atomic adds from the K/V-tile-outer
-    kernel; no recomputation, run-to-run differences in the last bits).
+    sizes (a ``Tiles``). ``dq_mode``: "atomic" (the default: float32 atomic adds from the
+    K/V-tile-outer kernel; no recomputation, run-to-run differences in dQ's last bits) or
+    "separate" (a second, Q-tile-outer kernel that recomputes S and dP; bitwise
+    deterministic, slower).
 
     NumPy in, NumPy out; device arrays in, device arrays out.
     """
@@ -1076,7 +1102,7 @@ def _launch(q, k, v, o, lse, do, nq, nk, D, causal, scale, tiles, dq_mode, out=N
     return dq, dk, dv
 
 
-def io_model_bytes(B, H, nq, nk, d, tiles=None, dq_mode="separate", causal=False, itemsize=4):
+def io_model_bytes(B, H, nq, nk, d, tiles=None, dq_mode="atomic", causal=False, itemsize=4):
     """HBM bytes the three kernels move, by the IO model (no reuse through L2).
 
     delta: reads O, dO, writes D: 2 Nq d + Nq. dkdv: reads K, V once and writes dK, dV

@@ -52,33 +52,36 @@ def _check_gradients(case, got, o, lse, do):
         assert_close(g, e, b, name=name)
 
 
-def _usable(tiles, d):
+def _usable(tiles, d, dq_mode="separate"):
     """Whether a drawn tile configuration splits evenly at this head dim."""
     if tiles is None:
         return True
     from kernels.flash_backward import _check_tiles
 
     try:
-        _check_tiles(tiles, head_dim_bucket(d), "separate")
+        _check_tiles(tiles, head_dim_bucket(d), dq_mode)
     except ValueError:
         return False
     return True
 
 
 @given(case=attention_cases(max_n=MAX_N, max_d=MAX_D), tiles=st.sampled_from(TILE_CHOICES),
-       seed=st.integers(0, 2**16))
-@example(case=case_with((1, 1, 1, 3), (1, 1, 1, 3)), tiles=None, seed=0)                   # N = 1
-@example(case=case_with((1, 2, 9, 5), (1, 2, 17, 5), causal=True), tiles=None, seed=1)     # Nq < Nk, one past a tile
-@example(case=case_with((2, 1, 17, 7), (2, 1, 6, 7), causal=True), tiles=None, seed=2)     # Nq > Nk: masked rows
-@example(case=case_with((1, 1, 13, 8), (1, 1, 11, 8), scale=0.37, magnitude=30.0), tiles=None, seed=3)  # big logits
+       seed=st.integers(0, 2**16), dq_mode=st.sampled_from(DQ_MODES))
+@example(case=case_with((1, 1, 1, 3), (1, 1, 1, 3)), tiles=None, seed=0, dq_mode="separate")   # N = 1
+@example(case=case_with((1, 2, 9, 5), (1, 2, 17, 5), causal=True), tiles=None, seed=1,
+         dq_mode="separate")                                                                # Nq < Nk, one past a tile
+@example(case=case_with((2, 1, 17, 7), (2, 1, 6, 7), causal=True), tiles=None, seed=2,
+         dq_mode="atomic")                                                                  # Nq > Nk: masked rows
+@example(case=case_with((1, 1, 13, 8), (1, 1, 11, 8), scale=0.37, magnitude=30.0), tiles=None, seed=3,
+         dq_mode="atomic")                                                                  # big logits
 @example(case=case_with((1, 1, 9, 4), (1, 1, 12, 4), causal=True), tiles=Tiles(4, 8, 8, 8, 4, 8, merged=True),
-         seed=4)                                                                            # P and dS share a buffer
-def test_gradients_match_the_oracle(case, tiles, seed):
-    if not _usable(tiles, case.q.shape[-1]):
+         seed=4, dq_mode="atomic")                                                          # P and dS share a buffer
+def test_gradients_match_the_oracle(case, tiles, seed, dq_mode):
+    if not _usable(tiles, case.q.shape[-1], dq_mode):
         tiles = None
     o, lse, do = _forward_and_grad(case, seed)
     got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=case.causal,
-                                   scale=case.scale, tiles=tiles)
+                                   scale=case.scale, tiles=tiles, dq_mode=dq_mode)
     _check_gradients(case, got, o, lse, do)
 
 
@@ -144,7 +147,8 @@ def test_consumes_the_logsumexp_of_the_chapter_4_forward():
 def test_separate_dq_kernel_is_bitwise_deterministic():
     case = case_with((1, 2, 19, 8), (1, 2, 21, 8), causal=True, seed=11)
     o, lse, do = _forward_and_grad(case)
-    runs = [flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=True) for _ in range(3)]
+    runs = [flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=True, dq_mode="separate")
+            for _ in range(3)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert np.array_equal(a, b)
@@ -174,17 +178,19 @@ def test_device_arrays_in_device_arrays_out():
     _check_gradients(case, [g.copy_to_host() for g in got], o, lse, do)
 
 
-def test_two_level_sums_across_many_query_tiles():
-    # More query rows than ACC_ROWS: dV_j and dK_j pass through the running sums in shared
-    # memory (several flushes, and a partial left in registers at the end).
+def test_two_level_sums_across_many_tiles():
+    # More query rows and keys than ACC_ROWS: dV_j, dK_j (and dQ_i in the separate kernel)
+    # pass through the running sums in shared memory (several flushes, and a partial left
+    # in registers at the end).
     from kernels.flash_backward import ACC_ROWS
 
-    nq = 2 * ACC_ROWS + 7
-    case = case_with((1, 1, nq, 4), (1, 1, 10, 4), seed=14)
+    case = case_with((1, 1, 2 * ACC_ROWS + 7, 4), (1, 1, ACC_ROWS + 9, 4), causal=True, seed=14)
     o, lse, do = _forward_and_grad(case)
     tiles = Tiles(8, 8, 16, 8, 8, 16) if SIM else None
-    got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, tiles=tiles)
-    _check_gradients(case, got, o, lse, do)
+    for dq_mode in DQ_MODES:
+        got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=True, tiles=tiles,
+                                       dq_mode=dq_mode)
+        _check_gradients(case, got, o, lse, do)
 
 
 @pytest.mark.skipif(SIM, reason="N = 4096 is for the GPU")
