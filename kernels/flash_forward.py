@@ -54,8 +54,9 @@ exp and the scale: exp(scale (s - m)) = exp2(s * scale log2(e) - m * scale log2(
 FMA and one ex2 instruction a probability (fastmath's exp is ex2 after a multiply anyway).
 
 Registers decide the tiles: a thread holds its TM x RN scores and TM x RD outputs. At d=64
-the 8x8 micro-tiles of the default need about 250 registers a thread, so an SM keeps 256
-threads (8 warps); loading the next K/V tile into registers while computing the current
+the 8x8 micro-tiles of the default need 251 registers a thread (H100 driver), so an SM
+keeps one 256-thread block (8 warps); Br = 256 rather than 128 halves the K/V traffic and
+the barriers per FMA. Loading the next K/V tile into registers while computing the current
 one (``prefetch=True``) costs 2 Bc D / threads more registers and measured no faster.
 
 Causal (bottom-right): query i sees key j iff j <= i + (Nk - Nq). K/V tiles entirely to

@@ -144,20 +144,25 @@ for causal in (False, True):
 #
 # | what | size (floats) | where | why |
 # |---|---|---|---|
-# | `Q_i` | Br x d | shared, **transposed** (`Qt`, d x (Br+1)) | read d times per tile by every thread that shares its rows |
-# | `K_j` | Bc x d | shared, **transposed** (`Kt`, d x (Bc+1)) | read along the columns of S; the +1 keeps the transposing stores free of bank conflicts |
-# | `V_j` | Bc x d | shared, as in HBM | read along the rows of O |
+# | `Q_i` | Br x d | shared, **transposed** (`Qt`, d x (Br+4)) | read d times per tile; a thread's rows are contiguous |
+# | `K_j` | Bc x d | shared, **transposed** (`Kt`, d x (Bc+4)) | read along the columns of S; a thread's columns are contiguous |
+# | `V_j` | Bc x d | shared, as in HBM (`V`, Bc x (d+8)) | read along the rows of O |
 # | `S_ij` | Br x Bc | **registers**, a TM x RN piece a thread | produced and consumed by the same thread |
 # | `P_ij` | Br x Bc | shared, transposed (`Pt`) | written by the thread that owns a score, read by the threads that own the output columns |
 # | `m`, `l` | Br each | registers, TM a thread | the running statistics |
 # | `O_i` | Br x d | **registers**, a TM x RD piece a thread | the accumulator: rescaled and added to every tile |
 #
-# **Threads.** A block has TY x TX threads, TY = Br / TM. Thread (ty, tx) owns the rows
-# `ty + TY*i` (i < TM) and the columns `tx + TX*j` (j < RN = Bc / TX) of S, and the columns
-# `tx + TX*c` (c < RD = d / TX) of O. Both products are register-tiled matmuls (chapter 2):
-# per step of the inner dimension a thread reads TM values of one operand and RN (or RD) of
-# the other from shared memory and does TM x RN (TM x RD) fused multiply-adds. With
-# TM = RN = 8 that is 64 FMAs for 16 shared-memory loads.
+# **Threads.** A block has TY x TX threads, TY = Br / TM. Thread (ty, tx) owns TM rows and
+# RN = Bc / TX columns of S, and the same rows and RD = d / TX columns of O, in **runs of
+# 4**, as in chapter 2: rows `4 ty + 4 TY a + i` (i < 4), columns `4 tx + 4 TX b + j`.
+# Both products are register-tiled matmuls: per step of the inner dimension a thread reads
+# TM values of one operand and RN (or RD) of the other from shared memory and does TM x RN
+# (TM x RD) fused multiply-adds. A run of 4 floats that starts 16-byte aligned is one
+# 128-bit load (`LDS.128`), so with TM = RN = 8 that is 64 FMAs for 4 shared-memory loads
+# (16 with scalar loads). Row strides are multiples of 4 floats (every row aligned), and the
+# 8 threads of a warp that read neighbouring runs read 128 consecutive bytes: one
+# shared-memory wavefront, no bank conflicts. The padding (+4, +8) spreads the stores of the
+# tile copies over all 32 banks.
 #
 # **Reductions.** The TX threads of a row are neighbours in one warp. The row max needs all
 # of them: a butterfly of log2(TX) warp shuffles (`shfl_xor`), no shared memory, no barrier.
@@ -165,8 +170,8 @@ for causal in (False, True):
 # the same for the whole row) and the TX partial sums are added once, at the end.
 #
 # **exp.** The kernel keeps raw scores `s = q . k` and applies the scale inside the
-# exponent, `exp(scale * (s - m))`, with `fastmath` (the hardware's `ex2.approx` after one
-# multiply by log2 e). Because fastmath lets the compiler assume there are no infinities,
+# exponent: `exp(scale (s - m)) = exp2(s c - m c)` with `c = scale log2 e`, one FMA and the
+# hardware's `ex2.approx` per probability (`m c` is computed once a row). Because fastmath lets the compiler assume there are no infinities,
 # the kernel never computes with `-inf`: a masked score is the finite sentinel `-1e30`, and
 # a row that has seen no key yet contributes nothing.
 
@@ -197,12 +202,17 @@ for t in SWEEP_D128:
     print(budget(t, 128))
 
 # %% [markdown]
-# `ptxas` for sm_90, measured on the PTX of this module when it was written (no spills,
-# no local memory in any of them): the default d = 64 tiles `Br=128 Bc=64 TM=8 TX=8` about
-# 230 registers a thread (128 threads: two blocks an SM, limited by both registers and the
-# 97.5 KB of shared memory); `Br=64 Bc=64 TM=4 TX=8` and `Br=128 Bc=64 TM=4 TX=8` about 110;
-# the d = 128 default `Br=64 Bc=32 TM=4 TX=8` about 130. Every production configuration is
-# compiled to PTX in CI
+# Registers as the H100's driver compiled this module when it was written
+# (`kernel.get_regs_per_thread()` after a launch): the d = 64 default `Br=256 Bc=64 TM=8 TX=8`
+# uses 251 registers a thread and no local memory: its 256 threads fill the SM's 64K
+# registers, one block (8 warps) an SM, which its 165 KB of shared memory allows too.
+# `Br=128 Bc=64 TM=8 TX=8` (128 threads, two blocks an SM) hits the 255 cap and spills
+# 24 bytes; `Br=128 Bc=64 TM=4 TX=8` uses about 150, `Br=256 Bc=32 TM=8 TX=8` about 170.
+# The d = 128 default `Br=128 Bc=32 TM=4 TX=8` uses about 170 (one 256-thread block an SM,
+# 117.5 KB of shared memory). Loading the next K/V tile into registers while computing the
+# current one (`make_flash_forward(..., prefetch=True)`, which the bench measures) needs
+# `2 Bc d / threads` registers more: at these tiles it either spills or costs occupancy,
+# and it measured no faster. Every production configuration is compiled to PTX in CI
 # (`python -m kernels.ptx_check flash_forward`), which also warns if any uses local memory.
 
 # %% [markdown]
@@ -247,10 +257,13 @@ show("# ---- on-chip state")
 # %% [markdown]
 # **The loop bound.** With causal masking (bottom-right: query r sees key c iff
 # c <= r + Nk - Nq), the last row of the tile sees keys up to `q0 + Br - 1 + Nk - Nq`; tiles
-# past that are never loaded. Then, per K/V tile: load `K_j` (transposed) and `V_j`.
+# past that are never loaded. Then, per K/V tile: `load_kv` (shown with the factory above)
+# brings this thread's part of `K_j` and `V_j` into registers, and the block stores them to
+# shared memory, `K_j` transposed, between two barriers.
 
 # %%
 show("# ---- how many K/V tiles")
+show("# -- K_j (transposed) and V_j")
 
 # %% [markdown]
 # **S = Q K^T** in registers, then the mask, which only tiles crossing the diagonal or the
@@ -362,7 +375,7 @@ print(type(o_dev).__name__, o_dev.shape, lse_dev.shape)
 # * **compulsory**: every input read once, every output written once: `4 N d + N`.
 #
 # The fused kernel still reads K and V ceil(N / Br) times, but that `2 N^2 d / Br` is
-# smaller than the naive `4 N^2` by a factor `2 Br / d` (4x at Br = 128, d = 64), and
+# smaller than the naive `4 N^2` by a factor `2 Br / d` (8x at the default Br = 256, d = 64), and
 # `Br` is ours to choose. More telling is the arithmetic intensity: each K/V element a block
 # loads feeds `2 Br` FLOPs (`4 Br d` FLOPs per K/V row of `2 d` elements), 32 FLOP/byte in
 # fp32 at Br = 64, above the H100's fp32 ridge (51 TFLOP/s / 3 TB/s = 17 FLOP/B). The fused
@@ -401,8 +414,9 @@ plt.show()
 # FLOPs: `4 B H Nq Nk d` (two matmuls of `2 Nq Nk d` each; the exp and the rescaling are
 # lower order), halved for causal. At the reference configuration (B=4, H=16, N=4096, d=64)
 # that is 275 GFLOP: 5.4 ms at the 51 TFLOP/s cuBLAS reaches in fp32, while the fused
-# kernel's 4.4 GB (Br = 128) take 1.5 ms at 3 TB/s. The naive path moves about 17 GB, mostly
-# S and P: at least 5.9 ms at copy speed, more than all the arithmetic.
+# kernel's 2.3 GB (the default Br = 256; 4.4 GB at Br = 128) take under 1 ms at 3 TB/s.
+# The naive path moves about 17 GB, mostly S and P: at least 5.9 ms at copy speed, more
+# than all the arithmetic.
 
 # %%
 b, h, n, d = 4, 16, 4096, 64
@@ -410,6 +424,7 @@ flops = 4 * b * h * n * n * d
 print(f"FLOPs {flops / 1e9:.0f} G -> {flops / 51.2e12 * 1e3:.2f} ms at 51.2 TFLOP/s")
 for label, nbytes in [("naive", naive_bytes(n, d, b * h)), ("fused Br=64", io_model_bytes(b, h, n, n, d, Br=64)),
                       ("fused Br=128", io_model_bytes(b, h, n, n, d, Br=128)),
+                      ("fused Br=256", io_model_bytes(b, h, n, n, d, Br=256)),
                       ("compulsory", compulsory_bytes(n, d, b * h))]:
     print(f"{label:<13} {nbytes / 1e9:6.2f} GB -> {nbytes / 2.97e12 * 1e3:6.2f} ms at 2.97 TB/s, "
           f"intensity {flops / nbytes:6.1f} FLOP/B")
@@ -541,9 +556,9 @@ _ = check_exercise(lambda c: check_tile_update(tile_update, c), tile_update_case
 # %% [markdown]
 # ### Exercise 2: tiles for d = 128
 #
-# At d = 128 the Q tile alone takes `128 x (Br + 1)` floats of shared memory, and the
+# At d = 128 the Q tile alone takes `128 x (Br + 4)` floats of shared memory, and the
 # accumulator `TM x 128/TX` registers a thread. Using `budget` above, find a configuration
-# with at least 3 blocks an SM and at most 64 accumulator registers a thread. Which one did
+# with at least 2 blocks an SM and at most 64 accumulator registers a thread. Which one did
 # the module choose (`default_tiles(128)`), and what does the IO model say about its Br?
 
 # %%

@@ -234,7 +234,7 @@ def tile_sweep(ctx, candidates=None, *, d=None, causal=False):
     for tiles, prefetch in [(t, False) for t in candidates] + [(candidates[0], True)]:
         try:
             out.append(measure_kernel(ctx, tiles, b, h, n, d, causal=causal, sets=sets, prefetch=prefetch,
-                                      label=f"flash fwd {tiles}{' prefetch' if prefetch else ''}",
+                                      label=f"{'fwd+prefetch' if prefetch else 'flash fwd'} {tiles}",
                                       extra={"part": "tile sweep"}))
         except Exception as exc:   # a candidate the device cannot run: report, keep sweeping
             ctx.progress(f"  tile sweep: {tiles} failed: {type(exc).__name__}: {str(exc)[:160]}")
