@@ -16,9 +16,10 @@ Three kernels (two with atomic dQ, the default), launched in this order:
 
 1. ``delta``: the pre-pass D = rowsum(dO * O), one float per query row.
 2. ``dkdv``: K/V tiles outer. One block owns Bc key rows: it keeps K_j and V_j in shared
-   memory and the accumulators dK_j and dV_j in registers, and streams the query side
-   (Q_i, dO_i, L_i, D_i) tile by tile (Tr tiles of Br rows). dK_j and dV_j are each
-   written once, by the one block that owns them: no atomics.
+   memory and the accumulators dK_j and dV_j in registers (two-level: partial sums over
+   ACC_ROWS query rows in registers, running sums in shared memory), and streams the
+   query side (Q_i, dO_i, L_i, D_i) tile by tile (Tr tiles of Br rows). dK_j and dV_j are
+   each written once, by the one block that owns them: no atomics for them.
 3. ``dq``: Q tiles outer. One block owns Br query rows: it keeps Q_i, dO_i in shared
    memory and the accumulator dQ_i in registers, streams K_j, V_j, and recomputes S, P,
    dP and dS a second time. Every element of dQ is summed by one thread in a fixed order,
