@@ -58,6 +58,65 @@ def assert_close(got, exact, baseline, *, name="output", factor=2.0, floor_ulps=
     )
 
 
+
+# --------------------------------------------------------------------------- floors for attention
+
+def exponent_scale(q, k, scale=None) -> float:
+    """1 + max|scale * Q K^T|: how large the exponents of softmax get.
+
+    Any float32 computation of S = scale Q K^T carries an absolute error of a few ulps of
+    |S|, and a fast exp2 adds the rounding of its argument; both become a relative error of
+    P = exp(S - m) of that size. NumPy's float32 baseline makes the same kind of error but
+    can be luckier per element, so the attention tests put their floor at a few ulps of this
+    scale (times the size of what P weights), not of 1.
+    """
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k, np.float64)
+    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
+        return 1.0
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    return 1.0 + float(np.max(np.abs(scale * (q @ np.swapaxes(k, -1, -2)))))
+
+
+def forward_floor_scales(q, k, v, scale=None):
+    """Floor scales for (O, L) of attention: O = P V errs by (relative error of P) x max|V|;
+    L = m + log l errs by the exponent error itself."""
+    e = exponent_scale(q, k, scale)
+    vmax = float(np.max(np.abs(v))) if np.size(v) else 0.0
+    return e * max(1.0, vmax), e
+
+
+def gradient_floor_scales(q, k, v, o, lse, do, *, causal=False, scale=None, block_mask=None):
+    """Floor scales for (dQ, dK, dV) of attention.
+
+    dS = P (dP - D) with D = rowsum(dO O) = sum_j P_j dP_j: where a row's softmax is nearly
+    one-hot (large logits), dP - D is a small difference of float32 sums of size |dP| + |D|,
+    and any float32 computation of it keeps an absolute error of a few ulps of those terms,
+    not of the small result (the float32 baseline can be exact by luck on tiny shapes).
+    dQ = scale dS K and dK = scale dS^T Q carry that error summed over a row (column): their
+    floor is ulps of scale (P (|dP| + |D|)) |K| (resp. its transpose times |Q|). dV = P^T dO
+    errs by the relative error of P times P^T |dO|. Each is multiplied by the exponent scale
+    (see ``exponent_scale``): P itself is only that accurate.
+    """
+    from kernels import reference as ref
+
+    q, k, v, o, lse, do = (np.asarray(x, np.float64) for x in (q, k, v, o, lse, do))
+    d = q.shape[-1]
+    scale = 1.0 / np.sqrt(max(d, 1)) if scale is None else scale
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        return 1.0, 1.0, 1.0
+    e = exponent_scale(q, k, scale)
+    allowed = ref.attention_mask(q.shape[-2], k.shape[-2], causal=causal, block_mask=block_mask)
+    allowed = np.ones((1, 1), bool) if allowed is None else allowed
+    s = scale * (q @ np.swapaxes(k, -1, -2))
+    live = np.isfinite(lse)[..., None]
+    p = np.where(allowed & live, np.exp(np.minimum(s - np.where(live, lse[..., None], 0.0), 0.0)), 0.0)
+    terms = p * (np.abs(do @ np.swapaxes(v, -1, -2)) + np.abs(np.sum(do * o, axis=-1, keepdims=True)))
+    dq_scale = scale * float(np.max(terms @ np.abs(k), initial=0.0))
+    dk_scale = scale * float(np.max(np.swapaxes(terms, -1, -2) @ np.abs(q), initial=0.0))
+    dv_scale = float(np.max(np.swapaxes(p, -1, -2) @ np.abs(do), initial=0.0))
+    return e * max(1.0, dq_scale), e * max(1.0, dk_scale), e * max(1.0, dv_scale)
+
 # The simulator runs every thread in Python: keep sizes small there.
 MAX_N = 64 if on_simulator() else 512
 MAX_D = 32 if on_simulator() else 128

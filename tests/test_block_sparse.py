@@ -15,7 +15,7 @@ from kernels import reference as ref
 from kernels import sparsity_patterns as sp
 from kernels.block_sparse import block_sparse_attention, block_sparse_attention_backward, tile_lists
 from kernels.runtime import on_simulator
-from kernels.testing import MAX_BH, MAX_D, assert_close, random_array
+from kernels.testing import MAX_BH, MAX_D, assert_close, forward_floor_scales, gradient_floor_scales, random_array
 
 # Sequence lengths: the simulator runs every thread in Python, keep them small there.
 MAX_N = 40 if on_simulator() else 512
@@ -88,8 +88,10 @@ def check_forward(c):
     exact_o, exact_lse = ref.attention(q, k, v, **kw)
     base_o, base_lse = ref.attention(q, k, v, dtype=np.float32, **kw)
     assert o.dtype == np.float32 and lse.dtype == np.float32
-    assert_close(o, exact_o, base_o, name="O")
-    assert_close(lse, exact_lse, base_lse, name="L")
+    # Floors: O and L are as accurate as the exponents scale * S are (kernels.testing.exponent_scale).
+    fs_o, fs_l = forward_floor_scales(q, k, v, c["scale"])
+    assert_close(o, exact_o, base_o, name="O", floor_scale=fs_o)
+    assert_close(lse, exact_lse, base_lse, name="L", floor_scale=fs_l)
 
 
 # --------------------------------------------------------------------------- forward
@@ -183,43 +185,15 @@ def check_backward(c):
     # exact: the float64 gradients for the float32 (O, L) the kernel is given
     exact = ref.attention_backward(q, k, v, o, lse, do, **kw)
     base = ref.attention_backward(q, k, v, o, lse, do, dtype=np.float32, **kw)
-    floors = cancellation_scales(q, k, v, o, lse, do, **kw) + (None,)
+    floors = gradient_floor_scales(q, k, v, o, lse, do, **kw)
     for g, e, bl, fs, name in zip(got, exact, base, floors, ("dQ", "dK", "dV")):
         assert g.dtype == np.float32
         assert_close(g, e, bl, name=name, floor_scale=fs)
     return got
 
 
-def cancellation_scales(q, k, v, o, lse, do, *, causal, scale, block_mask):
-    """Floor scales for dQ and dK: the magnitude of the terms that cancel in them.
-
-    dS = P * (dP - D) with D = rowsum(dO * O) = sum_j P_j dP_j: where a row's softmax is
-    nearly one-hot (large logits), dP - D is a small difference of two float32 sums of size
-    |dP|, |D|, and any float32 computation of it (the kernel's, NumPy's) keeps an absolute
-    error of a few ulps of |dP| + |D|, not of the small result; the float32 baseline can be
-    exact by luck on tiny shapes. dQ = scale dS K and dK = scale dS^T Q carry that error,
-    summed over the row (column): their floor is ulps of scale (P (|dP| + |D|)) |K| (resp.
-    its transpose times |Q|), computed here in float64. dV = P^T dO has no such difference
-    and keeps the default floor.
-    """
-    q, k, v, o, lse, do = (np.asarray(x, np.float64) for x in (q, k, v, o, lse, do))
-    d = q.shape[-1]
-    scale = 1.0 / np.sqrt(max(d, 1)) if scale is None else scale
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        return 1.0, 1.0
-    allowed = ref.attention_mask(q.shape[-2], k.shape[-2], causal=causal, block_mask=block_mask)
-    allowed = np.ones((1, 1), bool) if allowed is None else allowed
-    s = scale * (q @ np.swapaxes(k, -1, -2))
-    live = np.isfinite(lse)[..., None]
-    p = np.where(allowed & live, np.exp(np.minimum(s - np.where(live, lse[..., None], 0.0), 0.0)), 0.0)
-    terms = p * (np.abs(do @ np.swapaxes(v, -1, -2)) + np.abs(np.sum(do * o, axis=-1, keepdims=True)))
-    dq_scale = scale * float(np.max(terms @ np.abs(k), initial=0.0))
-    dk_scale = scale * float(np.max(np.swapaxes(terms, -1, -2) @ np.abs(q), initial=0.0))
-    return max(1.0, dq_scale), max(1.0, dk_scale)
-
-
 # Large logits (|q|, |k| ~ 3, scale up to 2) are drawn too: dQ and dK are then small
-# differences of large terms, and their floor follows those terms (cancellation_scales).
+# differences of large terms, and their floor follows those terms (kernels.testing.gradient_floor_scales).
 @given(sparse_cases(max_n=min(MAX_N, 32)))
 @example(case(nq=1, nk=1, d=1, density=1.0))
 @example(case(b=2, h=2, nq=1, nk=4, d=17, magnitude=3.0, kind="sliding window", bq=16, bk=16))
@@ -258,7 +232,7 @@ def test_dense_mask_backward_equals_dense_backward():
         o, lse = block_sparse_attention(q, k, v, mask, causal=causal)
         exact = ref.attention_backward(q, k, v, o, lse, do, causal=causal)
         base = ref.attention_backward(q, k, v, o, lse, do, causal=causal, dtype=np.float32)
-        floors = cancellation_scales(q, k, v, o, lse, do, causal=causal, scale=None, block_mask=mask) + (None,)
+        floors = gradient_floor_scales(q, k, v, o, lse, do, causal=causal, scale=None, block_mask=mask)
         for grads, who in ((block_sparse_attention_backward(q, k, v, o, lse, do, mask, causal=causal), ""),
                            (flash_attention_backward(q, k, v, o, lse, do, causal=causal), " (chapter 5)")):
             for g, e, bl, fs, name in zip(grads, exact, base, floors, ("dQ", "dK", "dV")):

@@ -21,7 +21,7 @@ from kernels.naive_attention import (
     weighted_sum,
 )
 from kernels.runtime import on_simulator, to_device
-from kernels.testing import MAX_N, assert_close, attention_cases, case_with
+from kernels.testing import MAX_N, assert_close, attention_cases, case_with, forward_floor_scales
 
 # Tiles the tests draw: small ones in the simulator (ragged N crosses several tiles),
 # the production ones and a few others on the GPU. Rows longer than
@@ -73,17 +73,20 @@ def test_each_step_matches_the_oracle(case, tiles):
     assert_close(s, s_exact, s_f32, name="S")
 
     # The softmax is checked on the kernel's own S, so that its error is its own.
+    # Floors: P, O and L are as accurate as the exponents scale * S are (kernels.testing.exponent_scale).
+    fs_o, fs_l = forward_floor_scales(q, k, v, scale)
     p, lse = row_softmax(s, tiles=tiles)
-    assert_close(p, ref.softmax(s), ref.softmax(s, dtype=np.float32), name="P")
-    assert_close(lse, ref.logsumexp(s), ref.logsumexp(s, dtype=np.float32), name="L")
+    assert_close(p, ref.softmax(s), ref.softmax(s, dtype=np.float32), name="P", floor_scale=fs_l)
+    assert_close(lse, ref.logsumexp(s), ref.logsumexp(s, dtype=np.float32), name="L", floor_scale=fs_l)
 
     # The chain against the oracle from the inputs.
-    assert_close(p, ref.softmax(s_exact), ref.softmax(s_f32, dtype=np.float32), name="P (from Q, K)")
+    assert_close(p, ref.softmax(s_exact), ref.softmax(s_f32, dtype=np.float32), name="P (from Q, K)",
+                 floor_scale=fs_l)
     o = weighted_sum(p, v, causal=causal, tiles=tiles)
     o_exact, lse_exact = ref.attention(q, k, v, causal=causal, scale=scale)
     o_f32, lse_f32 = ref.attention(q, k, v, causal=causal, scale=scale, dtype=np.float32)
-    assert_close(o, o_exact, o_f32, name="O")
-    assert_close(lse, lse_exact, lse_f32, name="L (from Q, K)")
+    assert_close(o, o_exact, o_f32, name="O", floor_scale=fs_o)
+    assert_close(lse, lse_exact, lse_f32, name="L (from Q, K)", floor_scale=fs_l)
 
 
 # --------------------------------------------------------------------------- the launcher
@@ -98,8 +101,9 @@ def test_naive_attention_matches_the_oracle(case, tiles):
     assert isinstance(o, np.ndarray) and o.dtype == np.float32 and o.shape == q.shape
     o_exact, lse_exact = ref.attention(q, k, v, causal=causal, scale=scale)
     o_f32, lse_f32 = ref.attention(q, k, v, causal=causal, scale=scale, dtype=np.float32)
-    assert_close(o, o_exact, o_f32, name="O")
-    assert_close(lse, lse_exact, lse_f32, name="L")
+    fs_o, fs_l = forward_floor_scales(q, k, v, scale)
+    assert_close(o, o_exact, o_f32, name="O", floor_scale=fs_o)
+    assert_close(lse, lse_exact, lse_f32, name="L", floor_scale=fs_l)
 
 
 def test_fully_masked_rows_give_zero_not_nan():
