@@ -96,6 +96,30 @@ def _metric(r):
     return "median time (µs)", r.median_ms * 1e3
 
 
+def _without_n(config: str) -> str:
+    return re.sub(r"\s*\bN=\S+", "", config).strip()
+
+
+def replot(folder):
+    """Redraw every ``<idea>.png`` in ``folder`` from its committed ``<idea>.csv``."""
+    for csv_path in sorted(Path(folder).glob("*.csv")):
+        env, rows = harness.read_csv(csv_path)
+        fields = [f for f in harness.Result.__dataclass_fields__ if f != "extra"]
+        results = []
+        for row in rows:
+            extra = dict(item.split("=", 1) for item in (row.get("extra") or "").split(";") if "=" in item)
+            results.append(harness.Result(**{f: row[f] for f in fields}, extra=extra))
+        if not any(math.isfinite(r.median_ms) for r in results):
+            continue  # tables of counters (Nsight Compute), nothing timed to plot
+        # the run's measured ceiling, read back from any row's TFLOP/s and % of it
+        ceiling = next((100 * r.tflops / r.pct_fma_ceiling for r in results
+                        if math.isfinite(r.pct_fma_ceiling) and r.pct_fma_ceiling > 0), math.nan)
+        title = f"chapter {results[0].chapter}: {env.get('chapter', csv_path.stem).split(' ', 1)[-1]} ({env.get('device', '')})"
+        plot_results(results, csv_path.with_suffix(".png"), title=title, simulator="simulator" in env.get("device", "").lower(),
+                     ceiling=ceiling)
+        print("redrew", csv_path.with_suffix(".png"))
+
+
 def plot_results(results, path, *, title, simulator, ceiling=math.nan):
     """One PNG: per metric a line plot over N (results with N in ``extra``) and/or a bar
     chart per kernel and config; peers dashed/hatched, the course's kernels solid."""
@@ -104,28 +128,33 @@ def plot_results(results, path, *, title, simulator, ceiling=math.nan):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = []  # (metric, "line" | "bar", [results])
+    panels = []  # (metric, "line" | "bar", [results], panel title)
     for metric in ("TFLOP/s", "GB/s", "median time (µs)"):
         group = [r for r in results if _metric(r)[0] == metric and math.isfinite(_metric(r)[1])]
-        lines = [r for r in group if "N" in r.extra]
-        if len({str(r.extra["N"]) for r in lines}) < 2:
-            lines = []  # a single N: bars say more than a line of one point
-        bars = [r for r in group if r not in lines]
-        if lines:
-            panels.append((metric, "line", lines))
+        # One line panel per configuration family (the config without N: dtype, d, causal...),
+        # so that like is plotted with like; a family seen at a single N goes to the bars.
+        families = {}
+        for r in group:
+            if "N" in r.extra:
+                families.setdefault(_without_n(r.config), []).append(r)
+        in_lines = []
+        for rest, rs in families.items():
+            if len({str(r.extra["N"]) for r in rs}) >= 2:
+                panels.append((metric, "line", rs, rest))
+                in_lines.extend(rs)
+        bars = [r for r in group if not any(r is x for x in in_lines)]
         if bars:
-            panels.append((metric, "bar", bars))
-    heights = [max(2.6, 0.32 * len(rs) + 1.2) if kind == "bar" else 4.2 for _, kind, rs in panels]
+            panels.append((metric, "bar", bars, ""))
+    heights = [max(2.6, 0.32 * len(rs) + 1.2) if kind == "bar" else 3.4 for _, kind, rs, _ in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights) + 0.8),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     ours_colors = plt.cm.tab10.colors
     peer_colors = ("0.35", "0.55", "#8c564b", "#7f7f7f", "0.7", "#bcbd22")
-    for ax, (metric, kind, rs) in zip(axes[:, 0], panels):
+    for ax, (metric, kind, rs, family) in zip(axes[:, 0], panels):
         if kind == "line":
             series = {}
-            for r in rs:  # one line per kernel and config, the config's N taken out
-                rest = re.sub(r"\s*\bN=\S+", "", r.config).strip()
-                series.setdefault((r.is_peer, r.kernel + (f" ({rest})" if rest else "")), []).append(r)
+            for r in rs:  # one line per kernel; the panel's title carries the config
+                series.setdefault((r.is_peer, r.kernel), []).append(r)
             n_ours = n_peer = 0
             for (is_peer, label), pts in sorted(series.items()):
                 pts.sort(key=lambda r: float(r.extra["N"]))
@@ -140,6 +169,7 @@ def plot_results(results, path, *, title, simulator, ceiling=math.nan):
                 ax.plot(xs, ys, linestyle=style, marker=marker, color=color, label=label, linewidth=2 - is_peer * 0.5)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("N")
+            ax.set_title(family, fontsize=8)
             ax.set_ylabel(metric)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
