@@ -507,6 +507,33 @@ for path in sorted(RESULTS.glob("flash_forward_*.csv")) if RESULTS.is_dir() else
 if not (RESULTS.is_dir() and any(p.name != "flash_forward_memory.csv" for p in RESULTS.glob("flash_forward_*.csv"))):
     print("GPU tile sweep / Nsight Compute results are not committed yet.")
 
+# %% [markdown]
+# The paper's claim, measured on this machine: the same configuration through chapter 1's
+# three naive kernels and through the fused kernel, HBM bytes read + written as Nsight
+# Compute counts them (`.ci/gpu-check ncu`).
+
+# %%
+def measured_dram_gb(name):
+    from kernels.bench.harness import read_csv
+
+    path = RESULTS / name
+    if not path.exists():
+        return None
+    _, rows = read_csv(path)
+    return {r["kernel"]: float(dict(kv.split("=", 1) for kv in r["extra"].split(";") if "=" in kv)
+                              ["dram_total_bytes"]) / 1e9 for r in rows}
+
+
+naive_gb, fused_gb = measured_dram_gb("naive_attention_dram.csv"), measured_dram_gb("flash_forward_dram.csv")
+if naive_gb and fused_gb:
+    total_naive = next(v for k, v in naive_gb.items() if k.startswith("naive attention"))
+    for kernel, gb in {**naive_gb, **fused_gb}.items():
+        print(f"{kernel:<50} {gb:8.3f} GB")
+    best_fused = min(fused_gb.values())
+    print(f"\nthe fused kernel moves {total_naive / best_fused:.0f}x fewer HBM bytes than the naive path")
+else:
+    print("Nsight Compute results are not committed yet (workbook/results/*_dram.csv).")
+
 # %%
 if TIME:
     from numba import cuda
