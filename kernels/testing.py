@@ -92,11 +92,12 @@ def gradient_floor_scales(q, k, v, o, lse, do, *, causal=False, scale=None, bloc
     dS = P (dP - D) with D = rowsum(dO O) = sum_j P_j dP_j: where a row's softmax is nearly
     one-hot (large logits), dP - D is a small difference of float32 sums of size |dP| + |D|,
     and any float32 computation of it keeps an absolute error of a few ulps of those terms,
-    not of the small result (the float32 baseline can be exact by luck on tiny shapes).
-    dQ = scale dS K and dK = scale dS^T Q carry that error summed over a row (column): their
-    floor is ulps of scale (P (|dP| + |D|)) |K| (resp. its transpose times |Q|). dV = P^T dO
-    errs by the relative error of P times P^T |dO|. Each is multiplied by the exponent scale
-    (see ``exponent_scale``): P itself is only that accurate.
+    not of the small result (the float32 baseline can be exact by luck on tiny shapes), and
+    a float32 dot product errs by ulps of the sum of its absolute products; P itself is only
+    accurate to ulps of the exponent scale e (see ``exponent_scale``). To first order dS errs
+    by P (e |dP - D| + |dO| |V|^T + rowsum|dO O|) ulps, and dQ = scale dS K, dK = scale dS^T Q
+    carry that summed over a row (column) against |K| (resp. |Q|). dV = P^T dO errs by
+    e P^T |dO| ulps.
     """
     from kernels import reference as ref
 
@@ -111,11 +112,17 @@ def gradient_floor_scales(q, k, v, o, lse, do, *, causal=False, scale=None, bloc
     s = scale * (q @ np.swapaxes(k, -1, -2))
     live = np.isfinite(lse)[..., None]
     p = np.where(allowed & live, np.exp(np.minimum(s - np.where(live, lse[..., None], 0.0), 0.0)), 0.0)
-    terms = p * (np.abs(do @ np.swapaxes(v, -1, -2)) + np.abs(np.sum(do * o, axis=-1, keepdims=True)))
+    # First-order error of dS = P (dP - D): dP (P's relative error, e ulps) (dP - D), plus
+    # P d(dP - D), where a float32 dot product errs by ulps of the sum of its absolute
+    # products (not of |the result|): dP = dO V^T and D = rowsum(dO O) are such sums.
+    dp = do @ np.swapaxes(v, -1, -2)
+    big_d = np.sum(do * o, axis=-1, keepdims=True)
+    sums = np.abs(do) @ np.swapaxes(np.abs(v), -1, -2) + np.sum(np.abs(do * o), axis=-1, keepdims=True)
+    terms = p * (e * np.abs(dp - big_d) + sums)
     dq_scale = scale * float(np.max(terms @ np.abs(k), initial=0.0))
     dk_scale = scale * float(np.max(np.swapaxes(terms, -1, -2) @ np.abs(q), initial=0.0))
-    dv_scale = float(np.max(np.swapaxes(p, -1, -2) @ np.abs(do), initial=0.0))
-    return e * max(1.0, dq_scale), e * max(1.0, dk_scale), e * max(1.0, dv_scale)
+    dv_scale = e * float(np.max(np.swapaxes(p, -1, -2) @ np.abs(do), initial=0.0))
+    return max(1.0, dq_scale), max(1.0, dk_scale), max(1.0, dv_scale)
 
 # The simulator runs every thread in Python: keep sizes small there.
 MAX_N = 64 if on_simulator() else 512
