@@ -404,23 +404,9 @@ else:
 # memory-efficient backends. The committed results:
 
 # %%
-from kernels.bench.harness import read_csv
+from kernels.bench.harness import show_results
 
-results_dir = Path("results") if Path("results").is_dir() else Path("workbook/results")
-csv_path, png_path = results_dir / "naive_attention.csv", results_dir / "naive_attention.png"
-if csv_path.exists():
-    env, rows_ = read_csv(csv_path)
-    print("device:", env.get("device"), "| driver:", env.get("driver"), "| date:", env.get("date (UTC)"))
-    print(f"{'kernel':<32}{'config':<40}{'ms':>9}{'GB/s':>8}{'TFLOP/s':>9}{'peak MB':>9}")
-    for r in rows_:
-        print(f"{r['kernel']:<32.32}{r['config']:<40.40}{r['median_ms']:>9.4g}{r['gbps']:>8.4g}"
-              f"{r['tflops']:>9.3g}{r['peak_mem_mb']:>9.4g}")
-    if png_path.exists():
-        from IPython.display import Image, display
-
-        display(Image(str(png_path)))
-else:
-    print("GPU results are not committed yet (workbook/results/naive_attention.csv).")
+rows_ = show_results("naive_attention", ("kernel", "config", "median_ms", "gbps", "tflops", "peak_mem_mb"))
 
 # %% [markdown]
 # Things to look for: the softmax kernel's GB/s against the ~3 TB/s copy bandwidth (it does

@@ -374,24 +374,9 @@ else:
 # expression, all in the same run. The committed results:
 
 # %%
-from pathlib import Path
+from kernels.bench.harness import show_results
 
-from kernels.bench.harness import read_csv
-
-results_dir = Path("results") if Path("results").is_dir() else Path("workbook/results")
-csv_path, png_path = results_dir / "online_softmax.csv", results_dir / "online_softmax.png"
-if csv_path.exists():
-    env, rows_ = read_csv(csv_path)
-    print("device:", env.get("device"), "| driver:", env.get("driver"), "| date:", env.get("date (UTC)"))
-    print(f"{'kernel':<34}{'config':<26}{'ms':>9}{'GB/s':>9}  extra")
-    for r in rows_:
-        print(f"{r['kernel']:<34.34}{r['config']:<26.26}{r['median_ms']:>9.4g}{r['gbps']:>9.4g}  {r['extra']}")
-    if png_path.exists():
-        from IPython.display import Image, display
-
-        display(Image(str(png_path)))
-else:
-    print("GPU results are not committed yet (workbook/results/online_softmax.csv).")
+rows_ = show_results("online_softmax", ("kernel", "config", "median_ms", "gbps"))
 
 # %% [markdown]
 # ## 8. Exercises

@@ -353,25 +353,9 @@ for n in (1024, 4096, 16384, 65536):
 # an N sweep and a tile sweep. The committed results:
 
 # %%
-from pathlib import Path
+from kernels.bench.harness import show_results
 
-from kernels.bench.harness import read_csv
-
-results_dir = Path("results") if Path("results").is_dir() else Path("workbook/results")
-csv_path, png_path = results_dir / "flash_backward.csv", results_dir / "flash_backward.png"
-if csv_path.exists():
-    env, rows_ = read_csv(csv_path)
-    print("device:", env.get("device"), "| driver:", env.get("driver"), "| date:", env.get("date (UTC)"))
-    print(f"{'kernel':<42}{'config':<44}{'ms':>9}{'TFLOP/s':>9}{'peak MB':>9}")
-    for r in rows_:
-        print(f"{r['kernel']:<42.42}{r['config']:<44.44}{r['median_ms']:>9.4g}{r['tflops']:>9.3g}"
-              f"{r['peak_mem_mb']:>9.4g}")
-    if png_path.exists():
-        from IPython.display import Image, display
-
-        display(Image(str(png_path)))
-else:
-    print("GPU results are not committed yet (workbook/results/flash_backward.csv).")
+rows_ = show_results("flash_backward", ("kernel", "config", "median_ms", "tflops", "peak_mem_mb"))
 
 # %% [markdown]
 # On a GPU, a quick timing of your own (the bench does it properly):

@@ -237,3 +237,28 @@ def format_table(results) -> str:
         lines.append(f"{r.kernel:<36.36}{r.config:<44.44}{r.median_ms:>11.4g} {spread:>7.1%} {r.tflops:>8.3g}"
                      f" {r.gbps:>8.4g} {r.pct_fma_ceiling:>6.3g} {r.peak_mem_mb:>8.4g}")
     return "\n".join(lines)
+
+
+RESULTS_DIR = __import__("pathlib").Path(__file__).resolve().parents[2] / "workbook" / "results"
+
+
+def show_results(name, columns=("kernel", "config", "median_ms", "tflops", "gbps", "peak_mem_mb")):
+    """What the notebooks show: the committed ``workbook/results/<name>.csv`` as a table (the
+    device, driver and date first) and its plot, or a plain statement that there is none yet."""
+    csv_path, png_path = RESULTS_DIR / f"{name}.csv", RESULTS_DIR / f"{name}.png"
+    if not csv_path.exists():
+        print(f"GPU results are not committed yet (workbook/results/{name}.csv): "
+              f"run `python -m kernels` on a GPU.")
+        return None
+    env, rows = read_csv(csv_path)
+    print("device:", env.get("device"), "| driver:", env.get("driver"), "| date:", env.get("date (UTC)"))
+    widths = {"kernel": 40, "config": 44}
+    print("".join(f"{c:<{widths[c]}}" if c in widths else f"{c:>12}" for c in columns))
+    for r in rows:
+        print("".join(f"{str(r[c]):<{widths[c]}.{widths[c]}}" if c in widths else f"{r[c]:>12.4g}"
+                      for c in columns))
+    if png_path.exists():
+        from IPython.display import Image, display
+
+        display(Image(str(png_path)))
+    return rows
