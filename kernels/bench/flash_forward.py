@@ -372,11 +372,20 @@ _UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
           "KB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}
 
 
-def dram_from_ncu(paths, *, shape=REFERENCE) -> list[Result]:
-    """Rows of measured HBM bytes from Nsight Compute CSV output (``ncu --csv`` of the
+def dram_from_ncu(paths, *, shape=REFERENCE, ctx=None) -> list[Result]:
+    """Rows of measured memory traffic from Nsight Compute CSV output (``ncu --csv`` of the
     ``--ncu`` runs above), next to the IO model for the Br each kernel ran with (read off
-    its grid: Tr = ceil(N / Br) blocks along x)."""
+    its grid: Tr = ceil(N / Br) blocks along x).
+
+    Two levels are read when present: DRAM bytes (``dram__bytes_read/write.sum``, what
+    reaches HBM) and the bytes the SMs read from L2 (``lts__t_sectors_srcunit_tex_op_read.sum``
+    x 32 B). The IO model assumes nothing between the SM's shared memory and HBM, so it
+    predicts the second; L2 (50 MB) keeps most K/V re-reads away from HBM. With ``ctx`` and
+    file names ending in the tile spec (``..._128,64,8,8.csv``) each row also gets the time
+    of the same tiles measured without the profiler."""
     import csv
+    import re
+    from pathlib import Path
 
     b, h, n, d = shape
     results = []
@@ -388,23 +397,34 @@ def dram_from_ncu(paths, *, shape=REFERENCE) -> list[Result]:
             if "flash_forward" not in row.get("Kernel Name", ""):
                 continue
             key = (row.get("ID"), row.get("Grid Size"), row.get("Block Size"))
-            value = float(str(row["Metric Value"]).replace(",", "")) * _UNITS.get(row.get("Metric Unit", "byte"), 1)
+            unit = row.get("Metric Unit", "byte")
+            value = float(str(row["Metric Value"]).replace(",", "")) * (32 if unit == "sector" else _UNITS.get(unit, 1))
             by_launch.setdefault(key, {})[row["Metric Name"]] = value
+        spec = re.search(r"(\d+,\d+,\d+,\d+)\.csv$", Path(path).name)
+        timed = None
+        if ctx is not None and spec:
+            tiles = Tiles(*(int(x) for x in spec.group(1).split(",")))
+            timed = measure_kernel(ctx, tiles, b, h, n, d, label=f"flash fwd {tiles}", extra={})
         for (launch, grid, block), metrics in by_launch.items():
             tr = int(grid.strip("()").split(",")[0])
             br = -(-n // tr)
             read = metrics.get("dram__bytes_read.sum", float("nan"))
             write = metrics.get("dram__bytes_write.sum", float("nan"))
+            l2_read = metrics.get("lts__t_sectors_srcunit_tex_op_read.sum", float("nan"))
             model = io_model_bytes(b, h, n, n, d, Br=br)
+            note = (f"DRAM {(read + write) / 1e9:.3f} GB = {(read + write) / model:.2f} x the IO model; "
+                    f"SM reads from L2 {l2_read / 1e9:.2f} GB = {(l2_read + write) / model:.2f} x it "
+                    f"(with the writes); block {block}")
+            ms = timed.median_ms if timed else float("nan")
+            tflops = timed.tflops if timed else float("nan")
             results.append(Result(CHAPTER, f"flash fwd Br={br} (Nsight Compute)", _config(b, h, n, d, np.float32, False),
-                                  float("nan"), float("nan"), float("nan"), _flops(b, h, n, n, d, False), model,
-                                  float("nan"), float("nan"), float("nan"), float("nan"), False,
-                                  f"measured DRAM bytes {(read + write) / 1e9:.3f} GB = {(read + write) / model:.2f} x the "
-                                  f"IO model (no L2 reuse); block {block}",
-                                  {"Br": br, "dram_read_bytes": read, "dram_write_bytes": write,
-                                   "dram_total_bytes": read + write, "model_bytes": model,
+                                  ms, float("nan"), float("nan"), _flops(b, h, n, n, d, False), model,
+                                  tflops, float("nan"), float("nan"), float("nan"), False, note,
+                                  {"Br": br, "tiles": spec.group(1) if spec else "", "dram_read_bytes": read,
+                                   "dram_write_bytes": write, "dram_total_bytes": read + write,
+                                   "l2_read_bytes": l2_read, "model_bytes": model,
                                    "compulsory_bytes": b * h * (4 * n * d + n) * 4, "part": "ncu", "source": str(path)}))
-    return results
+    return sorted(results, key=lambda r: r.extra["Br"])
 
 
 def main(argv=None) -> int:
@@ -434,7 +454,7 @@ def main(argv=None) -> int:
         harness.write_csv(out / "flash_forward_sweep.csv", results, env)
         print(harness.format_table(results))
     if args.dram:
-        results = dram_from_ncu(args.dram)
+        results = dram_from_ncu(args.dram, ctx=None if on_simulator() else ctx)
         harness.write_csv(out / "flash_forward_dram.csv", results, env)
         for r in results:
             print(r.kernel, r.note)
