@@ -81,7 +81,9 @@ def main(only):
             q, k, v = rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d)
             for causal in (False, True):
                 o, lse = m.block_sparse_attention(q, k, v, mask, causal=causal)
-                m.block_sparse_attention_backward(q, k, v, o, lse, rand(rng, b, h, nq, d), mask, causal=causal)
+                for dq_mode in ("atomic", "separate"):
+                    m.block_sparse_attention_backward(q, k, v, o, lse, rand(rng, b, h, nq, d), mask, causal=causal,
+                                                      dq_mode=dq_mode)
         ran.append("block_sparse")
     print("ran:", ", ".join(ran))
 

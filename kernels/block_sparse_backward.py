@@ -5,16 +5,22 @@ from Q, K and the saved logsumexp L, and D = rowsum(dO * O):
 
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = scale dS K,   dK = scale dS^T Q
 
-Two kernels, no atomics, so the result is deterministic (bit for bit, run to run):
+Two ways to get dQ, as in chapter 5 (``dq_mode``):
 
-* dQ, Q tile outer (grid Tr x B*H): a block owns Br query rows, walks the kept key tiles
-  of its row (the forward's CSR lists), accumulates its Br x d slice of dQ in registers.
-  It also computes D for its rows (from dO and O) and writes it out for the second kernel.
-* dK and dV, K/V tile outer (grid Tc x B*H): a block owns Bc keys, walks the kept query
-  tiles of its column (the CSC lists: the transposed mask), accumulates its Bc x d slices
-  of dK and dV in registers. It recomputes P^T and dS^T tile by tile.
+* ``"atomic"`` (the default): a pre-pass (chapter 5's ``make_delta``) computes
+  D = rowsum(dO * O) and clears dQ; then one kernel, K/V tile outer (grid Tc x B*H): a block
+  owns Bc keys, walks the kept query tiles of its column (the CSC lists: the transposed
+  mask), accumulates its Bc x d slices of dK and dV in registers, and adds each tile's
+  contribution scale * dS K_j to dQ_i with float32 atomic adds. P is computed once a tile;
+  the order of the additions into dQ depends on which block gets there first, so dQ varies
+  in its last bits from run to run.
+* ``"separate"``: deterministic (bit for bit, run to run), no atomics. First a dQ kernel,
+  Q tile outer (grid Tr x B*H): a block owns Br query rows, walks the kept key tiles of its
+  row (the forward's CSR lists), accumulates its Br x d slice of dQ in registers; it also
+  computes D for its rows and writes it out. Then the same dK/dV kernel without the dQ
+  additions. P and dP are computed twice (once per kernel), the price of determinism.
 
-P is computed twice (once per kernel), the price of not needing atomics for dQ. Tiles
+Tiles
 wholly above the causal diagonal are not in the lists; the diagonal's tiles, the ragged
 last tiles, and rows that see nothing are masked per element (P = 0 there by a branch,
 never exp(S - (-inf))). The lists and the tile choice are the forward's (kernels.block_sparse).
@@ -42,12 +48,15 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from kernels.block_sparse import KernelConfig, _lists_for, fit_tiles, padded_head_dim
+from kernels.flash_backward import make_delta
 from kernels.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, device_empty,
                              on_simulator, to_device)
 from kernels.shared_memory import allow_dynamic_shared_memory
 
 __all__ = ["block_sparse_attention_backward", "make_backward_dq", "make_backward_dkdv", "backward_config",
-           "BACKWARD_CONFIGS", "io_model_bytes", "ptx_targets"]
+           "BACKWARD_CONFIGS", "DQ_MODES", "io_model_bytes", "ptx_targets"]
+
+DQ_MODES = ("atomic", "separate")
 
 # Production tiles for the H100 by padded head dim: (Br, Bc, R, TC), used by both kernels
 # (so that one set of lists serves both). dQ kernel: (Br/R) x TC threads, R query rows
@@ -280,9 +289,10 @@ def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
 # --------------------------------------------------------------------------- dK, dV
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
+def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int, atomic_dq: bool = False):
     """dK/dV kernel: grid (Tc, B*H), (Bc/RN)*TC threads, ``shared_bytes_dkdv`` bytes of
-    dynamic shared memory."""
+    dynamic shared memory. With ``atomic_dq`` it also adds scale * dS K_j into dQ (which
+    must hold zeros, and D must be computed, before it runs)."""
     if Bc % RN or Br % TC or D % TC:
         raise ValueError(f"make_backward_dkdv: need RN | Bc, TC | Br and TC | D; got Br={Br} Bc={Bc} D={D} "
                          f"RN={RN} TC={TC}")
@@ -290,6 +300,7 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
     NT = TY * TC
     QN = Br // TC          # query columns of S^T a thread owns
     DN = D // TC
+    QR = cdiv(Br, TY)      # dQ_i partial (Br x D): query rows ty, ty + TY, ... a thread
     K_OFF, V_OFF, Q_OFF, DO_OFF, P_OFF, DS_OFF, L_OFF, DL_OFF, QS, KS, _ = dkdv_layout(Br, Bc, D)
     copy_q = _make_tile_copy(Br, D, NT, QS)
     copy_k = _make_tile_copy(Bc, D, NT, KS)
@@ -300,8 +311,8 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
     opts = {} if on_simulator() or D > 64 else {"max_registers": 128}
 
     @cuda.jit(fastmath=True, **opts)
-    def block_sparse_backward_dkdv(q, k, v, lse, do, delta, dk, dv, col_ptr, row_idx, col_order, nq, nk, d,
-                                   groups, scale, causal):
+    def block_sparse_backward_dkdv(q, k, v, lse, do, delta, dq, dk, dv, col_ptr, row_idx, col_order, nq, nk,
+                                   d, groups, scale, causal):
         smem = cuda.shared.array(0, float32)       # Kt | Vt | Qt | dOt | Pt | dSt | L | D
         tid = int32(cuda.threadIdx.x)
         ty = tid // TC
@@ -330,6 +341,8 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
         b2 = cuda.local.array(QN, float32)
         w = cuda.local.array(DN, float32)
         w2 = cuda.local.array(DN, float32)
+        dqa = cuda.local.array((QR, DN), float32)
+        dsr = cuda.local.array(QR, float32)
         for i in range(RN):
             for j in range(DN):
                 dka[i, j] = float32(0.0)
@@ -407,6 +420,30 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int):
                 pa += uint64(KS)
                 qc += uint64(1)
 
+            if atomic_dq:
+                # dQ_i += scale dS K_j: dS[r, c] from dSt (row r, stride KS), K[c, dd] from
+                # Kt[dd, c]; thread (ty, tx) owns rows ty + TY m and columns tx + TC j.
+                for m in range(QR):
+                    for j in range(DN):
+                        dqa[m, j] = float32(0.0)
+                for c in range(Bc):
+                    for m in range(QR):
+                        r = ty + m * TY
+                        dsr[m] = smem[uint64(DS_OFF + min(r, Br - 1) * KS + c)]
+                    for j in range(DN):
+                        w[j] = smem[uint64(K_OFF + (tx + j * TC) * KS + c)]
+                    for m in range(QR):
+                        for j in range(DN):
+                            dqa[m, j] += dsr[m] * w[j]
+                for m in range(QR):
+                    r = ty + m * TY
+                    qi = q0 + r
+                    if r < Br and qi < nq:
+                        for j in range(DN):
+                            dd = tx + j * TC
+                            if dd < d:
+                                cuda.atomic.add(dq, (bh, qi, dd), dqa[m, j] * scale)
+
         for i in range(RN):
             kj = k0 + c0 + i
             if kj < nk:
@@ -423,32 +460,39 @@ DQ_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], floa
           "float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], int32[::1], int32[::1], "
           "int32[::1], int32, int32, int32, int32, float32, int32)")
 DKDV_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
-            "float32[:, :, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], int32[::1], "
+            "float32[:, :, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], int32[::1], "
             "int32[::1], int32[::1], int32, int32, int32, int32, float32, int32)")
 
 
-def io_model_bytes(b, h, nq, nk, d, *, Br, Bc, rho, in_bytes=4):
-    """HBM bytes of the two backward kernels by the IO model, per head:
-    dQ kernel: Q, dO, O read, dQ written (4 Nq d), L read and D written (2 Nq), K and V read
-    for each kept tile (2 Nk d ceil(Nq/Br) rho);
+def io_model_bytes(b, h, nq, nk, d, *, Br, Bc, rho, in_bytes=4, dq_mode="atomic"):
+    """HBM bytes of the backward kernels by the IO model, per head:
     dK/dV kernel: K, V read, dK, dV written (4 Nk d), Q, dO, L, D read for each kept tile
-    ((2 Nq d + 2 Nq) ceil(Nk/Bc) rho)."""
-    dq = 4 * nq * d + 2 * nq + 2 * nk * d * cdiv(nq, Br) * rho
+    ((2 Nq d + 2 Nq) ceil(Nk/Bc) rho);
+    atomic: the pre-pass reads O, dO, writes D and clears dQ (3 Nq d + Nq), and each kept
+    tile reads and writes its dQ_i (2 Nq d ceil(Nk/Bc) rho);
+    separate: the dQ kernel reads Q, dO, O, writes dQ (4 Nq d), reads L and writes D (2 Nq),
+    and reads K and V for each kept tile (2 Nk d ceil(Nq/Br) rho)."""
     dkdv = 4 * nk * d + (2 * nq * d + 2 * nq) * cdiv(nk, Bc) * rho
+    if dq_mode == "atomic":
+        dq = 3 * nq * d + nq + 2 * nq * d * cdiv(nk, Bc) * rho
+    else:
+        dq = 4 * nq * d + 2 * nq + 2 * nk * d * cdiv(nq, Br) * rho
     return float(b * h * in_bytes * (dq + dkdv))
 
 
 # --------------------------------------------------------------------------- the launcher
 
 def block_sparse_attention_backward(q, k, v, o, lse, do, block_mask, *, causal=False, scale=None,
-                                    block_m=None, block_n=None, lists=None):
+                                    block_m=None, block_n=None, lists=None, dq_mode="atomic"):
     """Gradients (dQ, dK, dV) of block-sparse attention for the upstream gradient dO.
 
     q: (B, H, Nq, d); k, v: (B, H, Nk, d); o, do: (B, H, Nq, d); lse: (B, H, Nq), the
     forward's O and L for the same ``block_mask``, ``causal`` and ``scale``. Rows that see
     nothing (L = -inf) and keys no query sees get zero gradients. ``block_m``/``block_n``
     override the tiles (powers of two dividing the mask's blocks); ``lists`` reuses a
-    ``tile_lists(...)`` built for these tiles. Deterministic: no atomics.
+    ``tile_lists(...)`` built for these tiles. ``dq_mode``: ``"atomic"`` (one pass over the
+    kept tiles, dQ added with atomics: its last bits vary from run to run) or ``"separate"``
+    (a second pass for dQ, no atomics: bitwise reproducible, slower).
     """
     b, h, nq, nk, d, _ = check_qkv(q, k, v)
     for x, name in ((o, "o"), (do, "do")):
@@ -460,6 +504,8 @@ def block_sparse_attention_backward(q, k, v, o, lse, do, block_mask, *, causal=F
         raise ValueError(f"lse: expected shape {(b, h, nq)}, got {shape}")
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
+    if dq_mode not in DQ_MODES:
+        raise ValueError(f"dq_mode: expected one of {DQ_MODES}, got {dq_mode!r}")
     cfg = backward_config(d, block_mask, block_m, block_n)
     tl = _lists_for(block_mask, lists, b, h, nq, nk, causal, cfg.Br, cfg.Bc)
     kind = ArrayKind(q)
@@ -479,15 +525,21 @@ def block_sparse_attention_backward(q, k, v, o, lse, do, block_mask, *, causal=F
     bhn = b * h
     args3 = dict(q=qd.reshape(bhn, nq, d), k=kd.reshape(bhn, nk, d), v=vd.reshape(bhn, nk, d))
     common = (np.int32(nq), np.int32(nk), np.int32(d), np.int32(tl.groups), np.float32(scale), np.int32(causal))
-    kern_dq = make_backward_dq(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
-    args = (args3["q"], args3["k"], args3["v"], od.reshape(bhn, nq, d), ld.reshape(bhn, nq),
-            dod.reshape(bhn, nq, d), dq.reshape(bhn, nq, d), delta, row_ptr, col_idx, dev.row_order, *common)
-    nbytes = shared_bytes_dq(cfg.Br, cfg.Bc, cfg.D)
-    allow_dynamic_shared_memory(kern_dq, args, nbytes)
-    kern_dq[(cdiv(nq, cfg.Br), bhn), (cfg.Br // cfg.RM) * cfg.TC, 0, nbytes](*args)
+    o3, do3, dq3, l2 = od.reshape(bhn, nq, d), dod.reshape(bhn, nq, d), dq.reshape(bhn, nq, d), ld.reshape(bhn, nq)
+    atomic = dq_mode == "atomic"
+    if atomic:   # D = rowsum(dO * O) and dQ = 0, before the dK/dV kernel adds into dQ
+        kern_delta, rows_nt = make_delta(cfg.D, 4, True)
+        kern_delta[(cdiv(nq, rows_nt // 32), bhn), rows_nt](o3, do3, delta, dq3, np.int32(nq))
+    else:        # dQ (and D) by its own pass over the row lists
+        kern_dq = make_backward_dq(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
+        args = (args3["q"], args3["k"], args3["v"], o3, l2, do3, dq3, delta, row_ptr, col_idx, dev.row_order,
+                *common)
+        nbytes = shared_bytes_dq(cfg.Br, cfg.Bc, cfg.D)
+        allow_dynamic_shared_memory(kern_dq, args, nbytes)
+        kern_dq[(cdiv(nq, cfg.Br), bhn), (cfg.Br // cfg.RM) * cfg.TC, 0, nbytes](*args)
     if nk > 0:
-        kern_kv = make_backward_dkdv(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
-        args = (args3["q"], args3["k"], args3["v"], ld.reshape(bhn, nq), dod.reshape(bhn, nq, d), delta,
+        kern_kv = make_backward_dkdv(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC, atomic)
+        args = (args3["q"], args3["k"], args3["v"], l2, do3, delta, dq3,
                 dk.reshape(bhn, nk, d), dv.reshape(bhn, nk, d), col_ptr, row_idx, dev.col_order, *common)
         nbytes = shared_bytes_dkdv(cfg.Br, cfg.Bc, cfg.D)
         allow_dynamic_shared_memory(kern_kv, args, nbytes)
@@ -503,4 +555,6 @@ def ptx_targets():
             tag = f"fp32 Br={Br} Bc={Bc} D={D} R={R} TC={TC}"
             out.append((f"block-sparse bwd dQ {tag}", make_backward_dq(Br, Bc, D, R, TC), DQ_SIG))
             out.append((f"block-sparse bwd dK dV {tag}", make_backward_dkdv(Br, Bc, D, R, TC), DKDV_SIG))
+            out.append((f"block-sparse bwd dK dV + atomic dQ {tag}", make_backward_dkdv(Br, Bc, D, R, TC, True),
+                        DKDV_SIG))
     return out

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kernels import reference as ref
 from kernels import sparsity_patterns as sp
 from kernels.block_sparse import block_sparse_attention, block_sparse_attention_backward, tile_lists
+from kernels.block_sparse_backward import DQ_MODES
 from kernels.runtime import on_simulator
 from kernels.testing import MAX_BH, MAX_D, assert_close, forward_floor_scales, gradient_floor_scales, random_array
 
@@ -60,8 +61,9 @@ def sparse_cases(draw, max_n=MAX_N, max_d=MAX_D):
     # kernel tiles: the launcher's choice, or an explicit divisor of the mask block
     bm = draw(st.one_of(st.none(), st.sampled_from([t for t in TILE_CHOICES if bq % t == 0])))
     bn = draw(st.one_of(st.none(), st.sampled_from([t for t in TILE_CHOICES if bk % t == 0])))
+    dq_mode = draw(st.sampled_from(DQ_MODES))
     return dict(b=b, h=h, nq=nq, nk=nk, d=d, causal=causal, scale=scale, magnitude=magnitude, kind=kind,
-                bq=bq, bk=bk, layout=layout, density=density, seed=seed, block_m=bm, block_n=bn)
+                bq=bq, bk=bk, layout=layout, density=density, seed=seed, block_m=bm, block_n=bn, dq_mode=dq_mode)
 
 
 def build(c):
@@ -75,9 +77,10 @@ def build(c):
 
 
 def case(b=1, h=1, nq=8, nk=8, d=4, causal=False, scale=None, magnitude=1.0, kind="random", bq=4, bk=4,
-         layout="shared", density=0.5, seed=0, block_m=None, block_n=None):
+         layout="shared", density=0.5, seed=0, block_m=None, block_n=None, dq_mode="atomic"):
     return dict(b=b, h=h, nq=nq, nk=nk, d=d, causal=causal, scale=scale, magnitude=magnitude, kind=kind,
-                bq=bq, bk=bk, layout=layout, density=density, seed=seed, block_m=block_m, block_n=block_n)
+                bq=bq, bk=bk, layout=layout, density=density, seed=seed, block_m=block_m, block_n=block_n,
+                dq_mode=dq_mode)
 
 
 def check_forward(c):
@@ -181,7 +184,7 @@ def check_backward(c):
     o64, lse64 = ref.attention(q, k, v, **kw)
     o, lse = o64.astype(np.float32), lse64.astype(np.float32)   # the forward's outputs, rounded
     got = block_sparse_attention_backward(q, k, v, o, lse, do, mask, causal=c["causal"], scale=c["scale"],
-                                          block_m=c["block_m"], block_n=c["block_n"])
+                                          block_m=c["block_m"], block_n=c["block_n"], dq_mode=c["dq_mode"])
     # exact: the float64 gradients for the float32 (O, L) the kernel is given
     exact = ref.attention_backward(q, k, v, o, lse, do, **kw)
     base = ref.attention_backward(q, k, v, o, lse, do, dtype=np.float32, **kw)
@@ -199,22 +202,35 @@ def check_backward(c):
 @example(case(b=2, h=2, nq=1, nk=4, d=17, magnitude=3.0, kind="sliding window", bq=16, bk=16))
 @example(case(nq=16, nk=16, d=8, magnitude=3.0, scale=2.0, causal=True, density=0.9, seed=11))
 @example(case(nq=20, nk=7, d=5, causal=True, kind="random", layout="head", h=2, density=0.8))  # empty rows
+@example(case(nq=20, nk=7, d=5, causal=True, kind="random", layout="head", h=2, density=0.8, dq_mode="separate"))
 @example(case(nq=9, nk=17, d=3, bq=8, bk=16, block_m=4, block_n=8, layout="batch-head", b=2, h=1))
+@example(case(nq=13, nk=9, d=6, bq=8, bk=4, block_m=8, block_n=4, dq_mode="separate"))   # Br > Bc
 @example(case(nq=12, nk=12, d=4, kind="butterfly", causal=True, magnitude=3.0, scale=1.3))
 def test_backward_matches_oracle(c):
     check_backward(c)
 
 
-def test_backward_is_deterministic_and_empty_mask_gives_zero_gradients():
-    c = case(b=1, h=2, nq=14, nk=11, d=3, causal=True, density=0.6, seed=5)
-    first = check_backward(c)
-    again = check_backward(c)
+def test_separate_dq_is_deterministic_and_atomic_dq_stable_within_tolerance():
+    """dq_mode="separate": bitwise the same from run to run. "atomic": dQ's additions land in
+    whatever order the blocks reach them, so dQ may differ in its last bits, but every run
+    meets the tolerance rule (check_backward) and dK, dV (no atomics) stay bitwise equal."""
+    c = case(b=1, h=2, nq=14, nk=11, d=3, causal=True, density=0.6, seed=5, dq_mode="separate")
+    first, again = check_backward(c), check_backward(c)
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    c = case(b=1, h=2, nq=30, nk=23, d=5, density=0.7, seed=6, bq=8, bk=8, dq_mode="atomic")
+    runs = [check_backward(c) for _ in range(3)]
+    for other in runs[1:]:
+        assert np.array_equal(runs[0][1], other[1]) and np.array_equal(runs[0][2], other[2])
+        assert np.allclose(runs[0][0], other[0], rtol=0, atol=1e-5 * np.abs(runs[0][0]).max())
+
+
+@pytest.mark.parametrize("dq_mode", DQ_MODES)
+def test_empty_mask_gives_zero_gradients(dq_mode):
     rng = np.random.default_rng(2)
     q, k, v, do = (random_array(rng, (1, 1, 10, 3)) for _ in range(4))
     mask = ref.BlockMask(np.zeros((3, 3), bool), 4, 4)
     o, lse = block_sparse_attention(q, k, v, mask)
-    for g in block_sparse_attention_backward(q, k, v, o, lse, do, mask):
+    for g in block_sparse_attention_backward(q, k, v, o, lse, do, mask, dq_mode=dq_mode):
         assert np.array_equal(g, np.zeros_like(g))
 
 
@@ -234,6 +250,8 @@ def test_dense_mask_backward_equals_dense_backward():
         base = ref.attention_backward(q, k, v, o, lse, do, causal=causal, dtype=np.float32)
         floors = gradient_floor_scales(q, k, v, o, lse, do, causal=causal, scale=None, block_mask=mask)
         for grads, who in ((block_sparse_attention_backward(q, k, v, o, lse, do, mask, causal=causal), ""),
+                           (block_sparse_attention_backward(q, k, v, o, lse, do, mask, causal=causal,
+                                                            dq_mode="separate"), " (separate dQ)"),
                            (flash_attention_backward(q, k, v, o, lse, do, causal=causal), " (chapter 5)")):
             for g, e, bl, fs, name in zip(grads, exact, base, floors, ("dQ", "dK", "dV")):
                 assert_close(g, e, bl, name=name + who, floor_scale=fs)
@@ -296,6 +314,8 @@ def test_backward_bad_input_names_the_argument():
         block_sparse_attention_backward(q, k, v, o, lse, o, ref.BlockMask(np.ones((3, 2), bool), 4, 4))
     with pytest.raises(ValueError, match="block_mask"):
         block_sparse_attention_backward(q, k, v, o, lse, o, mask, block_n=8)
+    with pytest.raises(ValueError, match="dq_mode"):
+        block_sparse_attention_backward(q, k, v, o, lse, o, mask, dq_mode="sorted")
 
 
 def test_precomputed_lists_are_reused_and_checked():

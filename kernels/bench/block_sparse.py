@@ -10,7 +10,8 @@ On a GPU (``--quick``: fewer points):
   in the same run the dense fused forward of chapter 4 (``flash_attention``), PyTorch
   FlexAttention fp32 (``torch.compile(flex_attention)`` with ``create_block_mask`` from the
   same flags) and SDPA memory-efficient fp32 (dense) as peers;
-* backward: ``block_sparse_attention_backward`` (lists built once) against chapter 5's dense
+* backward: ``block_sparse_attention_backward`` (lists built once; atomic dQ, and the
+  deterministic separate-dQ variant at density 1 and for the pattern) against chapter 5's dense
   ``flash_attention_backward``, FlexAttention's and SDPA memory-efficient's backward
   (``torch.autograd.grad`` of a forward kept alive).
 
@@ -319,12 +320,19 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
     bflops = 2.5 * dense_flops * brho
     bmodel = io_model_bytes_backward(b, h, n, n, d, Br=bcfg.Br, Bc=bcfg.Bc, rho=brho)
     bextra = dict(extra, rho=round(brho, 4), Br=bcfg.Br, Bc=bcfg.Bc, part="backward")
-    results.append(ctx.measure(
-        CHAPTER, "block-sparse backward", config,
-        lambda q, k, v, o, lse, do: block_sparse_attention_backward(q, k, v, o, lse, do, mask, causal=causal,
-                                                                    lists=blists),
-        grads, flops=bflops, model_bytes=bmodel, peak_memory=False,
-        note=f"launcher, Br={bcfg.Br} Bc={bcfg.Bc}, lists built once; dQ kernel + dK/dV kernel", extra=bextra))
+    # the default (atomic dQ) at every point; the deterministic two-pass variant where the
+    # dense peers run too, to show what determinism costs
+    modes = ("atomic", "separate") if extra0.get("density") == 1.0 or extra0.get("pattern") else ("atomic",)
+    for mode in modes:
+        results.append(ctx.measure(
+            CHAPTER, "block-sparse backward" + ("" if mode == "atomic" else " (separate dQ)"), config,
+            lambda q, k, v, o, lse, do, mode=mode: block_sparse_attention_backward(
+                q, k, v, o, lse, do, mask, causal=causal, lists=blists, dq_mode=mode),
+            grads, flops=bflops, peak_memory=False,
+            model_bytes=io_model_bytes_backward(b, h, n, n, d, Br=bcfg.Br, Bc=bcfg.Bc, rho=brho, dq_mode=mode),
+            note=f"launcher, Br={bcfg.Br} Bc={bcfg.Bc}, lists built once; " + (
+                "D pre-pass + dK/dV kernel adding dQ atomically" if mode == "atomic" else
+                "dQ kernel + dK/dV kernel, deterministic"), extra=dict(bextra, dq_mode=mode)))
     if extra0.get("density") == 1.0 or extra0.get("pattern"):
         _dense_chapter5(ctx, results, grads, config, 2.5 * dense_flops / (2 if causal else 1),
                         io_model_bytes_backward(b, h, n, n, d, Br=bcfg.Br, Bc=bcfg.Bc, rho=1.0),
