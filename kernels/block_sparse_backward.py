@@ -69,6 +69,7 @@ BACKWARD_CONFIGS = {
     128: (64, 32, 4, 16),  # dQ 108 KB / dK dV 118 KB; 256 / 128 threads
 }
 SIM_CONFIG = (8, 8, 2, 4)
+DKDV_MAX_REGISTERS = 128   # the dK/dV kernel's register cap for D <= 64 (see make_backward_dkdv)
 
 
 def dq_layout(Br, Bc, D):
@@ -308,7 +309,7 @@ def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int, atomic_dq: bo
     # a thread: 2 x 256 threads x 128 fill the 64 K register file. Left alone, ptxas takes
     # about 178 (one block an SM); capped at 128 it fits without spilling for D <= 64.
     # (D = 128: 118 KB of shared memory, one block an SM anyway.) The simulator has no cap.
-    opts = {} if on_simulator() or D > 64 else {"max_registers": 128}
+    opts = {} if on_simulator() or D > 64 or not DKDV_MAX_REGISTERS else {"max_registers": DKDV_MAX_REGISTERS}
 
     @cuda.jit(fastmath=True, **opts)
     def block_sparse_backward_dkdv(q, k, v, lse, do, delta, dq, dk, dv, col_ptr, row_idx, col_order, nq, nk,

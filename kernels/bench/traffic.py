@@ -1,0 +1,175 @@
+"""Memory traffic of chapters 5 and 6 as Nsight Compute counts it, next to the IO models.
+
+Chapter 4 has its own (``python -m kernels.bench.flash_forward --ncu/--dram``); this module
+does the same for the backward (chapter 5, atomic and separate dQ) and for block-sparse
+attention (chapter 6, forward and backward at several kept fractions rho), at the
+reference configuration B=4 H=16 N=4096 d=64 fp32.
+
+Two steps, on a GPU with Nsight Compute:
+
+    ncu --csv --clock-control none --profile-from-start off \\
+        --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum \\
+        python -m kernels.bench.traffic run CASE > ncu_CASE.csv
+    python -m kernels.bench.traffic table ncu_*.csv
+
+``run CASE`` compiles and warms up the kernels, then runs them once between
+cuProfilerStart and cuProfilerStop, so only that call is profiled. CASE is ``bwd-atomic``,
+``bwd-separate``, ``bs-fwd-RHO`` or ``bs-bwd-RHO`` (RHO the mask density, e.g. 0.125).
+``table`` sums each file's kernels and writes ``flash_backward_dram.csv`` and
+``block_sparse_dram.csv`` (into workbook/results, or ``--out``): per case the DRAM bytes,
+the bytes the SMs read from L2 (sectors x 32 B), the IO model's bytes, and a
+per-kernel breakdown in ``extra``. The IO models assume nothing between on-chip memory and
+HBM, so they predict the L2 -> SM traffic; the 50 MB L2 keeps most re-reads from HBM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import kernels  # noqa: F401  (GPU or simulator first)
+from kernels.bench.harness import Result
+from kernels.runtime import on_simulator
+
+REFERENCE = (4, 16, 4096, 64)
+BLOCK = 128                       # chapter 6's bench masks: 128 x 128 blocks
+L2_READ = "lts__t_sectors_srcunit_tex_op_read.sum"
+_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12, "sector": 32}
+
+
+def _case(name, build=True):
+    """(function to profile or None, chapter, description, IO model bytes) for a case name;
+    ``build=False`` skips the inputs (what ``table`` needs)."""
+    from kernels.flash_backward import flash_attention_backward
+    from kernels.flash_backward import io_model_bytes as backward_model
+
+    b, h, n, d = REFERENCE
+    if build:
+        from numba import cuda
+
+        rng = np.random.default_rng(900)
+        q, k, v, do = (cuda.to_device(rng.standard_normal((b, h, n, d)).astype(np.float32)) for _ in range(4))
+    if name in ("bwd-atomic", "bwd-separate"):
+        mode = name.split("-")[1]
+        fn = None
+        if build:
+            from kernels.flash_forward import flash_attention
+
+            o, lse = flash_attention(q, k, v)
+            fn = lambda: flash_attention_backward(q, k, v, o, lse, do, dq_mode=mode)  # noqa: E731
+        return fn, 5, f"backward, {mode} dQ", backward_model(b, h, n, n, d, dq_mode=mode)
+    match = re.fullmatch(r"bs-(fwd|bwd)-([0-9.]+)", name)
+    if not match:
+        raise SystemExit(f"unknown case {name!r}: bwd-atomic, bwd-separate, bs-fwd-RHO, bs-bwd-RHO")
+    from kernels.bench.block_sparse import _mask
+    from kernels.block_sparse import block_sparse_attention, forward_config, tile_lists
+    from kernels.block_sparse import io_model_bytes as sparse_forward_model
+    from kernels.block_sparse_backward import backward_config, block_sparse_attention_backward
+    from kernels.block_sparse_backward import io_model_bytes as sparse_backward_model
+
+    part, density = match.group(1), float(match.group(2))
+    mask = _mask(n, BLOCK, density)
+    fcfg = forward_config(d, mask)
+    flists = tile_lists(mask, n, n, Br=fcfg.Br, Bc=fcfg.Bc, batch=b, heads=h)
+    if part == "fwd":
+        fn = (lambda: block_sparse_attention(q, k, v, mask, lists=flists)) if build else None
+        return (fn, 6, f"block-sparse forward, density {density:g}",
+                sparse_forward_model(b, h, n, n, d, Br=fcfg.Br, rho=flists.kept_fraction))
+    cfg = backward_config(d, mask)
+    lists = tile_lists(mask, n, n, Br=cfg.Br, Bc=cfg.Bc, batch=b, heads=h)
+    fn = None
+    if build:
+        o, lse = block_sparse_attention(q, k, v, mask, lists=flists)
+        fn = lambda: block_sparse_attention_backward(q, k, v, o, lse, do, mask, lists=lists)  # noqa: E731
+    return (fn, 6, f"block-sparse backward (atomic dQ), density {density:g}",
+            sparse_backward_model(b, h, n, n, d, Br=cfg.Br, Bc=cfg.Bc, rho=lists.kept_fraction))
+
+
+def run_case(name):
+    from numba import cuda
+
+    fn, *_ = _case(name)
+    fn()                        # compile and warm up
+    cuda.synchronize()
+    cuda.profile_start()
+    fn()
+    cuda.synchronize()
+    cuda.profile_stop()
+
+
+def read_ncu(path):
+    """The profiled kernels of one ``ncu --csv`` output: [(kernel name, {metric: bytes})]."""
+    lines = [line for line in open(path).read().splitlines() if line.startswith('"')]
+    launches: dict = {}
+    for row in csv.DictReader(lines):
+        key = (row.get("ID"), row.get("Kernel Name", ""))
+        value = float(str(row["Metric Value"]).replace(",", "")) * _UNITS.get(row.get("Metric Unit", "byte"), 1)
+        launches.setdefault(key, {})[row["Metric Name"]] = value
+    return [(name, metrics) for (_, name), metrics in launches.items()]
+
+
+def _short(kernel_name):
+    """'cudapy::kernels::flash_backward::make_dkdv::<locals>::dkdv[abi:...](...)' -> 'dkdv'."""
+    base = kernel_name.split("(")[0].split("[")[0]
+    return base.split("::")[-1] or kernel_name[:40]
+
+
+def table(paths, out=None):
+    from kernels.bench import harness
+
+    b, h, n, d = REFERENCE
+    rows = {5: [], 6: []}
+    for path in paths:
+        name = re.sub(r"^ncu_|\.csv$", "", Path(path).name)
+        _, chapter, what, model = _case(name, build=False)
+        launches = read_ncu(path)
+        dram = sum(m.get("dram__bytes_read.sum", 0) + m.get("dram__bytes_write.sum", 0) for _, m in launches)
+        l2 = sum(m.get(L2_READ, float("nan")) for _, m in launches)
+        writes = sum(m.get("dram__bytes_write.sum", 0) for _, m in launches)
+        per_kernel = ",".join(f"{_short(k)}:{(m.get('dram__bytes_read.sum', 0) + m.get('dram__bytes_write.sum', 0)) / 1e9:.3f}"
+                              f"/{m.get(L2_READ, float('nan')) / 1e9:.3f}" for k, m in launches)
+        compulsory = b * h * 4 * (4 * n * d + n) * (2 if "bwd" in name else 1)
+        note = (f"DRAM {dram / 1e9:.3f} GB = {dram / model:.2f} x the IO model; SM reads from L2 "
+                f"{l2 / 1e9:.2f} GB, with the writes {(l2 + writes) / model:.2f} x it; {len(launches)} kernels")
+        rows[chapter].append(Result(chapter, f"{what} (Nsight Compute)", f"B={b} H={h} N={n} d={d} fp32 causal=False",
+                                    float("nan"), float("nan"), float("nan"), float("nan"), model, float("nan"),
+                                    float("nan"), float("nan"), float("nan"), False, note,
+                                    {"case": name, "dram_total_bytes": dram, "dram_write_bytes": writes,
+                                     "l2_read_bytes": l2, "model_bytes": model, "compulsory_bytes": compulsory,
+                                     "kernels_dram_GB/l2_GB": per_kernel, "part": "ncu"}))
+    out = Path(out) if out else Path(__file__).resolve().parents[2] / ("bench-out" if on_simulator()
+                                                                      else "workbook/results")
+    out.mkdir(parents=True, exist_ok=True)
+    env = harness.environment()
+    for chapter, fname in ((5, "flash_backward_dram.csv"), (6, "block_sparse_dram.csv")):
+        if rows[chapter]:
+            harness.write_csv(out / fname, rows[chapter], env)
+            for r in rows[chapter]:
+                print(f"{r.kernel:<60} {r.note}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.traffic")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="run one case once, between cuProfilerStart/Stop")
+    p_run.add_argument("case")
+    p_table = sub.add_parser("table", help="ncu --csv outputs -> *_dram.csv")
+    p_table.add_argument("paths", nargs="+")
+    p_table.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        if on_simulator():
+            raise SystemExit("traffic run: needs a GPU and Nsight Compute")
+        run_case(args.case)
+    else:
+        table(args.paths, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
