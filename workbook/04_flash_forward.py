@@ -501,7 +501,8 @@ if memory_rows:
 # d = 64 and 128; and float16 inputs next to SDPA's tensor-core backends. The bars to clear,
 # from PERF.md: plain PyTorch fp32 attention about 20 TFLOP/s, SDPA memory-efficient fp32
 # about 34. (No tensor cores in Numba: our kernel runs on the fp32 FMA units even for fp16
-# inputs, so the fp16 peers are context, not competition.)
+# inputs, so the fp16 peers are context, not competition. The fp32 memory-efficient peer
+# does use the tensor cores: see "What the fp32 peer executes" below.)
 
 # %%
 rows = show_csv("flash_forward.csv", ("kernel", "config", "median_ms", "tflops", "pct_fma_ceiling", "gbps"))
@@ -510,6 +511,67 @@ if png.exists():
     from IPython.display import Image, display
 
     display(Image(str(png)))
+
+# %% [markdown]
+# ### What the fp32 peer executes
+#
+# `python -m kernels.bench.peer_pipes`, run under Nsight Compute, calls SDPA's
+# memory-efficient forward and backward once on fp32 inputs (B=4 H=16 N=4096, d = 64 and
+# 128) and counts, for each of its kernels, the instructions the tensor-core pipe and the
+# FMA pipe executed and the cycles each pipe was busy. Measured: every one of these kernels
+# (`fmha_cutlassF_f32_aligned_64x64_rf_sm80` and the others) executes tensor-core `mma`
+# instructions, and their count times 2048 FLOPs (one TF32 `mma.sync` m16n8k8:
+# 2 x 16 x 8 x 8) is **3.00x the FLOPs the attention needs**, forward and backward, d = 64
+# and 128, with about as many FMA-pipe cycles as tensor-pipe cycles.
+#
+# Our reading of the counters: the kernel computes each fp32 product as three TF32
+# tensor-core products. It splits each operand into a large TF32 part and a small TF32
+# remainder, `a = a_big + a_small`, and sums `a_big b_big + a_big b_small + a_small b_big`
+# (the "3xTF32" trick, which keeps about fp32 accuracy); the FMA-pipe work is the splitting
+# and the softmax. What that means here:
+#
+# * Every product in our kernel runs on the fp32 FMA units (Numba exposes no tensor-core
+#   instruction). So at d = 64, where the fused forward is level with the memory-efficient
+#   kernel (33.4 against 34.4 TFLOP/s in this chapter's run; 1.02x faster in chapter 6's,
+#   where both ran again), a kernel on the FMA units alone keeps pace with a tensor-core
+#   kernel that spends three TF32 products per fp32 product.
+# * At d = 128 that peer reaches 46.1 TFLOP/s, about 0.9x of cuBLAS's fp32 matmul with TF32
+#   off (50.9 TFLOP/s, chapter 0), the practical ceiling of the FMA units. An attention
+#   kernel, with its softmax and rescaling on the same units, cannot get that close on the
+#   FMA units alone; the peer does because its products run on the tensor cores. Our
+#   kernel's 29.0 TFLOP/s at d = 128 is what the FMA units give it.
+# * Plain PyTorch fp32 attention is the FMA-only peer: `torch.backends.cuda.matmul.allow_tf32`
+#   is False there (the bench sets it so), so its two matmuls are cuBLAS's fp32 FMA kernels.
+#   At the reference size our forward beats it (33.4 against 20.3 TFLOP/s); at d = 128 it
+#   is 4% ahead of ours (30.1 against 29.0). Chapter 5's backward goal is SDPA's
+#   memory-efficient backward, the same kind of tensor-core kernel.
+#
+# The counters, per kernel (`ms` is the one profiled call):
+
+# %%
+def show_pipes():
+    """SDPA memory-efficient kernels under Nsight Compute, from results/sdpa_pipes.csv."""
+    from kernels.bench.harness import read_csv
+
+    path = RESULTS / "sdpa_pipes.csv"
+    if not path.exists():
+        print(f"The Nsight Compute result is not committed ({path}): run "
+              "`python -m kernels.bench.peer_pipes` under ncu on a GPU (see its docstring).")
+        return None
+    env, rows = read_csv(path)
+    print("device:", env.get("device"), "| driver:", env.get("driver"))
+    print(f"{'kernel':<42} {'part':<9} {'d':>4} {'ms':>7} {'tf32_flops_over_attention_flops':>32} "
+          f"{'tensor pipe cycles':>19} {'FMA pipe cycles':>16}")
+    for r in rows:
+        ex = dict(kv.split("=", 1) for kv in r["extra"].split(";") if "=" in kv)
+        name = r["kernel"].split("(")[-1].rstrip(")")
+        print(f"{name:<42} {ex['part']:<9} {ex['d']:>4} {r['median_ms']:>7.2f} "
+              f"{float(ex['tf32_flops_over_attention_flops']):>32.2f} "
+              f"{float(ex['tensor_cycles']):>19.3g} {float(ex['fma_cycles']):>16.3g}")
+    return rows
+
+
+_ = show_pipes()
 
 # %% [markdown]
 # ### Where the bytes go: a Br sweep under Nsight Compute
