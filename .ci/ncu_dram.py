@@ -11,17 +11,15 @@ On a GPU machine:
     python .ci/ncu_dram.py table ncu_naive.csv workbook/results/naive_attention_dram.csv
 """
 
-import csv
 import sys
 
 import numpy as np
 
 import kernels  # noqa: F401  (GPU or simulator first)
 from kernels import runtime
-from kernels.bench.harness import Result, environment, write_csv
+from kernels.bench.harness import Result, environment, read_ncu, write_csv
 
 REFERENCE = (4, 16, 4096, 64)   # B, H, N, d, fp32, non-causal
-UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}
 PARTS = (("scores", "S kernel (S = scale Q K^T)"), ("softmax", "softmax kernel (P = softmax S)"),
          ("weighted", "PV kernel (O = P V)"))
 
@@ -44,15 +42,11 @@ def table(ncu_csv, out_path):
     from kernels.naive_attention import io_model_bytes
 
     b, h, n, d = REFERENCE
-    lines = [line for line in open(ncu_csv).read().splitlines() if line.startswith('"')]
-    launches = {}
-    for row in csv.DictReader(lines):
-        value = float(str(row["Metric Value"]).replace(",", "")) * UNITS.get(row.get("Metric Unit", "byte"), 1)
-        launches.setdefault((row["ID"], row["Kernel Name"]), {})[row["Metric Name"]] = value
     model = io_model_bytes(b, h, n, n, d)
     config = f"B={b} H={h} N={n} d={d} fp32 causal=False"
     results = []
-    for (launch, name), metrics in sorted(launches.items(), key=lambda kv: int(kv[0][0])):
+    for launch in read_ncu(ncu_csv):
+        name, metrics = launch["kernel"], launch["metrics"]
         part = next(((key, label) for key, label in PARTS if key in name), None)
         if part is None:
             continue

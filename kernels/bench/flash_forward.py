@@ -368,10 +368,6 @@ def _ncu_once(spec: str):
               f"(compulsory {b * h * (4 * n * d + n) * 4 / 1e6:.1f} MB)")
 
 
-_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
-          "KB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}
-
-
 def dram_from_ncu(paths, *, shape=REFERENCE, ctx=None) -> list[Result]:
     """Rows of measured memory traffic from Nsight Compute CSV output (``ncu --csv`` of the
     ``--ncu`` runs above), next to the IO model for the Br each kernel ran with (read off
@@ -383,30 +379,24 @@ def dram_from_ncu(paths, *, shape=REFERENCE, ctx=None) -> list[Result]:
     predicts the second; L2 (50 MB) keeps most K/V re-reads away from HBM. With ``ctx`` and
     file names ending in the tile spec (``..._128,64,8,8.csv``) each row also gets the time
     of the same tiles measured without the profiler."""
-    import csv
     import re
     from pathlib import Path
+
+    from kernels.bench.harness import read_ncu
 
     b, h, n, d = shape
     results = []
     for path in paths:
-        text = open(path).read().splitlines()
-        rows = list(csv.DictReader(line for line in text if line.startswith('"')))
-        by_launch: dict = {}
-        for row in rows:
-            if "flash_forward" not in row.get("Kernel Name", ""):
-                continue
-            key = (row.get("ID"), row.get("Grid Size"), row.get("Block Size"))
-            unit = row.get("Metric Unit", "byte")
-            value = float(str(row["Metric Value"]).replace(",", "")) * (32 if unit == "sector" else _UNITS.get(unit, 1))
-            by_launch.setdefault(key, {})[row["Metric Name"]] = value
         spec = re.search(r"(\d+,\d+,\d+,\d+)\.csv$", Path(path).name)
         timed = None
         if ctx is not None and spec:
             tiles = Tiles(*(int(x) for x in spec.group(1).split(",")))
             timed = measure_kernel(ctx, tiles, b, h, n, d, label=f"flash fwd {tiles}", extra={})
-        for (launch, grid, block), metrics in by_launch.items():
-            tr = int(grid.strip("()").split(",")[0])
+        for launch in read_ncu(path):
+            if "flash_forward" not in launch["kernel"]:
+                continue
+            metrics, block = launch["metrics"], launch["block"]
+            tr = int(launch["grid"].strip("()").split(",")[0])
             br = -(-n // tr)
             read = metrics.get("dram__bytes_read.sum", float("nan"))
             write = metrics.get("dram__bytes_write.sum", float("nan"))

@@ -229,6 +229,28 @@ def read_csv(path):
     return env, rows
 
 
+# Nsight Compute's units: byte sizes to bytes, L2 sectors (32 B) to bytes; other units
+# (inst, cycle, nsecond, ...) are kept as they are.
+NCU_UNITS = {"byte": 1, "B": 1, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9, "GB": 1e9,
+             "Tbyte": 1e12, "sector": 32}
+
+
+def read_ncu(path) -> list[dict]:
+    """The profiled launches in one ``ncu --csv`` output, in launch order: dicts with ``id``,
+    ``kernel`` (the full name), ``grid`` and ``block`` ("(x, y, z)") and ``metrics``
+    ({metric name: value, sizes in bytes})."""
+    lines = [line for line in open(path).read().splitlines() if line.startswith('"')]
+    launches: dict = {}
+    for row in csv.DictReader(lines):
+        key = (row.get("ID"), row.get("Kernel Name", ""))
+        launch = launches.setdefault(key, {"id": row.get("ID"), "kernel": row.get("Kernel Name", ""),
+                                           "grid": row.get("Grid Size", ""), "block": row.get("Block Size", ""),
+                                           "metrics": {}})
+        value = float(str(row["Metric Value"]).replace(",", ""))
+        launch["metrics"][row["Metric Name"]] = value * NCU_UNITS.get(row.get("Metric Unit", "byte"), 1)
+    return sorted(launches.values(), key=lambda launch: int(launch["id"] or 0))
+
+
 def format_table(results) -> str:
     head = f"{'kernel':<36}{'config':<44}{'median ms':>11} {'spread':>7} {'TFLOP/s':>8} {'GB/s':>8} {'%FMA':>6} {'peak MB':>8}"
     lines = [head, "-" * len(head)]

@@ -23,7 +23,6 @@ large and a small TF32 part, which keeps about fp32 accuracy) looks like in thes
 
 from __future__ import annotations
 
-import csv
 import sys
 from pathlib import Path
 
@@ -55,16 +54,12 @@ def table(path, out=None):
     from kernels.bench import harness
     from kernels.bench.harness import Result
 
-    lines = [line for line in open(path).read().splitlines() if line.startswith('"')]
-    kernels: dict = {}
-    for row in csv.DictReader(lines):
-        name = row["Kernel Name"].split("(")[0]
-        if "fmha" not in name:
-            continue
-        kernels.setdefault((row["ID"], name), {})[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
     b, h, n = SHAPE
     results = []
-    for (_, name), m in kernels.items():
+    for launch in harness.read_ncu(path):
+        name, m = launch["kernel"].split("(")[0], launch["metrics"]
+        if "fmha" not in name:
+            continue
         d = 128 if "k128" in name or "64x128" in name else 64
         backward = "cutlassB" in name
         flops = 4 * b * h * n * n * d * (2.5 if backward else 1.0)

@@ -25,7 +25,6 @@ HBM, so they predict the L2 -> SM traffic; the 50 MB L2 keeps most re-reads from
 from __future__ import annotations
 
 import argparse
-import csv
 import re
 import sys
 from pathlib import Path
@@ -39,7 +38,6 @@ from kernels.runtime import on_simulator
 REFERENCE = (4, 16, 4096, 64)
 BLOCK = 128                       # chapter 6's bench masks: 128 x 128 blocks
 L2_READ = "lts__t_sectors_srcunit_tex_op_read.sum"
-_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12, "sector": 32}
 
 
 def _case(name, build=True):
@@ -102,17 +100,6 @@ def run_case(name):
     cuda.profile_stop()
 
 
-def read_ncu(path):
-    """The profiled kernels of one ``ncu --csv`` output: [(kernel name, {metric: bytes})]."""
-    lines = [line for line in open(path).read().splitlines() if line.startswith('"')]
-    launches: dict = {}
-    for row in csv.DictReader(lines):
-        key = (row.get("ID"), row.get("Kernel Name", ""))
-        value = float(str(row["Metric Value"]).replace(",", "")) * _UNITS.get(row.get("Metric Unit", "byte"), 1)
-        launches.setdefault(key, {})[row["Metric Name"]] = value
-    return [(name, metrics) for (_, name), metrics in launches.items()]
-
-
 def _short(kernel_name):
     """'cudapy::kernels::flash_backward::make_dkdv::<locals>::dkdv[abi:...](...)' -> 'dkdv'."""
     base = kernel_name.split("(")[0].split("[")[0]
@@ -127,7 +114,7 @@ def table(paths, out=None):
     for path in paths:
         name = re.sub(r"^ncu_|\.csv$", "", Path(path).name)
         _, chapter, what, model = _case(name, build=False)
-        launches = read_ncu(path)
+        launches = [(launch["kernel"], launch["metrics"]) for launch in harness.read_ncu(path)]
         dram = sum(m.get("dram__bytes_read.sum", 0) + m.get("dram__bytes_write.sum", 0) for _, m in launches)
         l2 = sum(m.get(L2_READ, float("nan")) for _, m in launches)
         writes = sum(m.get("dram__bytes_write.sum", 0) for _, m in launches)
