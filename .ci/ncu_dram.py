@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 import kernels  # noqa: F401  (GPU or simulator first)
-from kernels import runtime
+from kernels.base import runtime
 from kernels.bench.harness import Result, environment, read_ncu, write_csv
 
 REFERENCE = (4, 16, 4096, 64)   # B, H, N, d, fp32, non-causal

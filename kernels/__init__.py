@@ -2,9 +2,9 @@
 (``reference``), a small runtime (``runtime``) and the bench (``python -m kernels``).
 
 Importing this package decides, once and before Numba is imported, whether kernels run
-on the GPU or in the Numba CUDA simulator (see ``kernels.runtime``).
+on the GPU or in the Numba CUDA simulator (see ``kernels.base.runtime``).
 """
 
-from kernels import runtime as runtime  # noqa: F401  (selects GPU or simulator first)
+from kernels.base import runtime as runtime  # noqa: F401  (selects GPU or simulator first)
 
 DEVICE = runtime.DEVICE

@@ -27,7 +27,7 @@ registers), register-tiled, with chapter 4's tiles and per-tile code; only the l
   and, of S, Bc/TC columns, of O, D/TC columns, in runs of 4 adjacent rows or columns
   (one 16-byte shared-memory load each);
 * the tiles live in one dynamic shared buffer (103 KB at Br=128, Bc=64, d=64; above 48 KB
-  through kernels/shared_memory.py): Qt, Kt and Pt transposed; row strides are multiples
+  through kernels/base/shared_memory.py): Qt, Kt and Pt transposed; row strides are multiples
   of 4 floats (16-byte aligned rows) padded so that the tile copies' stores hit 32 banks;
 * tile copies: every thread copies fixed columns of fixed rows, its loads clamped to valid
   addresses and zeroed afterwards (no branch around a load: all of them in flight at
@@ -56,10 +56,10 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from kernels.reference import BlockMask
-from kernels.runtime import (ArrayKind, cdiv, check_flag, check_qkv, check_scale, device_empty,
+from kernels.base.masks import BlockMask
+from kernels.base.runtime import (ArrayKind, cdiv, check_flag, check_qkv, check_scale, device_empty,
                              on_simulator, to_device)
-from kernels.shared_memory import allow_dynamic_shared_memory
+from kernels.base.shared_memory import allow_dynamic_shared_memory
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_backward", "make_forward", "TileLists",
            "tile_lists", "forward_config", "FORWARD_CONFIGS", "io_model_bytes", "ptx_targets"]
@@ -350,7 +350,7 @@ def make_forward(Br: int, Bc: int, D: int, RM: int, TC: int, prefetch: bool = Tr
     each tile when it is needed, fewer registers).
 
     Launch: grid (Tr, B*H), (Br/RM)*TC threads, ``shared_bytes_forward(Br, Bc, D, RM, TC)``
-    bytes of dynamic shared memory (raised above 48 KB by kernels.shared_memory)."""
+    bytes of dynamic shared memory (raised above 48 KB by kernels.base.shared_memory)."""
     for name, x in (("Br", Br), ("Bc", Bc), ("D", D), ("RM", RM), ("TC", TC)):
         if x < 1 or x & (x - 1):
             raise ValueError(f"make_forward: expected {name} a power of two, got {x}")

@@ -49,9 +49,9 @@ from numba import cuda, float32, int32, uint64
 
 from kernels.block_sparse import KernelConfig, _lists_for, fit_tiles, padded_head_dim
 from kernels.flash_backward import make_delta
-from kernels.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, device_empty,
+from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, device_empty,
                              on_simulator, to_device)
-from kernels.shared_memory import allow_dynamic_shared_memory
+from kernels.base.shared_memory import allow_dynamic_shared_memory
 
 __all__ = ["block_sparse_attention_backward", "make_backward_dq", "make_backward_dkdv", "backward_config",
            "BACKWARD_CONFIGS", "DQ_MODES", "io_model_bytes", "ptx_targets"]
@@ -62,7 +62,7 @@ DQ_MODES = ("atomic", "separate")
 # (so that one set of lists serves both). dQ kernel: (Br/R) x TC threads, R query rows
 # a thread; dK/dV kernel: (Bc/R) x TC threads, R key rows a thread. Shared memory: one
 # dynamic buffer a kernel (see dq_layout, dkdv_layout), above 48 KB through
-# kernels/shared_memory.py.
+# kernels/base/shared_memory.py.
 BACKWARD_CONFIGS = {
     32: (64, 64, 4, 16),   # dQ 50 KB / dK dV 67 KB at D=32; 256 threads each
     64: (64, 64, 4, 16),   # dQ 83 KB / dK dV 100 KB; 256 threads each: 4x4 scores, 4x4 outputs

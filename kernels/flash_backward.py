@@ -41,7 +41,7 @@ of a load phase to 8 different bank groups.
 Tile sizes are compile-time constants: each kernel comes from a cached factory
 (``make_dkdv``, ``make_dq``, ``make_delta``) that closes over them. Above 48 KB of shared
 memory a block, the kernels use dynamic shared memory with the per-kernel limit raised
-(``kernels.shared_memory`` when it is available).
+(``kernels.base.shared_memory`` when it is available).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from kernels.runtime import (
+from kernels.base.runtime import (
     ArrayKind,
     cdiv,
     check_array,
@@ -66,7 +66,7 @@ from kernels.runtime import (
 )
 
 try:  # dynamic shared memory above 48 KB (chapter 4's helper)
-    from kernels import shared_memory as _shared_memory
+    from kernels.base import shared_memory as _shared_memory
 except ImportError:  # pragma: no cover
     _shared_memory = None
 

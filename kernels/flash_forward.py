@@ -40,7 +40,7 @@ so the row maximum needs log2(TX) shuffles; the row sum is kept per thread and r
 once at the end (the rescaling factor is the same for every thread of a row).
 
 Shared memory (float32, one dynamic buffer; > 48 KB is allowed through
-kernels/shared_memory.py):
+kernels/base/shared_memory.py):
 
     Qt   D  x (Br + 4)       Q tile, transposed: a thread's rows are contiguous runs
     Kt   D  x (Bc + 4)       K tile, transposed: a thread's columns of S are contiguous runs
@@ -83,7 +83,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from kernels.runtime import (
+from kernels.base.runtime import (
     ArrayKind,
     cdiv,
     check_flag,
@@ -93,7 +93,7 @@ from kernels.runtime import (
     on_simulator,
     to_device,
 )
-from kernels.shared_memory import allow_dynamic_shared_memory, max_dynamic_shared_bytes
+from kernels.base.shared_memory import allow_dynamic_shared_memory, max_dynamic_shared_bytes
 
 __all__ = ["flash_attention", "Tiles", "default_tiles", "make_flash_forward", "shared_bytes", "io_model_bytes",
            "tile_update", "flash_forward_numpy", "check_tile_update", "tile_update_cases", "ptx_targets"]

@@ -30,7 +30,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, int32
 
-from kernels.runtime import ArrayKind, cdiv, check_array, device_empty, on_simulator, to_device
+from kernels.base.runtime import ArrayKind, cdiv, check_array, device_empty, on_simulator, to_device
 
 # Production launch shapes on a GPU; small ones in the simulator (each simulated thread is
 # a Python thread).

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from kernels.runtime import (
+from kernels.base.runtime import (
     ArrayKind,
     cdiv,
     check_array,

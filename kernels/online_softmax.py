@@ -43,7 +43,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from kernels.runtime import ArrayKind, cdiv, check_array, check_flag, device_empty, on_simulator, to_device
+from kernels.base.runtime import ArrayKind, cdiv, check_array, check_flag, device_empty, on_simulator, to_device
 
 __all__ = [
     "softmax",

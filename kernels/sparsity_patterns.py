@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.reference import BlockMask
+from kernels.base.masks import BlockMask
 
 __all__ = ["sliding_window", "global_local", "strided", "butterfly", "random_blocks", "dense", "PATTERNS"]
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from kernels.runtime import ArrayKind, cdiv, check_array, device_empty, is_device_array, on_simulator, to_device
+from kernels.base.runtime import ArrayKind, cdiv, check_array, device_empty, is_device_array, on_simulator, to_device
 
 __all__ = ["matmul", "make_naive", "make_shared_tiles", "make_register_tiles", "RUNG3_CONFIGS",
            "RUNG3_DEFAULT", "default_tiles", "global_bytes", "load_tile", "tiled_matmul_numpy",
@@ -458,7 +458,7 @@ def check_tile_load(load, case):
     """The property: the tiled product built with ``load`` matches the float64 oracle, and
     ``load`` gives 0 outside the matrix and the matrix inside."""
     from kernels import reference as ref
-    from kernels.testing import assert_close
+    from kernels.base.testing import assert_close
 
     a, b = case.a, case.b
     edge = load(a, max(a.shape[0] - 1, 0), max(a.shape[1] - 1, 0), case.bm, case.bk)

@@ -13,7 +13,7 @@ import os
 import sys
 
 import kernels  # noqa: F401  (GPU-or-simulator switch, before Numba)
-from kernels.runtime import on_simulator
+from kernels.base.runtime import on_simulator
 
 from hypothesis import HealthCheck, settings
 
@@ -29,6 +29,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if on_simulator(
 
 
 def pytest_report_header(config):
-    from kernels.runtime import device_name
+    from kernels.base.runtime import device_name
 
     return f"workbook device: {device_name()}; hypothesis profile: {settings._current_profile}"

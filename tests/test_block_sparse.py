@@ -15,8 +15,8 @@ from kernels import reference as ref
 from kernels import sparsity_patterns as sp
 from kernels.block_sparse import block_sparse_attention, block_sparse_attention_backward, tile_lists
 from kernels.block_sparse_backward import DQ_MODES
-from kernels.runtime import on_simulator
-from kernels.testing import MAX_BH, MAX_D, assert_close, forward_floor_scales, gradient_floor_scales, random_array
+from kernels.base.runtime import on_simulator
+from kernels.base.testing import MAX_BH, MAX_D, assert_close, forward_floor_scales, gradient_floor_scales, random_array
 
 # Sequence lengths: the simulator runs every thread in Python, keep them small there.
 MAX_N = 40 if on_simulator() else 512
@@ -91,7 +91,7 @@ def check_forward(c):
     exact_o, exact_lse = ref.attention(q, k, v, **kw)
     base_o, base_lse = ref.attention(q, k, v, dtype=np.float32, **kw)
     assert o.dtype == np.float32 and lse.dtype == np.float32
-    # Floors: O and L are as accurate as the exponents scale * S are (kernels.testing.exponent_scale).
+    # Floors: O and L are as accurate as the exponents scale * S are (kernels.base.testing.exponent_scale).
     fs_o, fs_l = forward_floor_scales(q, k, v, c["scale"])
     assert_close(o, exact_o, base_o, name="O", floor_scale=fs_o)
     assert_close(lse, exact_lse, base_lse, name="L", floor_scale=fs_l)
@@ -196,7 +196,7 @@ def check_backward(c):
 
 
 # Large logits (|q|, |k| ~ 3, scale up to 2) are drawn too: dQ and dK are then small
-# differences of large terms, and their floor follows those terms (kernels.testing.gradient_floor_scales).
+# differences of large terms, and their floor follows those terms (kernels.base.testing.gradient_floor_scales).
 @given(sparse_cases(max_n=min(MAX_N, 32)))
 @example(case(nq=1, nk=1, d=1, density=1.0))
 @example(case(b=2, h=2, nq=1, nk=4, d=17, magnitude=3.0, kind="sliding window", bq=16, bk=16))

@@ -22,8 +22,8 @@ from kernels.flash_backward import (
     recompute_p,
     head_dim_bucket,
 )
-from kernels.runtime import on_simulator
-from kernels.testing import assert_close, attention_cases, case_with, gradient_floor_scales, random_array
+from kernels.base.runtime import on_simulator
+from kernels.base.testing import assert_close, attention_cases, case_with, gradient_floor_scales, random_array
 
 SIM = on_simulator()
 # Simulated threads are slow: small shapes and tiles there; larger ones on the GPU.
@@ -49,7 +49,7 @@ def _check_gradients(case, got, o, lse, do):
     exact = ref.attention_backward(case.q, case.k, case.v, o, lse, do, **kw)
     baseline = ref.attention_backward(case.q, case.k, case.v, o, lse, do, dtype=np.float32, **kw)
     # Floors follow the terms that cancel in dS and the accuracy of the exponents
-    # (kernels.testing.gradient_floor_scales says why).
+    # (kernels.base.testing.gradient_floor_scales says why).
     floors = gradient_floor_scales(case.q, case.k, case.v, o, lse, do, **kw)
     for name, g, e, b, fs in zip(("dq", "dk", "dv"), got, exact, baseline, floors):
         assert_close(g, e, b, name=name, floor_scale=fs)

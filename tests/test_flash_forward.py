@@ -28,9 +28,9 @@ from kernels.flash_forward import (
     tile_update,
     tile_update_cases,
 )
-from kernels.runtime import is_device_array, on_simulator
-from kernels.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
-from kernels.testing import assert_close, attention_cases, case_with, forward_floor_scales
+from kernels.base.runtime import is_device_array, on_simulator
+from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
+from kernels.base.testing import assert_close, attention_cases, case_with, forward_floor_scales
 
 SIM = on_simulator()
 BOTH_DTYPES = (np.float32, np.float16)
@@ -43,7 +43,7 @@ def check(case, tiles=None):
     base_o, base_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale,
                                    dtype=np.float32)
     assert o.dtype == np.float32 and lse.dtype == np.float32
-    # Floors: O and L are as accurate as the exponents scale * S are (kernels.testing.exponent_scale).
+    # Floors: O and L are as accurate as the exponents scale * S are (kernels.base.testing.exponent_scale).
     fs_o, fs_l = forward_floor_scales(case.q, case.k, case.v, case.scale)
     assert_close(o, exact_o, base_o, name="O", floor_scale=fs_o)
     assert_close(lse, exact_l, base_l, name="L", floor_scale=fs_l)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from kernels import gpu_basics
-from kernels.testing import assert_close, random_array
+from kernels.base.testing import assert_close, random_array
 
 MAX_LEN = 3000  # the simulator runs every thread in Python
 

@@ -20,8 +20,8 @@ from kernels.naive_attention import (
     scores,
     weighted_sum,
 )
-from kernels.runtime import on_simulator, to_device
-from kernels.testing import MAX_N, assert_close, attention_cases, case_with, forward_floor_scales
+from kernels.base.runtime import on_simulator, to_device
+from kernels.base.testing import MAX_N, assert_close, attention_cases, case_with, forward_floor_scales
 
 # Tiles the tests draw: small ones in the simulator (ragged N crosses several tiles),
 # the production ones and a few others on the GPU. Rows longer than
@@ -73,7 +73,7 @@ def test_each_step_matches_the_oracle(case, tiles):
     assert_close(s, s_exact, s_f32, name="S")
 
     # The softmax is checked on the kernel's own S, so that its error is its own.
-    # Floors: P, O and L are as accurate as the exponents scale * S are (kernels.testing.exponent_scale).
+    # Floors: P, O and L are as accurate as the exponents scale * S are (kernels.base.testing.exponent_scale).
     fs_o, fs_l = forward_floor_scales(q, k, v, scale)
     p, lse = row_softmax(s, tiles=tiles)
     assert_close(p, ref.softmax(s), ref.softmax(s, dtype=np.float32), name="P", floor_scale=fs_l)

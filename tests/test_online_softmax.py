@@ -23,8 +23,8 @@ from kernels.online_softmax import (
     softmax_2pass,
     softmax_3pass,
 )
-from kernels.runtime import on_simulator
-from kernels.testing import assert_close
+from kernels.base.runtime import on_simulator
+from kernels.base.testing import assert_close
 
 SIM = on_simulator()
 MAX_ROW = 80 if SIM else 20000           # row length n (the simulator runs every thread in Python)

@@ -1,7 +1,7 @@
 """Every kernel of the course compiles to PTX for sm_90 (no GPU needed).
 
 The simulator does not type-check, so this is what catches code that only the GPU
-compiler rejects. Runs ``python -m kernels.ptx_check`` in a subprocess with the simulator
+compiler rejects. Runs ``python -m kernels.base.ptx_check`` in a subprocess with the simulator
 off (``WORKBOOK_DEVICE=gpu``).
 """
 
@@ -29,7 +29,7 @@ def _modules():
     from pathlib import Path
 
     import kernels
-    from kernels.ptx_check import kernel_modules
+    from kernels.base.ptx_check import kernel_modules
 
     folder = Path(kernels.__file__).parent
     return [m for m in kernel_modules() if "def ptx_targets" in (folder / f"{m}.py").read_text()]
@@ -38,7 +38,7 @@ def _modules():
 @pytest.mark.parametrize("module", _modules())
 def test_every_kernel_compiles_to_ptx(module):
     # One module a test, so that pytest-xdist spreads the compiles over the workers.
-    proc = _run(["-m", "kernels.ptx_check", module])
+    proc = _run(["-m", "kernels.base.ptx_check", module])
     out = proc.stdout + proc.stderr
     print(out)
     failures = [line for line in out.splitlines() if line.startswith("FAIL")]
@@ -65,7 +65,7 @@ def test_the_check_catches_a_typing_error_the_simulator_lets_through():
             x[0] = a[int(x[1])]
         mod.ptx_targets = lambda: [("bad", bad, "void(float32[::1])"), ("spills", spills, "void(float32[::1])")]
         sys.modules["kernels.broken_example"] = mod
-        from kernels.ptx_check import check_module
+        from kernels.base.ptx_check import check_module
         ok, failed, warned = check_module("broken_example")
         print("counts", ok, failed, warned)
     """)
@@ -78,7 +78,7 @@ def test_the_check_catches_a_typing_error_the_simulator_lets_through():
 
 @pytest.mark.parametrize("name", ["runtime", "reference", "testing"])
 def test_discovery_skips_the_shared_modules(name):
-    from kernels.ptx_check import kernel_modules
+    from kernels.base.ptx_check import kernel_modules
 
     found = kernel_modules()
     assert name not in found

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from kernels import runtime
-from kernels.runtime import ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, time_fn
+from kernels.base import runtime
+from kernels.base.runtime import ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, time_fn
 
 
 def qkv(b=1, h=2, nq=5, nk=7, d=4, dtype=np.float32):
@@ -142,7 +142,7 @@ def test_time_fn_medians_are_sane():
 def _device_in_subprocess(**env_changes):
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "WORKBOOK_DEVICE")}
     env.update(env_changes)
-    code = "import os, kernels; from kernels.runtime import on_simulator; " \
+    code = "import os, kernels; from kernels.base.runtime import on_simulator; " \
            "print(kernels.DEVICE, on_simulator(), os.environ.get('NUMBA_ENABLE_CUDASIM'))"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 

@@ -9,8 +9,8 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from kernels import reference as ref
-from kernels.runtime import on_simulator
-from kernels.testing import assert_close, random_array
+from kernels.base.runtime import on_simulator
+from kernels.base.testing import assert_close, random_array
 from kernels.tiled_matmul import (
     RUNG3_CONFIGS,
     TileCase,

@@ -41,8 +41,8 @@ import numpy as np
 
 import kernels  # chooses the GPU or the simulator, before Numba is imported
 from kernels import gpu_basics
-from kernels.runtime import device_name, on_simulator, time_fn
-from kernels.testing import assert_close, check_exercise, random_array
+from kernels.base.runtime import device_name, on_simulator, time_fn
+from kernels.base.testing import assert_close, check_exercise, random_array
 from numba import cuda
 
 print(f"running on: {device_name()}  (simulator: {on_simulator()})")
@@ -251,7 +251,7 @@ for name, args in [("copy: 256 threads, 16 regs, no shared", (256, 16, 0)),
 # python -m pytest -n 2 --nbmake tests workbook     # tests and notebooks (simulator without a GPU)
 # WORKBOOK_DEVICE=sim jupyter lab                  # the notebooks, forced into the simulator
 # python -m kernels --chapters 0                   # this chapter's bench
-# python -m kernels.ptx_check                      # compile every kernel for the H100 (sm_90)
+# python -m kernels.base.ptx_check                      # compile every kernel for the H100 (sm_90)
 # ```
 #
 # Notebooks read `on_simulator()` in their `parameters` cell and pick tiny sizes there.
@@ -260,7 +260,7 @@ for name, args in [("copy: 256 threads, 16 regs, no shared", (256, 16, 0)),
 #
 # * **Types.** The simulator runs the kernel as Python: a float64 written into a float32
 #   array, an unsupported function, a shared-memory size that is not a compile-time
-#   constant all run fine. `python -m kernels.ptx_check` compiles every kernel with Numba's
+#   constant all run fine. `python -m kernels.base.ptx_check` compiles every kernel with Numba's
 #   real CUDA compiler (`numba.cuda.compile_ptx`, target sm_90) without needing a GPU, and
 #   warns when a kernel spills to local memory.
 # * **Precision.** `math.exp` in the simulator is Python's float64 `exp`; on the GPU it is
@@ -278,7 +278,7 @@ for name, args in [("copy: 256 threads, 16 regs, no shared", (256, 16, 0)),
 # The PTX check for this chapter's kernels, in a process with the simulator off:
 env = dict(os.environ, WORKBOOK_DEVICE="gpu")
 env.pop("NUMBA_ENABLE_CUDASIM", None)
-proc = subprocess.run([sys.executable, "-m", "kernels.ptx_check", "gpu_basics"], env=env,
+proc = subprocess.run([sys.executable, "-m", "kernels.base.ptx_check", "gpu_basics"], env=env,
                       capture_output=True, text=True, timeout=600)
 print(proc.stdout[-2000:] or proc.stderr[-2000:])
 
@@ -299,7 +299,7 @@ print("kernel exp:", out, "| float32 exp:", np.exp(x), "| float64 exp:", np.exp(
 # %% [markdown]
 # ## 7. How the course times
 #
-# `kernels.runtime.time_fn` (and the bench harness built on it) follows the same rules for
+# `kernels.base.runtime.time_fn` (and the bench harness built on it) follows the same rules for
 # every kernel and every peer:
 #
 # * **CUDA events** recorded on the GPU around the call, so the time is what the device

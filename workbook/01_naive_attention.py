@@ -68,8 +68,8 @@ from kernels.naive_attention import (
     scores,
     weighted_sum,
 )
-from kernels.runtime import device_name, on_simulator, time_fn
-from kernels.testing import assert_close, attention_cases, case_with, check_exercise
+from kernels.base.runtime import device_name, on_simulator, time_fn
+from kernels.base.testing import assert_close, attention_cases, case_with, check_exercise
 
 if on_simulator():
     sys.setswitchinterval(1e-4)  # simulated threads are Python threads: switch often, barriers go faster

@@ -40,8 +40,8 @@ import numpy as np
 
 import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
 from kernels import reference as ref
-from kernels.runtime import device_name, on_simulator
-from kernels.testing import assert_close, check_exercise
+from kernels.base.runtime import device_name, on_simulator
+from kernels.base.testing import assert_close, check_exercise
 from kernels.tiled_matmul import (
     RUNG3_CONFIGS,
     RUNG3_DEFAULT,
@@ -200,7 +200,7 @@ print(inspect.getsource(make_shared_tiles))
 # * **Interior tiles skip the masks**: only blocks on the ragged edge pay for the bounds checks.
 # * **Registers, not local memory**: `acc`, `fa`, `fb` are `cuda.local.array`s of constant
 #   size indexed only by unrolled loop indices, so the compiler keeps them in registers.
-#   The PTX of every kernel is checked for `.local` (`python -m kernels.ptx_check`).
+#   The PTX of every kernel is checked for `.local` (`python -m kernels.base.ptx_check`).
 
 # %%
 print(inspect.getsource(make_register_tiles))

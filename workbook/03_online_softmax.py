@@ -57,8 +57,8 @@ from kernels.online_softmax import (
     softmax_2pass,
     softmax_3pass,
 )
-from kernels.runtime import device_name, on_simulator
-from kernels.testing import assert_close, check_exercise
+from kernels.base.runtime import device_name, on_simulator
+from kernels.base.testing import assert_close, check_exercise
 
 print("running on:", device_name())
 
@@ -352,7 +352,7 @@ for rows, n in [(16384, 4096), (65536, 4096), (16384, 16384)]:
 
 # %%
 if TIME_ROWS:
-    from kernels.runtime import cdiv, time_fn
+    from kernels.base.runtime import cdiv, time_fn
     from kernels.online_softmax import default_tiles
 
     xt = cuda.to_device((rng.standard_normal((TIME_ROWS, TIME_N)) * 4).astype(np.float32))

@@ -68,8 +68,8 @@ from kernels.flash_forward import (
     tile_update,
     tile_update_cases,
 )
-from kernels.runtime import device_name, on_simulator
-from kernels.testing import assert_close, case_with, check_exercise
+from kernels.base.runtime import device_name, on_simulator
+from kernels.base.testing import assert_close, case_with, check_exercise
 
 print("running on:", device_name())
 
@@ -179,7 +179,7 @@ for causal in (False, True):
 # ### The budget for the chosen tiles
 #
 # Shared memory is one dynamic buffer (`Qt | Kt | V | Pt`). Above 48 KB a block needs
-# dynamic shared memory *and* a raised per-kernel limit; `kernels/shared_memory.py` does that
+# dynamic shared memory *and* a raised per-kernel limit; `kernels/base/shared_memory.py` does that
 # through numba-cuda's driver layer (`cuKernelSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)`),
 # and does nothing in the simulator. Registers are counted by `ptxas` (sm_90) on the PTX
 # that Numba produces; the estimate below counts only the arrays a thread keeps.
@@ -213,7 +213,7 @@ for t in SWEEP_D128:
 # current one (`make_flash_forward(..., prefetch=True)`, which the bench measures) needs
 # `2 Bc d / threads` registers more: at these tiles it either spills or costs occupancy,
 # and it measured no faster. Every production configuration is compiled to PTX in CI
-# (`python -m kernels.ptx_check flash_forward`), which also warns if any uses local memory.
+# (`python -m kernels.base.ptx_check flash_forward`), which also warns if any uses local memory.
 
 # %% [markdown]
 # ## 3. The kernel, piece by piece
@@ -727,7 +727,7 @@ if TIME:
     from numba import cuda
 
     from kernels.bench.flash_forward import bare_launch
-    from kernels.runtime import time_fn
+    from kernels.base.runtime import time_fn
 
     b, h, n, d = TIME
     qkv = [cuda.to_device(np.random.default_rng(i).standard_normal((b, h, n, d)).astype(np.float32))

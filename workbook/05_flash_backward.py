@@ -56,8 +56,8 @@ from kernels.flash_backward import (
     standard_backward_bytes,
 )
 from kernels.flash_forward import flash_attention
-from kernels.runtime import device_name, on_simulator
-from kernels.testing import assert_close, attention_cases, check_exercise, random_array
+from kernels.base.runtime import device_name, on_simulator
+from kernels.base.testing import assert_close, attention_cases, check_exercise, random_array
 
 print("running on:", device_name())
 
@@ -526,7 +526,7 @@ _ = show_pipes()
 if TIME is not None:
     from numba import cuda
 
-    from kernels.runtime import time_fn
+    from kernels.base.runtime import time_fn
 
     b_, h_, n_, d_ = TIME
     rng = np.random.default_rng(1)

@@ -53,8 +53,8 @@ from kernels import sparsity_patterns as sp
 from kernels.block_sparse import block_sparse_attention, io_model_bytes, make_forward, tile_lists
 from kernels.block_sparse_backward import (block_sparse_attention_backward, make_backward_dkdv,
                                            make_backward_dq)
-from kernels.runtime import device_name, on_simulator
-from kernels.testing import assert_close, check_exercise
+from kernels.base.runtime import device_name, on_simulator
+from kernels.base.testing import assert_close, check_exercise
 
 print("running on:", device_name())
 

@@ -37,8 +37,8 @@ from kernels.block_sparse import (KernelConfig, forward_config, io_model_bytes, 
                                   shared_bytes_forward, tile_lists)
 from kernels.block_sparse_backward import backward_config, block_sparse_attention_backward
 from kernels.block_sparse_backward import io_model_bytes as io_model_bytes_backward
-from kernels.runtime import cdiv
-from kernels.shared_memory import allow_dynamic_shared_memory
+from kernels.base.runtime import cdiv
+from kernels.base.shared_memory import allow_dynamic_shared_memory
 
 CHAPTER = 6
 TITLE = "block-sparse attention"

@@ -103,7 +103,7 @@ def _forward(q, k, v, causal):
 
 
 # The bench's spot check is a guard against gross errors (a wrong tile, a race), not the
-# test contract: the tests hold every gradient to the tolerance rule (kernels/testing.py).
+# test contract: the tests hold every gradient to the tolerance rule (kernels/base/testing.py).
 # Float32 arithmetic lands near 1e-6 relative error here; a bug lands far above 1e-4.
 REL_ERROR_GUARD = 1e-4
 

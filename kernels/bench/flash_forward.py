@@ -55,8 +55,8 @@ from kernels.flash_forward import (
     make_flash_forward,
     shared_bytes,
 )
-from kernels.runtime import cdiv, on_simulator
-from kernels.shared_memory import allow_dynamic_shared_memory
+from kernels.base.runtime import cdiv, on_simulator
+from kernels.base.shared_memory import allow_dynamic_shared_memory
 
 CHAPTER = 4
 TITLE = "fused forward"

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kernels import runtime
-from kernels.runtime import on_simulator, time_fn
+from kernels.base import runtime
+from kernels.base.runtime import on_simulator, time_fn
 
 # Measured on the H100 of PERF.md; the bench re-measures it in the same run on a GPU
 # (cuBLAS fp32 8192^3, TF32 off) and uses that figure instead.

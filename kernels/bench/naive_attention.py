@@ -41,7 +41,7 @@ from kernels.naive_attention import (
     naive_attention,
     softmax_regs,
 )
-from kernels.runtime import cdiv
+from kernels.base.runtime import cdiv
 
 CHAPTER = 1
 TITLE = "naive attention"

@@ -23,7 +23,7 @@ from numba import cuda
 from kernels import reference as ref
 from kernels.bench.harness import Result, cupy_or_none, torch_or_none
 from kernels.online_softmax import default_tiles, make_row_softmax, softmax
-from kernels.runtime import cdiv
+from kernels.base.runtime import cdiv
 
 CHAPTER = 3
 TITLE = "online softmax"

@@ -34,7 +34,7 @@ from numba import cuda
 os.environ.pop("CUPY_TF32", None)  # before CuPy is imported anywhere: TF32 off, plain fp32
 
 from kernels.bench.harness import Result, cupy_or_none, torch_or_none  # noqa: E402
-from kernels.runtime import cdiv  # noqa: E402
+from kernels.base.runtime import cdiv  # noqa: E402
 from kernels.tiled_matmul import (  # noqa: E402
     RUNG3_CONFIGS,
     RUNG3_DEFAULT,

@@ -29,9 +29,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels import runtime
+from kernels.base import runtime
 from kernels.bench import harness
-from kernels.runtime import on_simulator
+from kernels.base.runtime import on_simulator
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_RESULTS = REPO / "workbook" / "results"

@@ -33,7 +33,7 @@ import numpy as np
 
 import kernels  # noqa: F401  (GPU or simulator first)
 from kernels.bench.harness import Result
-from kernels.runtime import on_simulator
+from kernels.base.runtime import on_simulator
 
 REFERENCE = (4, 16, 4096, 64)
 BLOCK = 128                       # chapter 6's bench masks: 128 x 128 blocks

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from numba import cuda
 
-from kernels.runtime import on_simulator
+from kernels.base.runtime import on_simulator
 
 STATIC_LIMIT_BYTES = 48 * 1024
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from kernels.runtime import on_simulator
+from kernels.base.runtime import on_simulator
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
 

@@ -1,7 +1,7 @@
 """Compile every kernel of the course to PTX for the H100 (sm_90), with no GPU needed.
 
-    python -m kernels.ptx_check            # every module in kernels/ that defines ptx_targets()
-    python -m kernels.ptx_check flash_forward gpu_basics
+    python -m kernels.base.ptx_check            # every module in kernels/ that defines ptx_targets()
+    python -m kernels.base.ptx_check flash_forward gpu_basics
 
 The simulator runs kernels as Python: it never type-checks them, so code that the GPU
 compiler rejects (a float64 sneaking into a float32 array, an unsupported call, a
@@ -29,10 +29,10 @@ import time
 import traceback
 
 import kernels
-from kernels.runtime import on_simulator
+from kernels.base.runtime import on_simulator
 
 # Modules of the package that are not chapters (they define no kernels).
-NOT_CHAPTERS = {"runtime", "reference", "testing", "ptx_check", "__main__", "bench"}
+NOT_CHAPTERS = {"reference", "__main__"}
 SM_90 = (9, 0)
 _LOCAL = re.compile(r"^\s*\.local\s", re.MULTILINE)
 
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         # compile_ptx needs the real CUDA target: run again with the simulator off.
         env = dict(os.environ, WORKBOOK_DEVICE="gpu")
         env.pop("NUMBA_ENABLE_CUDASIM", None)
-        return subprocess.call([sys.executable, "-m", "kernels.ptx_check", *argv], env=env)
+        return subprocess.call([sys.executable, "-m", "kernels.base.ptx_check", *argv], env=env)
     names = argv or kernel_modules()
     print(f"PTX check for sm_90 (numba.cuda.compile_ptx; nothing is launched): {', '.join(names)}")
     totals = [0, 0, 0]

@@ -1,0 +1,12 @@
+"""The one base the chapters stand on (plumbing, not chapters).
+
+    runtime        GPU or simulator, arrays in and out, argument checks, event timing
+    shared_memory  dynamic shared memory beyond 48 KB a block
+    masks          the block mask (chapter 6's input type, shared with the oracle)
+    fused          what the fused kernels of chapters 4, 5, 6 share: the tile type,
+                   row reductions across a row's threads, run lengths, numeric constants
+    testing        the tolerance rule, Hypothesis strategies, the exercise checker
+    ptx_check      compiles every chapter's kernels for sm_90 (no GPU needed)
+
+The chapters themselves are the modules one level up (``kernels/flash_forward.py`` ...).
+"""

@@ -1,0 +1,147 @@
+"""What the fused kernels (chapters 4, 5, 6 and the chapters after them) share.
+
+Not an algorithm: the vocabulary the chapters' kernels are written in.
+
+    Tiles            one tile configuration: Br query rows, Bc key rows, TM rows a thread,
+                     TX threads sharing a row
+    run_length(n)    a thread's rows (columns) come in runs this long: 4 floats are one
+                     16-byte shared-memory load
+    padded_head_dim  D, the compile-time head dim a kernel is built for
+    make_row_reductions(TX, threads)
+                     row_max / row_sum over the TX neighbouring threads of a row
+    nan_max(a, b)    the larger of a and b, NaN if either is NaN
+    FASTMATH         the fast-math flags the kernels use: everything but "no NaN" and
+                     "no Inf", so that a NaN in an input row reaches its output row
+    MASKED           the finite score of a masked key (the kernels never compute with -inf)
+
+Names follow the FlashAttention papers: S scores, P probabilities, m the running row
+maximum, l the running row sum, O the output, L the row logsumexp, D = rowsum(dO * O)
+(only ever that: the padded head dimension is ``Dh`` where a kernel needs a name for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32
+
+from kernels.base.runtime import on_simulator
+
+__all__ = ["Tiles", "run_length", "padded_head_dim", "make_row_reductions", "nan_max", "FASTMATH", "MASKED",
+           "MINUS_INF", "LOG2E", "ALIGN", "MAX_GRID_Y", "check_tiles_type"]
+
+# Fast math without the two flags that assume finite values: exp2 and log stay the fast
+# hardware instructions (afn), products and sums may fuse and reorder (contract, reassoc),
+# but the compiler may not assume that no input is NaN or Inf. With nnan/ninf it may drop
+# a NaN from a max or a comparison, and a NaN query row would come out finite.
+FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
+
+MASKED = np.float32(-1e30)        # a masked score: finite, so "no key yet" is a comparison
+MINUS_INF = np.float32(-np.inf)   # only ever stored, as L of a row that sees no key
+LOG2E = 1.4426950408889634        # exp(x) = exp2(x log2 e): one FMA and one ex2 instruction
+MAX_GRID_Y = 65535                # one grid row a (batch, head)
+# Shared rows start 16-byte aligned (vector loads); the simulator refuses the option.
+ALIGN = None if on_simulator() else 16
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A tile configuration: Br query rows a block, Bc key rows a K/V tile, TM rows of a
+    thread's micro-tile, TX threads sharing a row (a power of two <= 32)."""
+
+    Br: int
+    Bc: int
+    TM: int
+    TX: int
+
+    @property
+    def threads(self) -> int:
+        return (self.Br // self.TM) * self.TX
+
+    def __str__(self):
+        return f"Br={self.Br} Bc={self.Bc} TM={self.TM} TX={self.TX}"
+
+
+def check_tiles_type(tiles, name: str = "tiles") -> Tiles:
+    """TypeError/ValueError naming ``name`` unless ``tiles`` is a Tiles of positive ints."""
+    if not isinstance(tiles, Tiles):
+        raise TypeError(f"{name}: expected a Tiles(Br, Bc, TM, TX) or None, got {type(tiles).__name__}")
+    for field in ("Br", "Bc", "TM", "TX"):
+        value = getattr(tiles, field)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}: expected {field} a positive int, got {value!r}")
+    return tiles
+
+
+def run_length(n: int) -> int:
+    """How many consecutive rows (columns) of a micro-tile a thread owns: 4 floats make one
+    16-byte shared load; fewer when n is not a multiple of 4."""
+    return 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
+
+
+def padded_head_dim(d: int, TX: int = 1) -> int:
+    """D, the compile-time head dim: the next power of two >= d (and >= TX, >= 16 on a GPU);
+    zeros fill the rest. A power of two, so that tile copies split the threads evenly."""
+    D = 1 << max(0, int(d) - 1).bit_length()
+    return max(D, TX, 1 if on_simulator() else 16)
+
+
+@cuda.jit(device=True, inline=True)
+def nan_max(a, b):
+    """max(a, b) that propagates NaN (Python's and Numba's max drop a NaN argument)."""
+    if b > a or b != b:       # b != b: b is NaN (a NaN a falls through and is returned)
+        return b
+    return a
+
+
+def make_row_reductions(TX: int, threads: int):
+    """row_max(x), row_sum(x): reduce x over the TX neighbouring threads that share a row.
+
+    On a GPU: a butterfly of log2(TX) warp shuffles (``shfl_xor``), no shared memory, no
+    barrier (the TX threads of a row are consecutive lanes of one warp). The simulator has
+    no shuffles: there the threads swap values through shared memory between barriers
+    (every thread calls these together, as the lanes of a warp would). row_max propagates
+    NaN."""
+    if not on_simulator():
+        lanes = 0xFFFFFFFF if threads >= 32 else (1 << threads) - 1   # the lanes that exist
+
+        @cuda.jit(device=True, inline=True)
+        def row_max(x):
+            lane_mask = TX // 2
+            while lane_mask > 0:
+                x = nan_max(x, cuda.shfl_xor_sync(lanes, x, lane_mask))
+                lane_mask //= 2
+            return x
+
+        @cuda.jit(device=True, inline=True)
+        def row_sum(x):
+            lane_mask = TX // 2
+            while lane_mask > 0:
+                x += cuda.shfl_xor_sync(lanes, x, lane_mask)
+                lane_mask //= 2
+            return x
+        return row_max, row_sum
+
+    def exchange(x):
+        swap = cuda.shared.array(threads, float32)
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()
+        swap[tid] = x
+        cuda.syncthreads()
+        return swap[tid - tid % TX: tid - tid % TX + TX]
+
+    @cuda.jit(device=True)
+    def row_max(x):
+        out = x
+        for y in exchange(x):
+            out = nan_max(out, y)
+        return out
+
+    @cuda.jit(device=True)
+    def row_sum(x):
+        total = float32(0.0)
+        for y in exchange(x):     # in lane order
+            total += y
+        return float32(total)
+    return row_max, row_sum
