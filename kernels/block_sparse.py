@@ -135,6 +135,24 @@ def _check_block_mask_type(block_mask):
         raise TypeError(f"block_mask: expected a kernels.reference.BlockMask, got {type(block_mask).__name__}")
 
 
+def fit_to_mask(block_mask, Br: int, Bc: int) -> tuple[int, int]:
+    """The kernel tile (Br', Bc') for this mask from a preferred (Br, Bc): the largest power
+    of two <= Br that divides the mask's block_q, likewise Bc and block_k. A kernel tile then
+    lies inside one mask block, and its flag is that block's flag."""
+    _check_block_mask_type(block_mask)
+    return (_largest_pow2_divisor(int(block_mask.block_q), Br),
+            _largest_pow2_divisor(int(block_mask.block_k), Bc))
+
+
+def check_tiles_fit_mask(block_mask, Br: int, Bc: int, name: str = "tiles"):
+    """ValueError naming block_mask unless the kernel tile Br x Bc divides the mask's blocks."""
+    _check_block_mask_type(block_mask)
+    bq, bk = int(block_mask.block_q), int(block_mask.block_k)
+    if bq % Br or bk % Bc:
+        raise ValueError(f"block_mask: its blocks {bq} x {bk} are not multiples of the kernel tile "
+                         f"Br x Bc = {Br} x {Bc} ({name}); use tiles that divide the mask's blocks")
+
+
 def fit_tiles(block_mask, Br, Bc, RM, TC, block_m, block_n):
     """Kernel tiles that divide the mask's blocks.
 
@@ -272,7 +290,7 @@ def tile_lists(block_mask: BlockMask, nq: int, nk: int, *, Br: int, Bc: int, cau
                      col_order)
 
 
-def _lists_for(block_mask, lists, b, h, nq, nk, causal, Br, Bc):
+def lists_for(block_mask, lists, b, h, nq, nk, causal, Br, Bc):
     """Use precomputed ``lists`` after checking they fit this call, or build them."""
     if lists is None:
         return tile_lists(block_mask, nq, nk, Br=Br, Bc=Bc, causal=causal, batch=b, heads=h)
@@ -587,7 +605,7 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, blo
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
     cfg = forward_config(d, block_mask, block_m, block_n)
-    tl = _lists_for(block_mask, lists, b, h, nq, nk, causal, cfg.Br, cfg.Bc)
+    tl = lists_for(block_mask, lists, b, h, nq, nk, causal, cfg.Br, cfg.Bc)
     kind = ArrayKind(q)
     o = device_empty((b, h, nq, d))
     lse = device_empty((b, h, nq))

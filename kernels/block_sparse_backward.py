@@ -47,7 +47,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from kernels.block_sparse import KernelConfig, _lists_for, fit_tiles, padded_head_dim
+from kernels.block_sparse import KernelConfig, lists_for, fit_tiles, padded_head_dim
 from kernels.flash_backward import make_delta
 from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, device_empty,
                              on_simulator, to_device)
@@ -508,7 +508,7 @@ def block_sparse_attention_backward(q, k, v, o, lse, do, block_mask, *, causal=F
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode: expected one of {DQ_MODES}, got {dq_mode!r}")
     cfg = backward_config(d, block_mask, block_m, block_n)
-    tl = _lists_for(block_mask, lists, b, h, nq, nk, causal, cfg.Br, cfg.Bc)
+    tl = lists_for(block_mask, lists, b, h, nq, nk, causal, cfg.Br, cfg.Bc)
     kind = ArrayKind(q)
     dq = device_empty((b, h, nq, d))
     dk = device_empty((b, h, nk, d))
