@@ -366,7 +366,7 @@ print(type(o_dev).__name__, o_dev.shape, lse_dev.shape)
 # %% [markdown]
 # ## 6. Bytes: the IO model
 #
-# Per head, in elements (PERF.md):
+# Per head, in elements (`kernels/base/io_model.py`):
 #
 # * **naive** (chapter 1): read Q and K, write S (N^2); read S, write P (2 N^2) and L; read
 #   P and V, write O: `4 N d + 4 N^2 + N`.
@@ -499,7 +499,7 @@ if memory_rows:
 # configuration (B=4, H=16, N=4096, d=64, fp32; non-causal and causal) with plain PyTorch,
 # SDPA math and SDPA memory-efficient as peers; the tile sweep; N from 512 to 16384 at
 # d = 64 and 128; and float16 inputs next to SDPA's tensor-core backends. The bars to clear,
-# from PERF.md: plain PyTorch fp32 attention about 20 TFLOP/s, SDPA memory-efficient fp32
+# from `results/flash_forward.csv`: plain PyTorch fp32 about 20 TFLOP/s, SDPA memory-efficient fp32
 # about 34. (No tensor cores in Numba: our kernel runs on the fp32 FMA units even for fp16
 # inputs, so the fp16 peers are context, not competition. The fp32 memory-efficient peer
 # does use the tensor cores: see "What the fp32 peer executes" below.)

@@ -68,7 +68,7 @@ if on_simulator():
     TIME = None                                  # no timing in the simulator
 else:
     B, H, NQ, NK, D_HEAD = 2, 4, 700, 900, 64
-    TIME = (4, 16, 4096, 64)                     # the reference configuration of PERF.md
+    TIME = (4, 16, 4096, 64)                     # the reference configuration of the bench
 
 # %% [markdown]
 # ## 1. The forward, and what it saves
@@ -298,7 +298,7 @@ print("atomic dQ, two runs: max |difference| =", float(np.abs(runs[0] - runs[1])
 # once more: 14 N^2 d. The bench reports TFLOP/s against the 2.5 x convention (like
 # every peer), so the recomputation shows up as time, not as extra credit.
 #
-# **HBM traffic** (elements a head, PERF.md's IO model):
+# **HBM traffic** (elements a head, the IO model of `kernels/base/io_model.py`):
 #
 # | backward | HBM elements |
 # |---|---|

@@ -370,7 +370,7 @@ print("separate dQ, a second run is bit-identical:", all(np.array_equal(a, b_) f
 # ## 6. Bytes and FLOPs
 #
 # With a fraction rho of the Tr x Tc tiles kept, the forward does rho of the dense FLOPs
-# (4 N^2 d rho per head) and reads K and V only for kept tiles. The IO model (PERF.md),
+# (4 N^2 d rho per head) and reads K and V only for kept tiles. The IO model (`kernels/base/io_model.py`),
 # elements per head:
 #
 # $$\text{HBM}_{\text{fwd}} = 2Nd + N + 2Nd \left\lceil \tfrac{N}{B_r} \right\rceil \rho$$

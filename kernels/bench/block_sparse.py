@@ -17,7 +17,7 @@ On a GPU (``--quick``: fewer points):
 
 FLOPs are the work actually done: 4 B H N^2 d times the kept fraction rho of kernel tiles
 (2.5x that for the backward); ``extra`` has rho, the mask density and the dense-equivalent
-TFLOP/s. ``model_bytes``: the IO models of ``kernels.block_sparse.io_model_bytes`` (PERF.md:
+TFLOP/s. ``model_bytes``: the IO models of ``kernels.block_sparse.io_model_bytes`` (``kernels.base.io_model``:
 2Nd + N + 2Nd ceil(N/Br) rho per head) and ``kernels.block_sparse_backward.io_model_bytes``.
 The result that matters: time tracks rho, and at rho = 1/8 the forward is >= 5x faster than
 the dense fused forward.

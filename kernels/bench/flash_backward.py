@@ -1,6 +1,6 @@
 """Chapter 5's bench: the recomputing backward, alone and after chapter 4's forward.
 
-Reference configuration: B=4, H=16, N=4096, d=64, fp32 (PERF.md). In one run:
+Reference configuration: B=4, H=16, N=4096, d=64, fp32 (``kernels.base.io_model``). In one run:
 
 * the backward alone (bare launches on preallocated buffers), causal and not, with dQ by
   float32 atomics (the default) and from the separate deterministic kernel (what

@@ -12,7 +12,7 @@ On a GPU (``--quick``: fewer points):
 * float16 inputs at the reference configuration (ours still computes in fp32 on the FMA
   units), with SDPA memory-efficient, flash and cuDNN fp16 as context (tensor cores).
 
-FLOPs 4 B H Nq Nk d (halved for causal). ``model_bytes``: the fused IO model of PERF.md
+FLOPs 4 B H Nq Nk d (halved for causal). ``model_bytes``: the fused IO model of ``kernels.base.io_model``
 (``kernels.flash_forward.io_model_bytes``: Q read once, O and L written once, K and V read
 once per query tile); peers are given the same figure, so their GB/s is "effective".
 
