@@ -50,8 +50,8 @@ kernels/base/shared_memory.py):
 Row strides are multiples of 4 floats (every row 16-byte aligned); the padding spreads the
 stores of the tile copies over all 32 banks.
 
-exp and the scale: exp(scale (s - m)) = exp2(s * scale log2(e) - m * scale log2(e)): one
-FMA and one ex2 instruction a probability (fastmath's exp is ex2 after a multiply anyway).
+exp and the scale: exp(scale (s - m)) = exp2((s - m) * scale log2(e)): the difference
+first (exact when s is close to m, so large logits lose nothing), then one ex2 instruction.
 
 Registers decide the tiles: a thread holds its TM x RN scores and TM x RD outputs. At d=64
 the 8x8 micro-tiles of the default need 251 registers a thread (H100 driver), so an SM
@@ -64,14 +64,19 @@ the right of the diagonal are never loaded (the loop bound); only tiles the diag
 the ragged end of K) crosses are masked.
 
 Precision: q, k, v float32 or float16 (converted on load); all arithmetic in float32;
-O and L float32. The kernels use fastmath (fast exp and log). Because fastmath lets the
-compiler assume there are no infinities, the kernel never computes with -inf: masked
-scores become the finite sentinel MASKED (-1e30) and a row with no visible key so far
-contributes nothing. Scores below -1e30 (inputs around 1e15) are not supported.
+O and L float32. Fast math (kernels.base.fused.FASTMATH: the hardware's fast exp2 and
+log, fused multiply-adds) but not the flags that assume finite values: a NaN or Inf in a
+query row gives NaN in that output row (and one in a key or value row, in every row that
+attends to it), as in PyTorch. Masked scores are the finite sentinel MASKED (-1e30), so a
+row that has seen no key yet is a comparison, never -inf - (-inf). Scores below -1e30
+(inputs around 1e15) are not supported.
 
 Reading order: tiles and their budget; the algorithm in NumPy (``tile_update``,
-``flash_forward_numpy``: the same loops, for the notebook and its exercise); the kernel
-(``make_flash_forward``); the launcher (``flash_attention``); the IO model; the PTX targets.
+``flash_forward_numpy``: the same loops, for the notebook and its exercise); one query
+tile's forward as a device function (``make_attend_query_tile``: everything above, written
+once; chapter 6 reuses it with a list of kept tiles in place of ``every_tile``); the kernel
+(``make_flash_forward``: which block takes which query tile); the launcher
+(``flash_attention``); the IO model; the PTX targets.
 """
 
 from __future__ import annotations
@@ -83,6 +88,19 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
+from kernels.base.fused import (
+    ALIGN,
+    FASTMATH,
+    LOG2E,
+    MASKED,
+    MAX_GRID_Y,
+    MINUS_INF,
+    Tiles,
+    check_tiles_type,
+    make_row_reductions,
+    padded_head_dim,
+    run_length,
+)
 from kernels.base.runtime import (
     ArrayKind,
     cdiv,
@@ -95,42 +113,12 @@ from kernels.base.runtime import (
 )
 from kernels.base.shared_memory import allow_dynamic_shared_memory, max_dynamic_shared_bytes
 
-__all__ = ["flash_attention", "Tiles", "default_tiles", "make_flash_forward", "shared_bytes", "io_model_bytes",
-           "tile_update", "flash_forward_numpy", "check_tile_update", "tile_update_cases", "ptx_targets"]
-
-MASKED = np.float32(-1e30)        # a masked score (finite: fastmath assumes no infinities)
-MINUS_INF = np.float32(-np.inf)   # only ever stored, as L of a row that sees no key
-MAX_GRID_Y = 65535
-LOG2E = 1.4426950408889634        # exp(x) = exp2(x log2 e)
-# Shared rows start 16-byte aligned (vector loads); the simulator refuses the option.
-ALIGN = None if on_simulator() else 16
+__all__ = ["flash_attention", "Tiles", "default_tiles", "make_flash_forward", "make_attend_query_tile",
+           "every_tile", "shared_bytes", "check_tiles", "io_model_bytes", "tile_update", "flash_forward_numpy",
+           "check_tile_update", "tile_update_cases", "ptx_targets"]
 
 
 # --------------------------------------------------------------------------- tiles
-
-@dataclass(frozen=True)
-class Tiles:
-    """A tile configuration: Br query rows a block, Bc key rows a K/V tile,
-    TM score rows a thread, TX threads sharing a row (a power of two <= 32)."""
-
-    Br: int
-    Bc: int
-    TM: int
-    TX: int
-
-    @property
-    def threads(self) -> int:
-        return (self.Br // self.TM) * self.TX
-
-    def __str__(self):
-        return f"Br={self.Br} Bc={self.Bc} TM={self.TM} TX={self.TX}"
-
-
-def head_dim_tile(d: int, TX: int) -> int:
-    """D, the compile-time head dim: the next power of two >= d (and >= TX, >= 16 on a GPU)."""
-    D = 1 << max(0, int(d) - 1).bit_length()
-    return max(D, TX, 1 if on_simulator() else 16)
-
 
 def default_tiles(d: int) -> Tiles:
     """Production tiles on a GPU (the bench sweeps the alternatives), tiny ones in the simulator."""
@@ -155,42 +143,31 @@ def _layout(Br, Bc, D):
     return q_off, k_off, v_off, p_off, q_stride, k_stride, v_stride, p_stride, total
 
 
-def _run(n: int) -> int:
-    """How many consecutive rows (columns) of a micro-tile a thread owns: 4 floats make one
-    16-byte shared load; fewer when n is not a multiple of 4."""
-    return 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
-
-
 def shared_bytes(tiles: Tiles, D: int) -> int:
     """Bytes of shared memory one block of these tiles uses at head dim D."""
     return 4 * _layout(tiles.Br, tiles.Bc, D)[-1]
 
 
-def check_tiles(tiles, D: int) -> Tiles:
-    """Validate a tile configuration for head dim D (ValueError naming ``tiles``)."""
-    if not isinstance(tiles, Tiles):
-        raise TypeError(f"tiles: expected a Tiles(Br, Bc, TM, TX) or None, got {type(tiles).__name__}")
-    for name in ("Br", "Bc", "TM", "TX"):
-        value = getattr(tiles, name)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"tiles: expected {name} a positive int, got {value!r}")
+def check_tiles(tiles, D: int, name: str = "tiles") -> Tiles:
+    """Validate a tile configuration for head dim D (errors name ``name``)."""
+    check_tiles_type(tiles, name)
     Br, Bc, TM, TX = tiles.Br, tiles.Bc, tiles.TM, tiles.TX
     if TX > 32 or TX & (TX - 1):
-        raise ValueError(f"tiles: expected TX a power of two <= 32 (threads of a row share a warp), got {TX}")
+        raise ValueError(f"{name}: expected TX a power of two <= 32 (threads of a row share a warp), got {TX}")
     if Br % TM:
-        raise ValueError(f"tiles: expected TM to divide Br, got Br={Br}, TM={TM}")
+        raise ValueError(f"{name}: expected TM to divide Br, got Br={Br}, TM={TM}")
     if (Br // TM) & (Br // TM - 1):
-        raise ValueError(f"tiles: expected Br / TM (threads along the rows) a power of two, got {Br // TM}")
+        raise ValueError(f"{name}: expected Br / TM (threads along the rows) a power of two, got {Br // TM}")
     if Bc % TX or D % TX:
-        raise ValueError(f"tiles: expected TX to divide Bc={Bc} and D={D}, got TX={TX}")
+        raise ValueError(f"{name}: expected TX to divide Bc={Bc} and D={D}, got TX={TX}")
     limit = 256 if on_simulator() else 1024
     if tiles.threads > limit:
-        raise ValueError(f"tiles: {tiles} needs {tiles.threads} threads a block, at most {limit} here")
+        raise ValueError(f"{name}: {tiles} needs {tiles.threads} threads a block, at most {limit} here")
     if not on_simulator() and tiles.threads % 32:
-        raise ValueError(f"tiles: {tiles} gives {tiles.threads} threads, expected a multiple of 32 (whole warps)")
+        raise ValueError(f"{name}: {tiles} gives {tiles.threads} threads, expected a multiple of 32 (whole warps)")
     nbytes = shared_bytes(tiles, D)
     if nbytes > max_dynamic_shared_bytes():
-        raise ValueError(f"tiles: {tiles} at D={D} needs {nbytes} bytes of shared memory, "
+        raise ValueError(f"{name}: {tiles} at D={D} needs {nbytes} bytes of shared memory, "
                          f"the device allows {max_dynamic_shared_bytes()}")
     return tiles
 
@@ -303,78 +280,47 @@ def check_tile_update(update, case):
 
 # --------------------------------------------------------------------------- the kernel
 
-def _make_row_reductions(TX, threads):
-    """row_max(x), row_sum(x): reduce x over the TX neighbouring threads that share a row.
+def _copy_plan(Br, Bc, D, threads):
+    """How the block copies a tile from HBM (see ``attend_query_tile``): pieces of PIECE
+    threads copy CW columns x RQ rows; W pieces a pass, G pieces across a row of the tile."""
+    PIECE = min(32, threads)      # a warp (threads and D are powers of two)
+    CW = min(8, D, PIECE)         # columns of a piece
+    RQ = PIECE // CW              # rows of a piece
+    G = D // CW                   # pieces across a row of the tile
+    W = threads // PIECE          # pieces the block copies at once (one pass)
+    Q_PASSES, KV_PASSES = cdiv(cdiv(Br, RQ) * G, W), cdiv(cdiv(Bc, RQ) * G, W)
+    Q_EXACT = Br % RQ == 0 and (Br // RQ * G) % W == 0       # no pass runs past the tile
+    KV_EXACT = Bc % RQ == 0 and (Bc // RQ * G) % W == 0
+    return PIECE, CW, RQ, G, W, Q_PASSES, KV_PASSES, Q_EXACT, KV_EXACT
 
-    On a GPU: a butterfly of log2(TX) warp shuffles (``shfl_xor``), no shared memory, no
-    barrier. The simulator has no shuffles: there the threads swap values through shared
-    memory between barriers (every thread calls these together, as a warp would)."""
-    if not on_simulator():
-        @cuda.jit(device=True, inline=True)
-        def row_max(x):
-            lane_mask = TX // 2
-            while lane_mask > 0:
-                x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, lane_mask))
-                lane_mask //= 2
-            return x
 
-        @cuda.jit(device=True, inline=True)
-        def row_sum(x):
-            lane_mask = TX // 2
-            while lane_mask > 0:
-                x += cuda.shfl_xor_sync(0xFFFFFFFF, x, lane_mask)
-                lane_mask //= 2
-            return x
-        return row_max, row_sum
-
-    def exchange(x):
-        swap = cuda.shared.array(threads, float32)
-        tid = cuda.threadIdx.x
-        cuda.syncthreads()
-        swap[tid] = x
-        cuda.syncthreads()
-        return swap[tid - tid % TX: tid - tid % TX + TX]
-
-    @cuda.jit(device=True)
-    def row_max(x):
-        return max(exchange(x))
-
-    @cuda.jit(device=True)
-    def row_sum(x):
-        return float32(sum(exchange(x)))
-    return row_max, row_sum
+@cuda.jit(device=True, inline=True)
+def every_tile(walk, t):
+    """The dense walk: the t-th K/V tile of a query tile is tile t (``walk`` is unused)."""
+    return t
 
 
 @functools.lru_cache(maxsize=None)
-def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch: bool = False,
-                       max_registers: int | None = None):
-    """The forward kernel for one tile configuration (all sizes are compile-time constants).
+def make_attend_query_tile(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch: bool = False,
+                           tile_of=every_tile):
+    """The forward for one query tile Q_i, as a device function: everything a block does.
 
-    Launch: grid (Tr = ceil(Nq / Br), B*H), block TY*TX threads, dynamic shared memory
-    ``shared_bytes(Tiles(Br, Bc, TM, TX), D)``. Arguments: q (B*H, Nq, d), k and v
-    (B*H, Nk, d) float32 or float16; o (B*H, Nq, d) and lse (B*H, Nq) float32; d (int32,
-    <= D), scale (float32), causal (int32 0/1). ``prefetch``: load the next K/V tile into
-    registers while the current one is computed (False: load it when it is needed).
-    ``max_registers``: cap the registers a thread (more blocks fit on an SM; the excess
-    spills to local memory).
+    ``attend(qh, kh, vh, oh, lh, q0, d, scale, causal, walk, first, count)``: qh (Nq, d),
+    kh and vh (Nk, d) are one head's Q, K, V; oh (Nq, d) and lh (Nq,) its O and L; q0 the
+    first query row of the tile. The block visits the K/V tiles ``tile_of(walk, t)`` for
+    t = first .. first + count - 1 (every tile in order for chapter 4's dense walk; chapter 6
+    passes its list of kept tiles). ``prefetch``: load the next K/V tile into registers
+    while the current one is computed.
     """
     TY = Br // TM                 # threads along the rows of the tile
     THREADS = TY * TX
     RN = Bc // TX                 # columns of S a thread owns
     RD = D // TX                  # columns of O a thread owns
     RB = max(RN, RD)
-    VM, VN, VD = _run(TM), _run(RN), _run(RD)   # a thread's rows / S columns / O columns: runs this long
+    VM, VN, VD = run_length(TM), run_length(RN), run_length(RD)   # rows / S columns / O columns: runs this long
     Q_OFF, K_OFF, V_OFF, P_OFF, Q_STRIDE, K_STRIDE, V_STRIDE, P_STRIDE, _ = _layout(Br, Bc, D)
-    # Tile copies (see the kernel): pieces of PIECE threads copy CW columns x RQ rows.
-    PIECE = min(32, THREADS)      # a warp (THREADS and D are powers of two)
-    CW = min(8, D, PIECE)         # columns of a piece
-    RQ = PIECE // CW              # rows of a piece
-    G = D // CW                   # pieces across a row of the tile
-    W = THREADS // PIECE          # pieces the block copies at once (one pass)
-    Q_PASSES, KV_PASSES = cdiv(cdiv(Br, RQ) * G, W), cdiv(cdiv(Bc, RQ) * G, W)
-    Q_EXACT = Br % RQ == 0 and (Br // RQ * G) % W == 0       # no pass runs past the tile
-    KV_EXACT = Bc % RQ == 0 and (Bc // RQ * G) % W == 0
-    row_max, row_sum = _make_row_reductions(TX, THREADS)
+    PIECE, CW, RQ, G, W, Q_PASSES, KV_PASSES, Q_EXACT, KV_EXACT = _copy_plan(Br, Bc, D, THREADS)
+    row_max, row_sum = make_row_reductions(TX, THREADS)
 
     @cuda.jit(device=True, inline=True)
     def load_kv(kh, vh, kr, vr, k0, n_k, d, ld_r, ld_c):
@@ -392,22 +338,17 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch: boo
             kr[p] = kx
             vr[p] = vx
 
-    caps = {} if max_registers is None else {"max_registers": max_registers}   # (not in the simulator)
-
-    @cuda.jit(fastmath=True, **caps)
-    def flash_forward(q, k, v, o, lse, d, scale, causal):
+    @cuda.jit(device=True, inline=True)
+    def attend(qh, kh, vh, oh, lh, q0, d, scale, causal, walk, first, count):
         smem = cuda.shared.array(0, float32, alignment=ALIGN)   # Qt | Kt | V | Pt  (module doc)
-        n_q = int32(q.shape[1])
-        n_k = int32(k.shape[1])
+        n_q = int32(qh.shape[0])
+        n_k = int32(kh.shape[0])
         tid = int32(cuda.threadIdx.x)
         tx = tid % TX                             # which of the TX threads of a row
         ty = tid // TX                            # which group of rows
-        bh = uint64(cuda.blockIdx.y)              # (batch, head)
-        # Query tile i, the heaviest first: with causal masking the last tiles see the most
-        # keys, and starting them first keeps the last wave of blocks short.
-        q0 = (int32(cuda.gridDim.x) - 1 - int32(cuda.blockIdx.x)) * Br   # first query row of tile i
         diag = n_k - n_q                          # causal: row r sees key c iff c <= r + diag
-        # exp(scale * (s - m)) = exp2(s * scale_log2e - m * scale_log2e): one FMA and one ex2
+        # exp(scale * (s - m)) = exp2((s - m) * scale_log2e): s - m first, exact when s is
+        # close to m, so large logits lose nothing to a separately rounded scale * s
         scale_log2e = scale * float32(LOG2E)
         # Shared-memory indices in the hot loops are unsigned: Numba checks every signed
         # index for a negative value (Python's a[-1]); an unsigned one skips that check
@@ -415,10 +356,6 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch: boo
         row_u = uint64(ty * VM)                   # first row of this thread's first row run
         col_u = uint64(tx * VN)                   # first column of its first S-column run
         out_u = uint64(tx * VD)                   # first column of its first O-column run
-
-        qh = q[bh]                                # this head's Q, K, V: (N, d) views
-        kh = k[bh]
-        vh = v[bh]
 
         # Tile copies HBM -> shared memory. A warp copies a piece of 8 consecutive columns of
         # 4 rows (32-byte pieces of HBM rows); its stores to the padded shared rows then hit
@@ -458,16 +395,16 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch: boo
             for c in range(RD):
                 acc[i, c] = float32(0.0)
 
-        # ---- how many K/V tiles: causal stops at the last key the last row sees
-        kv_end = n_k
-        if causal:
-            kv_end = min(n_k, q0 + Br + diag)
-        n_tiles = (max(kv_end, 0) + Bc - 1) // Bc
-
-        if prefetch and n_tiles > 0:
-            load_kv(kh, vh, kr, vr, 0, n_k, d, ld_r, ld_c)
-        for j in range(n_tiles):
-            k0 = j * Bc
+        # ---- the K/V tiles j of this query tile, in the walk's order
+        end = first + count
+        k_next = int32(0)
+        if count > 0:
+            k_next = tile_of(walk, first) * Bc
+            if prefetch:
+                load_kv(kh, vh, kr, vr, k_next, n_k, d, ld_r, ld_c)
+        for t in range(first, end):
+            k0 = k_next                           # first key of tile j
+            k_next = tile_of(walk, min(t + 1, end - 1)) * Bc
             if not prefetch:
                 load_kv(kh, vh, kr, vr, k0, n_k, d, ld_r, ld_c)
             # -- K_j (transposed) and V_j: registers -> shared memory
@@ -479,8 +416,8 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch: boo
                     smem[uint64(K_OFF + c * K_STRIDE + r)] = kr[p]
                     smem[uint64(V_OFF + r * V_STRIDE + c)] = vr[p]
             cuda.syncthreads()
-            if prefetch and j + 1 < n_tiles:      # tile j + 1: in flight while we compute on j
-                load_kv(kh, vh, kr, vr, k0 + Bc, n_k, d, ld_r, ld_c)
+            if prefetch and t + 1 < end:          # the next tile: in flight while we compute on j
+                load_kv(kh, vh, kr, vr, k_next, n_k, d, ld_r, ld_c)
 
             # -- S = Q_i K_j^T: a TM x RN register tile a thread
             for i in range(TM):
@@ -508,22 +445,24 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch: boo
                         if col >= n_k or (causal and col > row + diag):
                             s[i, jj] = MASKED
 
-            # -- online softmax: new max, rescale l and O, P = exp(scale (S - m'))
+            # -- online softmax: m' = max(m, rowmax(S)); l and O rescaled by exp(scale (m - m'));
+            #    P = exp(scale (S - m')). A row that has seen no key yet (m' = MASKED) takes
+            #    its exponents against 0 instead: exp of a MASKED score is then exactly 0 (no
+            #    branch), and a NaN score still gives a NaN P (it must reach the output).
             for i in range(TM):
                 mx = m[i]
                 for jj in range(RN):
                     mx = max(mx, s[i, jj])
                 mx = row_max(mx)                  # across the TX threads of the row
-                live = mx > MASKED                # has this row seen any key yet?
                 alpha = math.exp2((m[i] - mx) * scale_log2e)
                 m[i] = mx
                 l[i] *= alpha
                 for c in range(RD):
                     acc[i, c] *= alpha
-                m_scaled = mx * scale_log2e
+                base = mx if mx > MASKED else float32(0.0)
                 p_t = uint64(P_OFF + (i // VM) * TY * VM + i % VM) + row_u    # Pt[., this row]
                 for jj in range(RN):
-                    p = math.exp2(s[i, jj] * scale_log2e - m_scaled) if live else float32(0.0)
+                    p = math.exp2((s[i, jj] - base) * scale_log2e)
                     l[i] += p
                     smem[p_t + (col_u + uint64((jj // VN) * TX * VN + jj % VN)) * uint64(P_STRIDE)] = p
             cuda.syncthreads()                    # P_ij complete in shared memory
@@ -542,24 +481,56 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch: boo
                 p_r += uint64(P_STRIDE)
                 v_r += uint64(V_STRIDE)
 
-        # ---- epilogue: l across the row's threads, O / l, L = scale m + log l
-        oh = o[bh]
+        # ---- epilogue: l across the row's threads, O = acc / l, L = scale m + log l
         for i in range(TM):
             total = row_sum(l[i])
             row = q0 + ty * VM + (i // VM) * TY * VM + i % VM
             if row < n_q:
-                if total > float32(0.0):
-                    inv = float32(1.0) / total
-                    lse_row = m[i] * scale + math.log(total)
-                else:                             # no key visible: O = 0, L = -inf
+                if total == float32(0.0):         # no key visible: O = 0, L = -inf
                     inv = float32(0.0)
                     lse_row = MINUS_INF
+                else:                             # (a NaN l, from a NaN score, stays NaN)
+                    inv = float32(1.0) / total
+                    lse_row = m[i] * scale + math.log(total)
                 for c in range(RD):
                     col = tx * VD + (c // VD) * TX * VD + c % VD
                     if col < d:
                         oh[uint64(row), uint64(col)] = acc[i, c] * inv
                 if tx == 0:
-                    lse[bh, uint64(row)] = lse_row
+                    lh[uint64(row)] = lse_row
+
+    return attend
+
+
+@functools.lru_cache(maxsize=None)
+def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch: bool = False,
+                       max_registers: int | None = None):
+    """The forward kernel for one tile configuration (all sizes are compile-time constants).
+
+    Launch: grid (Tr = ceil(Nq / Br), B*H), block (Br / TM) * TX threads, dynamic shared
+    memory ``shared_bytes(Tiles(Br, Bc, TM, TX), D)``. Arguments: q (B*H, Nq, d), k and v
+    (B*H, Nk, d) float32 or float16; o (B*H, Nq, d) and lse (B*H, Nq) float32; d (int32,
+    <= D), scale (float32), causal (int32 0/1). ``prefetch``: load the next K/V tile into
+    registers while the current one is computed (False: load it when it is needed).
+    ``max_registers``: cap the registers a thread (more blocks fit on an SM; the excess
+    spills to local memory).
+    """
+    attend = make_attend_query_tile(Br, Bc, D, TM, TX, prefetch)
+    caps = {} if max_registers is None else {"max_registers": max_registers}   # (not in the simulator)
+
+    @cuda.jit(fastmath=FASTMATH, **caps)
+    def flash_forward(q, k, v, o, lse, d, scale, causal):
+        bh = uint64(cuda.blockIdx.y)              # (batch, head)
+        # Query tile i, the heaviest first: with causal masking the last tiles see the most
+        # keys, and starting them first keeps the last wave of blocks short.
+        q0 = (int32(cuda.gridDim.x) - 1 - int32(cuda.blockIdx.x)) * Br
+        n_q = int32(q.shape[1])
+        n_k = int32(k.shape[1])
+        kv_end = n_k                              # causal: stop at the last key the last row sees
+        if causal:
+            kv_end = min(n_k, q0 + Br + n_k - n_q)
+        n_tiles = (max(kv_end, 0) + Bc - 1) // Bc
+        attend(q[bh], k[bh], v[bh], o[bh], lse[bh], q0, d, scale, causal, None, int32(0), n_tiles)
 
     return flash_forward
 
@@ -576,10 +547,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, tiles: Tiles | None = 
     B, H, n_q, n_k, d, dtype = check_qkv(q, k, v, dtypes=(np.float32, np.float16), max_head_dim=128)
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
-    tiles = default_tiles(d) if tiles is None else tiles
-    if not isinstance(tiles, Tiles):
-        raise TypeError(f"tiles: expected a Tiles(Br, Bc, TM, TX) or None, got {type(tiles).__name__}")
-    D = head_dim_tile(d, tiles.TX) if isinstance(tiles.TX, (int, np.integer)) and tiles.TX > 0 else 0
+    tiles = check_tiles_type(default_tiles(d) if tiles is None else tiles)
+    D = padded_head_dim(d, tiles.TX)
     check_tiles(tiles, D)
     BH = B * H
     if BH > MAX_GRID_Y:

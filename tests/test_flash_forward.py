@@ -21,13 +21,13 @@ from kernels.flash_forward import (
     default_tiles,
     flash_attention,
     flash_forward_numpy,
-    head_dim_tile,
     io_model_bytes,
     make_flash_forward,
     shared_bytes,
     tile_update,
     tile_update_cases,
 )
+from kernels.base.fused import padded_head_dim
 from kernels.base.runtime import is_device_array, on_simulator
 from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
 from kernels.base.testing import assert_close, attention_cases, case_with, forward_floor_scales
@@ -107,7 +107,7 @@ def test_drawn_tiles(case, tiles):
     if not SIM and tiles.threads % 32:       # the tiny pinned examples: a small GPU configuration
         tiles = Tiles(32, 32, 2, 8)
     d = case.q.shape[-1]
-    if not SIM and shared_bytes(tiles, head_dim_tile(d, tiles.TX)) > 227 * 1024:
+    if not SIM and shared_bytes(tiles, padded_head_dim(d, tiles.TX)) > 227 * 1024:
         tiles = default_tiles(d)             # a d=64 candidate asked for d > 64: too big a block
     check(case, tiles)
 
@@ -117,7 +117,7 @@ def test_gpu_tiles_fit_every_head_dim():
     for tiles, dims in [(t, (1, 16, 33, 64)) for t in SWEEP_D64] + [(t, (1, 16, 33, 64, 100, 128))
                                                                     for t in GPU_TILES if t not in SWEEP_D64]:
         for d in dims:
-            D = max(head_dim_tile(d, tiles.TX), 16)
+            D = max(padded_head_dim(d, tiles.TX), 16)
             assert D % tiles.TX == 0 and tiles.Bc % tiles.TX == 0 and tiles.Br % tiles.TM == 0
             assert tiles.threads % 32 == 0 and shared_bytes(tiles, D) <= 227 * 1024, (tiles, d)
 
@@ -155,7 +155,7 @@ def test_prefetching_variant_gives_the_same_result(causal):
 
     case = case_with((1, 2, 19, 8), (1, 2, 37, 8), causal=causal)
     tiles = default_tiles(8) if SIM else Tiles(128, 32, 4, 8)
-    D = head_dim_tile(8, tiles.TX)
+    D = padded_head_dim(8, tiles.TX)
     outs = []
     for prefetch in (False, True):
         kernel = make_flash_forward(tiles.Br, tiles.Bc, D, tiles.TM, tiles.TX, prefetch=prefetch)
@@ -210,8 +210,8 @@ def test_shared_memory_budget():
         assert tiles.threads % 32 == 0 and tiles.threads <= 1024
 
 
-def test_head_dim_tile():
-    assert head_dim_tile(64, 8) == 64 and head_dim_tile(65, 8) == 128 and head_dim_tile(3, 8) == max(8, 1 if SIM else 16)
+def test_padded_head_dim():
+    assert padded_head_dim(64, 8) == 64 and padded_head_dim(65, 8) == 128 and padded_head_dim(3, 8) == max(8, 1 if SIM else 16)
 
 
 def test_dynamic_shared_memory_limit_small_or_simulated_is_a_no_op():

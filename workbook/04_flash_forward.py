@@ -61,13 +61,13 @@ from kernels.flash_forward import (
     default_tiles,
     flash_attention,
     flash_forward_numpy,
-    head_dim_tile,
     io_model_bytes,
     make_flash_forward,
     shared_bytes,
     tile_update,
     tile_update_cases,
 )
+from kernels.base.fused import padded_head_dim
 from kernels.base.runtime import device_name, on_simulator
 from kernels.base.testing import assert_close, case_with, check_exercise
 
@@ -778,7 +778,7 @@ _ = check_exercise(lambda c: check_tile_update(tile_update, c), tile_update_case
 
 # %%
 print("module default at d=128:", default_tiles(128) if not on_simulator() else "(simulator tiles)",
-      "| D for d=100:", head_dim_tile(100, 8))
+      "| D for d=100:", padded_head_dim(100, 8))
 for t in [Tiles(64, 32, 4, 8), Tiles(64, 64, 4, 8), Tiles(128, 32, 4, 8), Tiles(128, 64, 8, 8)]:
     print(budget(t, 128))
 

@@ -50,11 +50,11 @@ from kernels.flash_forward import (
     Tiles,
     default_tiles,
     flash_attention,
-    head_dim_tile,
     io_model_bytes,
     make_flash_forward,
     shared_bytes,
 )
+from kernels.base.fused import padded_head_dim
 from kernels.base.runtime import cdiv, on_simulator
 from kernels.base.shared_memory import allow_dynamic_shared_memory
 
@@ -90,7 +90,7 @@ def bare_launch(tiles: Tiles, b, h, n_q, n_k, d, *, causal=False, scale=None, pr
     ``prefetch``: the variant that loads the next K/V tile while computing the current one."""
     from numba import cuda
 
-    D = head_dim_tile(d, tiles.TX)
+    D = padded_head_dim(d, tiles.TX)
     kernel = make_flash_forward(tiles.Br, tiles.Bc, D, tiles.TM, tiles.TX, prefetch=prefetch)
     nbytes = shared_bytes(tiles, D)
     bh = b * h
@@ -189,7 +189,7 @@ def measure_kernel(ctx, tiles, b, h, n, d, *, causal=False, dtype=np.float32, se
     if check and n <= 4096:
         _check_head(o, *sets[0], causal, tol=1e-4 if dtype == np.float32 else 1e-3)
     in_bytes = np.dtype(dtype).itemsize
-    D = head_dim_tile(d, tiles.TX)
+    D = padded_head_dim(d, tiles.TX)
     info = {"N": n, "d": d, "causal": causal, "Br": tiles.Br, "Bc": tiles.Bc, "TM": tiles.TM, "TX": tiles.TX,
             "threads": tiles.threads, "smem_bytes": shared_bytes(tiles, D), "prefetch": prefetch}
     info.update(extra or {})
