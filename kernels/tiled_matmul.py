@@ -16,7 +16,8 @@ rung 3  a block computes a BM x BN tile of C; each of its threads keeps a TM x T
 Ragged sizes (M, N, K not multiples of the tiles, any of them 0 or 1): loads outside the
 matrix fill 0 (a zero adds nothing to the dot product), stores outside are skipped.
 
-Rung 3 is written for the H100 (see the module's ``ptx_targets`` and PERF.md):
+Rung 3 is written for the H100 (see the module's ``ptx_targets`` and its timings in
+workbook/results/tiled_matmul.csv):
 
 * A is stored transposed in shared memory (As[k, m]) so that the TM values a thread needs
   at one k-step are contiguous, like the TN values of B (Bs[k, n]).

@@ -6,6 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -61,15 +62,18 @@ REPEAT = 3 if on_simulator() else 30
 #
 # | level | size on the H100 | bandwidth | who sees it |
 # |---|---|---|---|
-# | HBM3 (global memory) | 80 GB | **2.97 TB/s** device copy, measured on an H100 by this chapter's bench | every thread of every block |
+# | HBM3 (global memory) | 80 GB | **2.95 TB/s** device copy (cudaMemcpy), measured on an H100 by this chapter's bench | every thread of every block |
 # | L2 cache | 50 MB | several TB/s (not measured here) | every SM |
 # | shared memory / L1 | 256 KB a SM, up to 227 KB shared memory a block | about 33 TB/s over all SMs (128 B per clock per SM; derived from the architecture, not measured) | the threads of one block |
 # | registers | 64K 32-bit registers a SM (256 KB), up to 255 a thread | the operands of every instruction | one thread |
 #
-# The fp32 arithmetic side: cuBLAS reaches **51.2 TFLOP/s** on an fp32 8192³ matmul with
+# The fp32 arithmetic side: cuBLAS reaches **50.9 TFLOP/s** on an fp32 8192³ matmul with
 # TF32 off, measured on the same H100 (the datasheet says 66.9). Dividing the two measured
-# ceilings: the GPU can do about 51.2e12 / 2.97e12 ≈ **17 FLOPs for every byte** it reads
-# from HBM. A kernel that does fewer FLOPs per byte than that waits for memory.
+# ceilings: the GPU can do about 50.9e12 / 2.95e12 ≈ **17 FLOPs for every byte** it reads
+# from HBM. A kernel that does fewer FLOPs per byte than that waits for memory. Both figures
+# are this chapter's committed results (`workbook/results/gpu_basics.csv`);
+# `kernels.base.io_model.ceilings()` reads them, and `kernels/base/io_model.py` is where
+# the course writes down its IO models.
 #
 # Standard attention writes the N×N score matrix S and the probabilities P to HBM and
 # reads them back; FlashAttention keeps them in shared memory and registers. Same FLOPs,
@@ -87,7 +91,7 @@ def draw_memory_hierarchy(ax):
         ("shared memory / L1", "256 KB a SM (up to 227 KB shared a block)",
          "~33 TB/s all SMs (128 B/clock/SM, derived)", "shared by a block", "#1f77b4"),
         ("L2 cache", "50 MB", "several TB/s", "shared by the GPU", "#9467bd"),
-        ("HBM3 (global memory)", "80 GB", "2.97 TB/s device copy, measured on an H100",
+        ("HBM3 (global memory)", "80 GB", "2.95 TB/s device copy, measured on an H100",
          "every thread, every block", "#d62728"),
     ]
     for i, (name, size, bw, scope, color) in enumerate(levels):
@@ -341,7 +345,11 @@ print(f"copy of {N_COPY} floats (host arrays, so transfers included): median {t.
 
 # %%
 print(inspect.getsource(gpu_basics.attention_flops))
-PEAK_TFLOPS, HBM_TBS = 51.2, 2.97  # measured on an H100 (cuBLAS fp32 TF32 off; device copy)
+from kernels.base.io_model import ceilings
+
+measured = ceilings()  # the committed results of this chapter's bench (cuBLAS fp32 TF32 off; cudaMemcpy)
+PEAK_TFLOPS, HBM_TBS = round(measured.fp32_tflops, 1), round(measured.hbm_tbs, 2)
+print(f"{measured.device}, driver {measured.driver}: {PEAK_TFLOPS} TFLOP/s, {HBM_TBS} TB/s")
 B, H, N, d = 4, 16, 4096, 64
 flops = gpu_basics.attention_flops(B, H, N, N, d)
 for name, nbytes in [("standard forward (S, P in HBM)", gpu_basics.standard_forward_bytes(B, H, N, d)),
@@ -362,7 +370,7 @@ for name, nbytes, color in [("standard fwd", gpu_basics.standard_forward_bytes(B
     ax.plot([x_ai], [min(PEAK_TFLOPS, x_ai * HBM_TBS)], "o", color=color, label=name)
 ax.set_xlabel("arithmetic intensity (FLOP / byte of HBM traffic)")
 ax.set_ylabel("attainable TFLOP/s (fp32)")
-ax.set_title(f"fp32 roofline, H100 ceilings measured ({PEAK_TFLOPS} TFLOP/s, {HBM_TBS} TB/s); "
+ax.set_title(f"fp32 roofline, ceilings measured ({PEAK_TFLOPS} TFLOP/s, {HBM_TBS} TB/s); "
              f"B={B} H={H} N={N} d={d}", fontsize=9)
 ax.legend(fontsize=8)
 ax.grid(True, which="both", alpha=0.3)
@@ -467,7 +475,7 @@ _ = check_exercise(intensity_property(lambda b, h, n, d, bpe: gpu_basics.arithme
 # %% [markdown]
 # ## What to take into the next chapters
 #
-# * HBM is big and slow (2.97 TB/s measured), shared memory and registers small and fast;
+# * HBM is big and slow (2.95 TB/s measured), shared memory and registers small and fast;
 #   fp32 arithmetic runs at about 17 FLOPs per HBM byte: count bytes first.
 # * Threads in warps of 32, blocks on one SM with shared memory and barriers, a grid of
 #   independent blocks; coalesced loads; occupancy limited by registers and shared memory.

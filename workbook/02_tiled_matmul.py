@@ -6,6 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -98,7 +99,8 @@ print("loops agree with the oracle; FLOPs for the full problem:", 2 * M * N * K)
 # %% [markdown]
 # Every FMA needs one element of A and one of B. Read naively from memory, that is 8 bytes
 # for 2 FLOPs: **0.25 FLOP per byte**. The H100 does about 51 TFLOP/s of fp32 FMAs (cuBLAS,
-# PERF.md) and moves about 3 TB/s from HBM: a kernel needs about **17 FLOP per byte** of HBM
+# chapter 0's `workbook/results/gpu_basics.csv`) and moves about 3 TB/s from HBM (same file;
+# `kernels.base.io_model.ridge_point()` divides the two): a kernel needs about **17 FLOP per byte** of HBM
 # traffic to keep the FMA units busy. The matrices themselves are only `4 (MK + KN + MN)`
 # bytes, so the data *can* be reused: at 4096³ each element of A is used 4096 times. The
 # whole chapter is about arranging that reuse close to the arithmetic.
@@ -254,7 +256,11 @@ print(f"{'':34}{'GB':>10}{'FLOP/byte':>12}")
 for name, nbytes in rows_:
     print(f"{name:34}{nbytes / 1e9:>10.2f}{flops / nbytes:>12.2f}")
 print("\nshared-memory loads per FMA: rung 2: 2;  rung 3 (8x8 a thread): 16/64 = 0.25")
-print("H100 fp32 ridge: about 51 TFLOP/s / 3 TB/s = 17 FLOP per HBM byte")
+from kernels.base.io_model import ceilings, ridge_point
+
+c_ = ceilings()
+print(f"{c_.device} fp32 ridge: {c_.fp32_tflops:.1f} TFLOP/s / {c_.hbm_tbs:.2f} TB/s = "
+      f"{ridge_point(c_):.1f} FLOP per HBM byte (measured, workbook/results/gpu_basics.csv)")
 
 # %% [markdown]
 # Rung 1 asks for 550 GB to do 137 GFLOP: even if L2 served most of it, the load

@@ -6,6 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -340,10 +341,12 @@ print(type(pd).__name__, pd.shape)
 # multiply) and must move 8 bytes (read `x`, write `p`): about **0.6 FLOP per byte**, against
 # an H100 ridge of about 17 fp32 FLOP per byte. Softmax is **bound by memory** by a factor
 # of about 30, so the figure of merit is bandwidth, measured against a plain copy of the same
-# bytes (2.97 TB/s on the course's H100, chapter 0).
+# bytes (2.95 TB/s on the course's H100, measured in chapter 0).
 
 # %%
-copy_tbs = 2.97
+from kernels.base.io_model import ceilings
+
+copy_tbs = ceilings().hbm_tbs   # cudaMemcpy, chapter 0's committed results
 for rows, n in [(16384, 4096), (65536, 4096), (16384, 16384)]:
     nbytes = 8 * rows * n
     print(f"rows={rows:6d} n={n:6d}: {nbytes / 2**30:5.2f} GiB compulsory -> "

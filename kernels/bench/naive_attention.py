@@ -7,7 +7,7 @@ Reference configuration: B=4, H=16, d=64, fp32, non-causal, N = 1024, 2048, 4096
 * ``softmax kernel`` P = softmax(S), L      model bytes 4 (2N^2 + N) a head
 * ``PV kernel``     O = P V                  model bytes 4 (N^2 + 2Nd) a head
 * ``naive attention (3 kernels)``: the three launches on preallocated S, P, L, O:
-  4 (4Nd + 4N^2 + N) a head, the IO model of PERF.md;
+  4 (4Nd + 4N^2 + N) a head, the standard forward of ``kernels.base.io_model``;
 * ``naive_attention()``: the launcher as a user calls it (it allocates S and P each
   call: its peak memory is the 2 B H N^2 floats the chapter is about);
 * peers: plain PyTorch (q @ k^T * scale -> softmax -> @ v, fp32, TF32 off), the same
@@ -16,9 +16,10 @@ Reference configuration: B=4, H=16, d=64, fp32, non-causal, N = 1024, 2048, 4096
 
 ``model_bytes`` is the IO model's count for the three-kernel path (peers get the same
 figure, so their GB/s is "effective": the extra passes they make are not counted), so
-GB/s shows how close each kernel runs to the ~3 TB/s copy bandwidth (PERF.md). The S and
-PV kernels also do 2 N^2 d FLOPs a head: at d = 64 that is 32 FLOP a byte of S, above the
-H100's fp32 ridge (~17), so on the FMA units they are bound by arithmetic, the softmax by
+GB/s shows how close each kernel runs to the copy bandwidth (about 3 TB/s on the H100:
+``kernels.base.io_model.ceilings()``, from workbook/results/gpu_basics.csv). The S and PV
+kernels also do 2 N^2 d FLOPs a head: at d = 64 that is 32 FLOP a byte of S, above the
+H100's fp32 ridge (~17, ``ridge_point()``), so on the FMA units they are bound by arithmetic, the softmax by
 HBM. The kernels are timed as bare launches on prebuilt views (no argument checks).
 """
 
