@@ -14,6 +14,9 @@ Conventions, written once here:
   to key j iff ``j <= i + (Nk - Nq)``. With Nq = Nk this is the usual lower triangle.
 * A query row that may attend to nothing gets O = 0 and L = -inf (never NaN), and
   zero gradients.
+* A NaN or Inf in an input gives NaN (or Inf) in the outputs its arithmetic reaches, as
+  PyTorch's math does: a query row only its own row; a key or value row every row whose
+  product touches it (here that includes masked rows: 0 * NaN is NaN in ``P @ V``).
 * A block mask carries its own block size (``BlockMask``): flag [..., r, c] keeps the
   tile of queries [r*block_q, (r+1)*block_q) and keys [c*block_k, (c+1)*block_k).
 """
@@ -55,7 +58,8 @@ def logsumexp(x, axis=-1, *, dtype=np.float64):
 
 
 def softmax(x, axis=-1, *, dtype=np.float64):
-    """Safe softmax: subtract the row max before exp. A row of all -inf gives zeros."""
+    """Safe softmax: subtract the row max before exp. A row of all -inf gives zeros; a row
+    with a NaN or +inf gives NaN (as PyTorch does)."""
     x = np.asarray(x, dtype=dtype)
     if x.size == 0:
         return x.copy()
@@ -63,7 +67,8 @@ def softmax(x, axis=-1, *, dtype=np.float64):
     m_safe = np.where(np.isfinite(m), m, 0)
     e = np.exp(x - m_safe)
     total = np.sum(e, axis=axis, keepdims=True)
-    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    # 0 / 0 only for a row of all -inf (zeros); a NaN (or +inf) in a row makes it NaN
+    return np.divide(e, total, out=np.zeros_like(e), where=total != 0)
 
 
 def causal_mask(nq: int, nk: int) -> np.ndarray:
@@ -138,9 +143,12 @@ def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, block_mask
     scale = _default_scale(d) if scale is None else scale
     mask = attention_mask(nq, nk, causal=causal, block_mask=block_mask)
     s = _scores(q, k, scale, mask, dtype)
-    finite = np.isfinite(lse)[..., None]
-    with np.errstate(invalid="ignore"):
-        p = np.where(finite & np.isfinite(s), np.exp(s - np.where(finite, lse[..., None], 0)), 0)
+    # P is 0 where the mask hides a key and on rows that see nothing (L = -inf); anywhere
+    # else it is exp(S - L), so a NaN or Inf in S or L stays NaN (as PyTorch's would).
+    visible = np.ones(s.shape, bool) if mask is None else np.broadcast_to(mask, s.shape)
+    live = visible & (lse != -np.inf)[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(live, np.exp(np.where(live, s - lse[..., None], 0)), 0)
     dv = np.swapaxes(p, -1, -2) @ do
     dp = do @ np.swapaxes(v, -1, -2)
     D = np.sum(do * o, axis=-1, keepdims=True)
