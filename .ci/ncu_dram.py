@@ -1,22 +1,26 @@
 """Measured HBM traffic (Nsight Compute) of chapter 1's naive kernels, held against the IO model.
 
-Two modes:
+Three modes:
+    python .ci/ncu_dram.py profile OUT [--raw NCU_CSV]
+                                              both steps below: run-naive under Nsight Compute
+                                              (kernels.bench.ncu.profile, DRAM bytes read and
+                                              written), then the table into OUT
     python .ci/ncu_dram.py run-naive          launches S, softmax and PV once each at the
                                               reference configuration (the program ncu watches)
     python .ci/ncu_dram.py table NCU_CSV OUT  turns ``ncu --csv`` output into a results CSV
 
 On a GPU machine:
-    ncu --csv --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum \
-        python .ci/ncu_dram.py run-naive > ncu_naive.csv
-    python .ci/ncu_dram.py table ncu_naive.csv workbook/results/naive_attention_dram.csv
+    python .ci/ncu_dram.py profile workbook/results/naive_attention_dram.csv --raw ncu_naive.csv
 """
 
+import os
 import sys
 
 import numpy as np
 
 import kernels  # noqa: F401  (GPU or simulator first)
 from kernels.base import runtime
+from kernels.bench import ncu
 from kernels.bench.harness import Result, environment, read_ncu, write_csv
 
 REFERENCE = (4, 16, 4096, 64)   # B, H, N, d, fp32, non-causal
@@ -38,14 +42,24 @@ def run_naive():
     cuda.synchronize()
 
 
+def profile(out_path, raw=None):
+    """run-naive under Nsight Compute (DRAM bytes), then the table."""
+    launches = ncu.profile([os.path.abspath(__file__), "run-naive"], ncu.DRAM, raw=raw)
+    tabulate(launches, out_path)
+
+
 def table(ncu_csv, out_path):
+    tabulate(read_ncu(ncu_csv), out_path)
+
+
+def tabulate(launches, out_path):
     from kernels.naive_attention import io_model_bytes
 
     b, h, n, d = REFERENCE
     model = io_model_bytes(b, h, n, n, d)
     config = f"B={b} H={h} N={n} d={d} fp32 causal=False"
     results = []
-    for launch in read_ncu(ncu_csv):
+    for launch in launches:
         name, metrics = launch["kernel"], launch["metrics"]
         part = next(((key, label) for key, label in PARTS if key in name), None)
         if part is None:
@@ -69,9 +83,15 @@ def table(ncu_csv, out_path):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "run-naive":
+    mode = sys.argv[1] if len(sys.argv) > 1 else ""
+    if mode == "run-naive":
         run_naive()
-    elif sys.argv[1] == "table":
+    elif mode == "table" and len(sys.argv) == 4:
         table(sys.argv[2], sys.argv[3])
+    elif mode == "profile" and len(sys.argv) in (3, 5) and (len(sys.argv) == 3 or sys.argv[3] == "--raw"):
+        try:
+            profile(sys.argv[2], sys.argv[4] if len(sys.argv) == 5 else None)
+        except (ncu.NcuMissing, ncu.NcuError) as err:
+            sys.exit(f"ncu_dram profile: {err}")
     else:
         sys.exit(__doc__)

@@ -234,16 +234,16 @@ def read_csv(path):
     return env, rows
 
 
-# Nsight Compute's units: byte sizes to bytes, L2 sectors (32 B) to bytes; other units
-# (inst, cycle, nsecond, ...) are kept as they are.
+# Nsight Compute's units: byte sizes to bytes, L2 sectors (32 B) to bytes, durations to
+# nanoseconds (ncu scales both to the value's size); other units (inst, cycle, ...) are kept.
 NCU_UNITS = {"byte": 1, "B": 1, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9, "GB": 1e9,
-             "Tbyte": 1e12, "sector": 32}
+             "Tbyte": 1e12, "sector": 32, "nsecond": 1, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
 
 
 def read_ncu(path) -> list[dict]:
     """The profiled launches in one ``ncu --csv`` output, in launch order: dicts with ``id``,
     ``kernel`` (the full name), ``grid`` and ``block`` ("(x, y, z)") and ``metrics``
-    ({metric name: value, sizes in bytes})."""
+    ({metric name: value, sizes in bytes, durations in nanoseconds})."""
     lines = [line for line in open(path).read().splitlines() if line.startswith('"')]
     launches: dict = {}
     for row in csv.DictReader(lines):

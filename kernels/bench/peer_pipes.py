@@ -3,13 +3,14 @@ by Nsight Compute.
 
 The course's kernels run every product on the fp32 FMA units (Numba exposes no tensor-core
 instruction). Chapters 4 and 5 compare them with SDPA's memory-efficient backend on fp32
-inputs, so it matters what that peer executes. Two steps, on a GPU with Nsight Compute and
-PyTorch:
+inputs, so it matters what that peer executes. On a GPU with Nsight Compute and PyTorch:
 
-    ncu --csv --clock-control none --profile-from-start off \\
-        --metrics gpu__time_duration.sum,sm__inst_executed_pipe_fma.sum,sm__inst_executed_pipe_tensor.sum,\\
-sm__pipe_fma_cycles_active.sum,sm__pipe_tensor_cycles_active.sum \\
-        python -m kernels.bench.peer_pipes run > ncu_sdpa.csv
+    python -m kernels.bench.peer_pipes profile [OUT_DIR] [--raw ncu_sdpa.csv]   # -> sdpa_pipes.csv
+
+runs ``run`` under ``kernels.bench.ncu.profile`` with the metrics ``ncu.PIPES`` (time, FMA-
+and tensor-pipe instructions and active cycles) and then ``table``. The two steps apart:
+
+    python -m kernels.bench.peer_pipes run                    # the program ncu watches
     python -m kernels.bench.peer_pipes table ncu_sdpa.csv     # -> workbook/results/sdpa_pipes.csv
 
 ``run`` times nothing: it warms up, then runs SDPA memory-efficient forward + backward once
@@ -85,10 +86,33 @@ def table(path, out=None):
         print(f"{r.kernel:<75} {r.config:<36} {r.median_ms:7.2f} ms  {r.note}")
 
 
+def profile(out=None, raw=None):
+    """``run`` once under Nsight Compute (a child process), then ``table``."""
+    import tempfile
+
+    from kernels.bench import ncu
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(raw) if raw else Path(tmp) / "ncu_sdpa.csv"
+        ncu.profile("kernels.bench.peer_pipes:run", ncu.PIPES, from_start=False, raw=path)
+        table(path, out)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:
         run()
+    elif argv[:1] == ["profile"]:
+        from kernels.bench import ncu
+
+        rest, raw = argv[1:], None
+        if "--raw" in rest[:-1]:
+            i = rest.index("--raw")
+            raw, rest = rest[i + 1], rest[:i] + rest[i + 2:]
+        try:
+            profile(rest[0] if rest else None, raw)
+        except (ncu.NcuMissing, ncu.NcuError) as err:
+            raise SystemExit(f"peer_pipes profile: {err}")
     elif argv[:1] == ["table"] and len(argv) >= 2:
         table(argv[1], argv[2] if len(argv) > 2 else None)
     else:

@@ -5,11 +5,15 @@ does the same for the backward (chapter 5, atomic and separate dQ) and for block
 attention (chapter 6, forward and backward at several kept fractions rho), at the
 reference configuration B=4 H=16 N=4096 d=64 fp32.
 
-Two steps, on a GPU with Nsight Compute:
+On a GPU with Nsight Compute, one command profiles the cases and writes the tables:
 
-    ncu --csv --clock-control none --profile-from-start off \\
-        --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum \\
-        python -m kernels.bench.traffic run CASE > ncu_CASE.csv
+    python -m kernels.bench.traffic profile CASE... [--out DIR] [--raw-dir DIR]
+
+It runs ``run CASE`` for each case under ``kernels.bench.ncu.profile`` (DRAM bytes and,
+where this ncu has it, the L2 -> SM read metric; ncu's CSV kept as ``ncu_CASE.csv`` in
+``--raw-dir``), then ``table``. The two steps apart:
+
+    python -m kernels.bench.traffic run CASE      # the program ncu watches
     python -m kernels.bench.traffic table ncu_*.csv
 
 ``run CASE`` compiles and warms up the kernels, then runs them once between
@@ -32,12 +36,13 @@ from pathlib import Path
 import numpy as np
 
 import kernels  # noqa: F401  (GPU or simulator first)
+from kernels.bench import ncu
 from kernels.bench.harness import Result
 from kernels.base.runtime import on_simulator
 
 REFERENCE = (4, 16, 4096, 64)
 BLOCK = 128                       # chapter 6's bench masks: 128 x 128 blocks
-L2_READ = "lts__t_sectors_srcunit_tex_op_read.sum"
+L2_READ = ncu.L2_READ
 
 
 def _case(name, build=True):
@@ -100,6 +105,22 @@ def run_case(name):
     cuda.profile_stop()
 
 
+def profile(cases, *, out=None, raw_dir=None):
+    """Each case once under Nsight Compute (``run_case`` in a child process), then ``table``."""
+    import tempfile
+
+    metrics = ncu.DRAM + ncu.l2_read()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(raw_dir) if raw_dir else Path(tmp)
+        paths = []
+        for case in cases:
+            _case(case, build=False)                   # an unknown case fails here, before ncu runs
+            path = folder / f"ncu_{case}.csv"
+            ncu.profile("kernels.bench.traffic:run_case", metrics, args=(case,), from_start=False, raw=path)
+            paths.append(path)
+        table(paths, out)
+
+
 def _short(kernel_name):
     """'cudapy::kernels::flash_backward::make_dkdv::<locals>::dkdv[abi:...](...)' -> 'dkdv'."""
     base = kernel_name.split("(")[0].split("[")[0]
@@ -148,11 +169,20 @@ def main(argv=None) -> int:
     p_table = sub.add_parser("table", help="ncu --csv outputs -> *_dram.csv")
     p_table.add_argument("paths", nargs="+")
     p_table.add_argument("--out", default=None)
+    p_prof = sub.add_parser("profile", help="run each case under Nsight Compute, then table")
+    p_prof.add_argument("cases", nargs="+")
+    p_prof.add_argument("--out", default=None)
+    p_prof.add_argument("--raw-dir", default=None, help="keep ncu's CSV output (ncu_CASE.csv) here")
     args = parser.parse_args(argv)
     if args.command == "run":
         if on_simulator():
             raise SystemExit("traffic run: needs a GPU and Nsight Compute")
         run_case(args.case)
+    elif args.command == "profile":
+        try:
+            profile(args.cases, out=args.out, raw_dir=args.raw_dir)
+        except (ncu.NcuMissing, ncu.NcuError) as err:
+            raise SystemExit(f"traffic profile: {err}")
     else:
         table(args.paths, args.out)
     return 0
