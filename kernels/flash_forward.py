@@ -114,19 +114,22 @@ from kernels.base.runtime import (
 from kernels.base.shared_memory import allow_dynamic_shared_memory, max_dynamic_shared_bytes
 
 __all__ = ["flash_attention", "Tiles", "default_tiles", "make_flash_forward", "make_attend_query_tile",
-           "every_tile", "shared_bytes", "check_tiles", "io_model_bytes", "tile_update", "flash_forward_numpy",
+           "every_tile", "gpu_tiles", "shared_bytes", "check_tiles", "io_model_bytes", "tile_update", "flash_forward_numpy",
            "check_tile_update", "tile_update_cases", "ptx_targets"]
 
 
 # --------------------------------------------------------------------------- tiles
 
-def default_tiles(d: int) -> Tiles:
-    """Production tiles on a GPU (the bench sweeps the alternatives), tiny ones in the simulator."""
-    if on_simulator():
-        return Tiles(Br=8, Bc=8, TM=2, TX=4)
+def gpu_tiles(d: int) -> Tiles:
+    """The production tiles on an H100 (the bench sweeps the alternatives)."""
     if d <= 64:
         return Tiles(Br=256, Bc=64, TM=8, TX=8)   # 256 threads, 8x8 micro-tiles, 165 KB smem
     return Tiles(Br=128, Bc=32, TM=4, TX=8)       # d=128: 256 threads, 4x4 S and 4x16 O micro-tiles, 117.5 KB
+
+
+def default_tiles(d: int) -> Tiles:
+    """The launcher's tiles: production tiles on a GPU, tiny ones in the simulator."""
+    return Tiles(Br=8, Bc=8, TM=2, TX=4) if on_simulator() else gpu_tiles(d)
 
 
 def _layout(Br, Bc, D):

@@ -8,19 +8,35 @@ block_mask=...)``); the kernel walks compact lists of kept tiles. Cases are draw
 import numpy as np
 import pytest
 from hypothesis import example, given
+from hypothesis import strategies as st
 
 from kernels import reference as ref
 from kernels import sparsity_patterns as sp
-from kernels.block_sparse import block_sparse_attention, tile_lists
+from kernels.base.fused import Tiles
+from kernels.base.runtime import on_simulator
 from kernels.base.testing import assert_close, forward_floor_scales, random_array
-from sparse_cases import build, case, sparse_cases
+from kernels.block_sparse import block_sparse_attention, forward_tiles, tile_lists
+from kernels.flash_forward import default_tiles, flash_attention
+from sparse_cases import MAX_N, build, case, sparse_cases
+
+
+def explicit_tiles(c):
+    """The drawn kernel tile (Br = block_m, Bc = block_n, either may be None: the launcher's
+    choice), with chapter 4's micro-tiles shrunk to fit; None when neither is drawn."""
+    if c["block_m"] is None and c["block_n"] is None:
+        return None
+    t = default_tiles(c["d"])
+    Br, Bc = c["block_m"] or min(t.Br, c["bq"] & -c["bq"]), c["block_n"] or min(t.Bc, c["bk"] & -c["bk"])
+    TM, TX = min(t.TM, Br), min(t.TX, Bc)
+    while not on_simulator() and (Br // TM) * TX < 32 and TM > 1:
+        TM //= 2
+    return Tiles(Br, Bc, TM, TX)
 
 
 def check_forward(c):
     q, k, v, mask = build(c)
     kw = dict(causal=c["causal"], scale=c["scale"], block_mask=mask)
-    o, lse = block_sparse_attention(q, k, v, mask, causal=c["causal"], scale=c["scale"],
-                                    block_m=c["block_m"], block_n=c["block_n"])
+    o, lse = block_sparse_attention(q, k, v, mask, causal=c["causal"], scale=c["scale"], tiles=explicit_tiles(c))
     exact_o, exact_lse = ref.attention(q, k, v, **kw)
     base_o, base_lse = ref.attention(q, k, v, dtype=np.float32, **kw)
     assert o.dtype == np.float32 and lse.dtype == np.float32
@@ -51,39 +67,47 @@ def test_logits_around_1e4():
     check_forward(case(nq=12, nk=12, d=2, magnitude=80.0, scale=1.0, causal=True, density=0.7, seed=3))
 
 
-def test_dense_mask_equals_dense_attention():
-    """Every tile kept: both this kernel and chapter 4's dense one pass the tolerance rule
-    against the oracle, and they agree with each other more closely than that.
-
-    Agreement bound: the two kernels compute the same raw dot products S (the same
-    sequential sum over the head dim) and the same online softmax; they differ in how the
-    exponent of P is rounded (both use the fast exp2, from differently rounded arguments)
-    and, if their key tiles differ, in where the running sums are rescaled. An exponent
-    error of a few ulps of |scale S| is a relative error of P of that size, so O may differ
-    by that much times max|V|, and L = scale m + log l by that much: 16 ulps of
-    (1 + max|scale S|) covers both kernels' roundings with room to spare.
-    """
-    from kernels.flash_forward import flash_attention
-
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_dense_mask_is_chapter_4_bit_for_bit(causal, dtype):
+    """Every tile kept, the same tiles: this kernel is chapter 4's, by construction (the same
+    device function over a list that holds every tile), so O and L are bitwise equal; both
+    also pass the tolerance rule against the oracle."""
+    sim = on_simulator()
+    tiles, block, nq, nk, d = (Tiles(8, 8, 2, 4), 8, 19, 23, 6) if sim else (Tiles(64, 32, 4, 8), 64, 200, 150, 40)
     rng = np.random.default_rng(7)
-    q = random_array(rng, (1, 2, 19, 6))
-    k = random_array(rng, (1, 2, 23, 6))
-    v = random_array(rng, (1, 2, 23, 6))
-    scale = 1.0 / np.sqrt(6)
-    max_s = float(np.max(np.abs(scale * (q.astype(np.float64) @ np.swapaxes(k, -1, -2)))))
-    ulps = 16 * float(np.finfo(np.float32).eps) * (1.0 + max_s)
-    for causal in (False, True):
-        mask = sp.dense(19, 23, block=8)
-        o, lse = block_sparse_attention(q, k, v, mask, causal=causal)
-        want_o, want_lse = flash_attention(q, k, v, causal=causal)
-        exact_o, exact_lse = ref.attention(q, k, v, causal=causal)
-        base_o, base_lse = ref.attention(q, k, v, causal=causal, dtype=np.float32)
-        for got, name in ((o, "O"), (want_o, "O (chapter 4)")):
-            assert_close(got, exact_o, base_o, name=name)
-        for got, name in ((lse, "L"), (want_lse, "L (chapter 4)")):
-            assert_close(got, exact_lse, base_lse, name=name)
-        assert np.max(np.abs(o - want_o)) <= ulps * float(np.max(np.abs(v))), "O: the two kernels disagree"
-        assert np.max(np.abs(lse - want_lse)) <= ulps, "L: the two kernels disagree"
+    q, k, v = (random_array(rng, (1, 2, n, d)).astype(dtype) for n in (nq, nk, nk))
+    mask = sp.dense(nq, nk, block=block)
+    o, lse = block_sparse_attention(q, k, v, mask, causal=causal, tiles=tiles)
+    want_o, want_lse = flash_attention(q, k, v, causal=causal, tiles=tiles)
+    assert np.array_equal(o, want_o) and np.array_equal(lse, want_lse), "not chapter 4's kernel at density 1"
+    exact_o, exact_lse = ref.attention(q, k, v, causal=causal)
+    base_o, base_lse = ref.attention(q, k, v, causal=causal, dtype=np.float32)
+    fs_o, fs_l = forward_floor_scales(q, k, v)
+    assert_close(o, exact_o, base_o, name="O", floor_scale=fs_o)
+    assert_close(lse, exact_lse, base_lse, name="L", floor_scale=fs_l)
+
+
+@given(st.data())
+def test_nan_or_inf_in_a_query_row_reaches_that_row_only(data):
+    """A NaN or Inf in one query row: that row of O and L is not finite (it is NaN or Inf
+    exactly where the oracle's is), every other row is unaffected and within the tolerance."""
+    c = data.draw(sparse_cases(max_n=min(MAX_N, 24)).filter(lambda c: c["nq"] > 0 and c["nk"] > 0))
+    q, k, v, mask = build(c)
+    b, h, i, e = (data.draw(st.integers(0, n - 1)) for n in q.shape)
+    q[b, h, i, e] = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    o, lse = block_sparse_attention(q, k, v, mask, causal=c["causal"], scale=c["scale"], tiles=explicit_tiles(c))
+    kw = dict(causal=c["causal"], scale=c["scale"], block_mask=mask)
+    with np.errstate(invalid="ignore", over="ignore"):
+        exact_o, exact_lse = ref.attention(q, k, v, **kw)
+        base_o, base_lse = ref.attention(q, k, v, dtype=np.float32, **kw)
+    assert np.array_equal(np.isfinite(o), np.isfinite(exact_o)), "O: not finite in other places than the oracle"
+    assert np.array_equal(np.isfinite(lse), np.isfinite(exact_lse)), "L: not finite in other places than the oracle"
+    rows = np.isfinite(exact_o).all(axis=-1)                                 # rows the bad value did not reach
+    q[b, h, i, e] = 0.0                                                      # (for the floors: the finite inputs)
+    fs_o, fs_l = forward_floor_scales(q, k, v, c["scale"])
+    assert_close(o[rows], exact_o[rows], base_o[rows], name="O", floor_scale=fs_o)
+    assert_close(lse[rows], exact_lse[rows], base_lse[rows], name="L", floor_scale=fs_l)
 
 
 def test_empty_mask_gives_zero_and_minus_inf():
@@ -129,11 +153,13 @@ def test_incompatible_tiles_name_block_mask():
     q, k, v = _inputs()
     mask = ref.BlockMask(np.ones((2, 2), bool), 4, 4)
     with pytest.raises(ValueError, match="block_mask"):
-        block_sparse_attention(q, k, v, mask, block_m=8)
+        block_sparse_attention(q, k, v, mask, tiles=Tiles(8, 4, 2, 4))       # Br = 8 does not divide 4
     with pytest.raises(ValueError, match="block_mask"):
-        block_sparse_attention(q, k, v, ref.BlockMask(np.ones((3, 3), bool), 3, 3), block_n=2)
-    with pytest.raises(ValueError, match="block_m"):
-        block_sparse_attention(q, k, v, mask, block_m=3)
+        block_sparse_attention(q, k, v, ref.BlockMask(np.ones((3, 3), bool), 3, 3), tiles=Tiles(2, 2, 1, 2))
+    with pytest.raises(TypeError, match="tiles"):
+        block_sparse_attention(q, k, v, mask, tiles=(4, 4, 2, 4))
+    with pytest.raises(ValueError, match="tiles"):
+        block_sparse_attention(q, k, v, mask, tiles=Tiles(4, 4, 3, 4))       # TM does not divide Br
 
 
 def test_bad_arrays_name_the_argument():
@@ -158,10 +184,10 @@ def test_precomputed_lists_are_reused_and_checked():
     assert sorted(lists.row_order.tolist()) == [0, 1, 2] and sorted(lists.col_order.tolist()) == [0, 1, 2]
     counts = np.diff(lists.row_ptr)
     assert list(counts[lists.row_order]) == sorted(counts, reverse=True)   # longest first
-    got = block_sparse_attention(q, k, v, mask, causal=True, block_m=4, block_n=4, lists=lists)
-    want = block_sparse_attention(q, k, v, mask, causal=True, block_m=4, block_n=4)
+    got = block_sparse_attention(q, k, v, mask, causal=True, tiles=Tiles(4, 4, 2, 4), lists=lists)
+    want = block_sparse_attention(q, k, v, mask, causal=True, tiles=Tiles(4, 4, 2, 4))
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="lists"):
-        block_sparse_attention(q, k, v, mask, causal=False, block_m=4, block_n=4, lists=lists)
+        block_sparse_attention(q, k, v, mask, causal=False, tiles=Tiles(4, 4, 2, 4), lists=lists)
     with pytest.raises(TypeError, match="lists"):
         block_sparse_attention(q, k, v, mask, lists=[1, 2])
