@@ -33,8 +33,9 @@ import kernels  # noqa: F401  (GPU or simulator first)
 from kernels import reference as ref
 from kernels import sparsity_patterns as sp
 from kernels.bench.harness import Result, cupy_or_none, torch_or_none
-from kernels.block_sparse import (KernelConfig, forward_config, io_model_bytes, make_forward, padded_head_dim,
-                                  shared_bytes_forward, tile_lists)
+from kernels.base.fused import Tiles, padded_head_dim
+from kernels.block_sparse import forward_tiles, io_model_bytes, make_block_sparse_forward, tile_lists
+from kernels.flash_forward import shared_bytes
 from kernels.block_sparse_backward import backward_config, block_sparse_attention_backward
 from kernels.block_sparse_backward import io_model_bytes as io_model_bytes_backward
 from kernels.base.runtime import cdiv
@@ -81,23 +82,24 @@ def _mask(n, block, density, seed=0):
     return sp.random_blocks(n, n, block=block, density=rest, seed=seed, keep_diagonal=True)
 
 
-def forward_fn(b, h, n, d, mask, causal, cfg=None, prefetch=True):
-    """(fn(q, k, v), rho, cfg): a bare launch of the block-sparse forward on preallocated O, L
-    (``cfg``: a KernelConfig to try instead of the production tiles; ``prefetch``: the
-    next K/V tile loaded into registers during the current one, or not)."""
+def forward_fn(b, h, n, d, mask, causal, tiles=None, prefetch=False):
+    """(fn(q, k, v), rho, tiles): a bare launch of the block-sparse forward on preallocated O, L
+    (``tiles``: chapter 4's Tiles to try instead of the launcher's; ``prefetch``: the next
+    K/V tile loaded into registers during the current one, or when it is needed, the
+    launcher's choice, as in chapter 4)."""
     from numba import cuda
 
-    cfg = cfg or forward_config(d, mask)
-    lists = tile_lists(mask, n, n, Br=cfg.Br, Bc=cfg.Bc, causal=causal, batch=b, heads=h)
+    tiles, D = forward_tiles(d, mask, tiles)
+    lists = tile_lists(mask, n, n, Br=tiles.Br, Bc=tiles.Bc, causal=causal, batch=b, heads=h)
     dev = lists.device()
-    kernel = make_forward(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC, prefetch)
+    kernel = make_block_sparse_forward(tiles.Br, tiles.Bc, D, tiles.TM, tiles.TX, prefetch)
     bh = b * h
     o = cuda.device_array((bh, n, d), np.float32)
     lse = cuda.device_array((bh, n), np.float32)
-    grid, threads = (cdiv(n, cfg.Br), bh), (cfg.Br // cfg.RM) * cfg.TC
-    nbytes = shared_bytes_forward(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
-    tail = (dev.row_ptr, dev.col_idx, dev.row_order, np.int32(n), np.int32(n), np.int32(d),
-            np.int32(lists.groups), np.float32(1 / math.sqrt(d)), np.int32(causal))
+    grid = (cdiv(n, tiles.Br), bh)
+    nbytes = shared_bytes(tiles, D)
+    tail = (dev.row_ptr, dev.col_idx, dev.row_order, np.int32(lists.groups), np.int32(d),
+            np.float32(1 / math.sqrt(d)), np.int32(causal))
     raised = []
 
     def fn(q, k, v):
@@ -105,10 +107,10 @@ def forward_fn(b, h, n, d, mask, causal, cfg=None, prefetch=True):
         if not raised:
             allow_dynamic_shared_memory(kernel, args, nbytes)
             raised.append(True)
-        kernel[grid, threads, 0, nbytes](*args)
+        kernel[grid, tiles.threads, 0, nbytes](*args)
 
     fn.outputs = (o, lse)
-    return fn, lists.kept_fraction, cfg
+    return fn, lists.kept_fraction, tiles
 
 
 def _check_head(fn, sets, mask, causal):
@@ -287,7 +289,7 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
     from numba import cuda
 
     sets = _inputs(b, h, n, d, 2)
-    fn, rho, cfg = forward_fn(b, h, n, d, mask, causal)
+    fn, rho, cfg = forward_fn(b, h, n, d, mask, causal)   # cfg: the launcher's Tiles
     _check_head(fn, sets, mask, causal)
     dense_flops = 4.0 * b * h * n * n * d
     flops = dense_flops * rho
@@ -343,36 +345,36 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
     del sets, grads
 
 
-# Tile configurations (Br, Bc, RM, TC) the sweep tries at d = 64 (all divide 128 x 128 blocks).
-# The last field: the next K/V tile prefetched into registers (255 registers and a little
-# spilling at 128 x 64) or loaded when needed (no spilling).
-SWEEP = [(128, 64, 8, 8, True), (128, 64, 8, 8, False), (128, 64, 8, 16, True), (128, 32, 8, 8, True),
-         (64, 64, 4, 8, True), (64, 64, 8, 8, True), (64, 32, 4, 8, True)]
+# Tile configurations (Br, Bc, TM, TX) the sweep tries at d = 64 (all divide 128 x 128 blocks).
+# The last field: the next K/V tile prefetched into registers, or loaded when needed (the
+# launcher's choice, as in chapter 4).
+SWEEP = [(128, 64, 8, 8, False), (128, 64, 8, 8, True), (128, 64, 8, 16, False), (128, 32, 8, 8, False),
+         (64, 64, 4, 8, False), (64, 32, 4, 8, False)]
 
 
 def tile_sweep(ctx, results):
     """The forward at N = 4096, densities 1 and 1/8, with each candidate tile configuration."""
     if ctx.simulator:
-        b, h, n, d, block, sweep = 1, 1, 32, 8, 8, [(8, 8, 2, 4, True), (8, 4, 2, 4, False)]
+        b, h, n, d, block, sweep = 1, 1, 32, 8, 8, [(8, 8, 2, 4, False), (8, 4, 2, 4, True)]
     else:
         b, h, n, d, block, sweep = 4, 16, 4096, 64, BLOCK, SWEEP
     sets = _inputs(b, h, n, d, 2)
     for density in (1.0, 0.125):
         mask = _mask(n, block, density)
-        for Br, Bc, RM, TC, pf in sweep:
+        for Br, Bc, TM, TX, pf in sweep:
             try:
-                cfg = KernelConfig(Br, Bc, RM, TC, padded_head_dim(d, TC))
-                fn, rho, _ = forward_fn(b, h, n, d, mask, False, cfg, prefetch=pf)
+                tiles = Tiles(Br, Bc, TM, TX)
+                fn, rho, _ = forward_fn(b, h, n, d, mask, False, tiles, prefetch=pf)
                 _check_head(fn, sets, mask, False)
                 results.append(ctx.measure(
-                    CHAPTER, f"block-sparse forward Br={Br} Bc={Bc} RM={RM} TC={TC}" + ("" if pf else " no prefetch"),
+                    CHAPTER, f"block-sparse forward {tiles}" + (" prefetch" if pf else ""),
                     _config(b, h, n, d, False, f"random {density:g} (tile sweep)"), fn, sets,
                     flops=4.0 * b * h * n * n * d * rho, model_bytes=io_model_bytes(b, h, n, n, d, Br=Br, rho=rho),
                     peak_memory=False, note="tile sweep, bare launch",
-                    extra={"part": "tile sweep", "rho": round(rho, 4), "threads": Br // RM * TC, "prefetch": pf,
-                           "smem_bytes": shared_bytes_forward(Br, Bc, cfg.D, RM, TC)}))
+                    extra={"part": "tile sweep", "rho": round(rho, 4), "threads": tiles.threads, "prefetch": pf,
+                           "smem_bytes": shared_bytes(tiles, padded_head_dim(d, TX))}))
             except Exception as exc:  # a candidate the device cannot run: report, keep sweeping
-                ctx.progress(f"  tile sweep: {(Br, Bc, RM, TC, pf)} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                ctx.progress(f"  tile sweep: {(Br, Bc, TM, TX, pf)} failed: {type(exc).__name__}: {str(exc)[:160]}")
     del sets
 
 
