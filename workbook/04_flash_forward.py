@@ -6,6 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -62,6 +63,7 @@ from kernels.flash_forward import (
     flash_attention,
     flash_forward_numpy,
     io_model_bytes,
+    make_attend_query_tile,
     make_flash_forward,
     shared_bytes,
     tile_update,
@@ -218,19 +220,22 @@ for t in SWEEP_D128:
 # %% [markdown]
 # ## 3. The kernel, piece by piece
 #
-# The kernel comes from a cached factory, `make_flash_forward(Br, Bc, D, TM, TX)`, so that
-# every size is a compile-time constant: the per-thread arrays have constant sizes and
-# their loops unroll, which is what lets the compiler keep them in registers. D is the head
-# dimension rounded up to a power of two (d = 1..128 all work; the padding columns are
-# loaded as zeros and never stored). We print the kernel one section at a time.
+# Everything a block does for its query tile `Q_i` is one device function, `attend`, built by
+# a cached factory, `make_attend_query_tile(Br, Bc, D, TM, TX)`, so that every size is a
+# compile-time constant: the per-thread arrays have constant sizes and their loops unroll,
+# which is what lets the compiler keep them in registers. D is the head dimension rounded up
+# to a power of two (d = 1..128 all work; the padding columns are loaded as zeros and never
+# stored). The kernel itself, `make_flash_forward`, only decides which block takes which
+# query tile and how many K/V tiles it visits. Chapter 6 reuses `attend` unchanged with a
+# list of kept tiles. We print it one section at a time.
 
 # %%
-SOURCE = inspect.getsource(make_flash_forward).splitlines()
+SOURCE = (inspect.getsource(make_attend_query_tile) + inspect.getsource(make_flash_forward)).splitlines()
 
 
 def show(start, stop=None):
-    """Print the kernel's source from the line containing ``start`` up to (not including)
-    the next line containing ``stop`` (or the next section comment)."""
+    """Print the source from the line containing ``start`` up to (not including) the next
+    line containing ``stop`` (or the next section comment)."""
     i = next(n for n, line in enumerate(SOURCE) if start in line)
     j = i + 1
     while j < len(SOURCE):
@@ -241,28 +246,32 @@ def show(start, stop=None):
     print("\n".join(SOURCE[i:j]))
 
 
-show("def make_flash_forward", "def flash_forward(")
+show("def make_flash_forward")
 
 # %% [markdown]
-# **Setup and the Q tile.** Each block finds its (batch, head) in `blockIdx.y` and its query
-# tile in `blockIdx.x`. It copies `Q_i` into shared memory once, transposed, zero-padded past
-# Nq and past d. Indices into shared memory are unsigned: Numba checks every *signed* index for
-# a negative value (Python's `a[-1]`), which costs several integer instructions per load in
-# the hot loops.
+# **The grid.** Block (x, y) takes the query tile `Tr - 1 - x` of head y (the heaviest causal
+# tiles first). With causal masking (bottom-right: query r sees key c iff c <= r + Nk - Nq),
+# the last row of the tile sees keys up to `q0 + Br - 1 + Nk - Nq`; tiles past that are never
+# loaded, so the loop runs over `n_tiles` tiles, `every_tile` of them in order.
+#
+# **Setup and the Q tile.** The factory's constants and `load_kv`, then the start of
+# `attend`: it copies `Q_i` into shared memory once, transposed, zero-padded past Nq and past
+# d. Indices into shared memory are unsigned: Numba checks every *signed* index for a
+# negative value (Python's `a[-1]`), which costs several integer instructions per load in the
+# hot loops.
 
 # %%
-show("def flash_forward(", "# ---- on-chip state")
+show("def make_attend_query_tile", "def attend(")
+show("def attend(", "# ---- on-chip state")
 show("# ---- on-chip state")
 
 # %% [markdown]
-# **The loop bound.** With causal masking (bottom-right: query r sees key c iff
-# c <= r + Nk - Nq), the last row of the tile sees keys up to `q0 + Br - 1 + Nk - Nq`; tiles
-# past that are never loaded. Then, per K/V tile: `load_kv` (shown with the factory above)
-# brings this thread's part of `K_j` and `V_j` into registers, and the block stores them to
-# shared memory, `K_j` transposed, between two barriers.
+# **The loop over K/V tiles.** Per tile: `load_kv` brings this thread's part of `K_j` and
+# `V_j` into registers, and the block stores them to shared memory, `K_j` transposed,
+# between two barriers.
 
 # %%
-show("# ---- how many K/V tiles")
+show("# ---- the K/V tiles")
 show("# -- K_j (transposed) and V_j")
 
 # %% [markdown]
@@ -276,7 +285,9 @@ show("# -- mask")
 # %% [markdown]
 # **The online softmax**: the row max across the TX threads (shuffles), the rescale factor
 # `alpha = exp(scale (m - m'))` applied to `l` and to every accumulator, and `P` written to
-# shared memory for the second product:
+# shared memory for the second product. A row that has seen no key yet takes its exponents
+# against 0, so a masked score gives exactly 0 without a branch, and a NaN score (a NaN in
+# the inputs) gives a NaN P that reaches the output row, as it does in PyTorch:
 
 # %%
 show("# -- online softmax")
