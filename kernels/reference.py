@@ -17,6 +17,8 @@ Conventions, written once here:
 * A NaN or Inf in an input gives NaN (or Inf) in the outputs its arithmetic reaches, as
   PyTorch's math does: a query row only its own row; a key or value row every row whose
   product touches it (here that includes masked rows: 0 * NaN is NaN in ``P @ V``).
+  In softmax and logsumexp a row with a NaN or +inf is NaN throughout (x - max meets
+  inf - inf); -inf is a masked entry, and a row of all -inf gives zeros and L = -inf.
 * A block mask carries its own block size (``BlockMask``): flag [..., r, c] keeps the
   tile of queries [r*block_q, (r+1)*block_q) and keys [c*block_k, (c+1)*block_k).
 """
@@ -46,13 +48,14 @@ def matmul(a, b, *, dtype=np.float64):
 
 
 def logsumexp(x, axis=-1, *, dtype=np.float64):
-    """log(sum(exp(x))) along ``axis``, safely: -inf for an all -inf row."""
+    """log(sum(exp(x))) along ``axis``, safely: -inf for an all -inf row, NaN for a row with
+    a NaN or +inf (m + log(sum(exp(x - m))) with m = +inf meets inf - inf, as a kernel does)."""
     x = np.asarray(x, dtype=dtype)
     if x.shape[axis] == 0:  # nothing to sum: log(0)
         return np.full(np.delete(x.shape, axis % x.ndim), -np.inf, dtype=dtype)
     m = np.max(x, axis=axis, keepdims=True)
-    m_safe = np.where(np.isfinite(m), m, 0)
-    with np.errstate(divide="ignore"):
+    m_safe = np.where(m == -np.inf, 0, m)  # only an all -inf row is shifted by 0
+    with np.errstate(divide="ignore", invalid="ignore"):
         out = np.log(np.sum(np.exp(x - m_safe), axis=axis, keepdims=True)) + m_safe
     return np.squeeze(out, axis=axis)
 
@@ -64,11 +67,12 @@ def softmax(x, axis=-1, *, dtype=np.float64):
     if x.size == 0:
         return x.copy()
     m = np.max(x, axis=axis, keepdims=True)
-    m_safe = np.where(np.isfinite(m), m, 0)
-    e = np.exp(x - m_safe)
-    total = np.sum(e, axis=axis, keepdims=True)
-    # 0 / 0 only for a row of all -inf (zeros); a NaN (or +inf) in a row makes it NaN
-    return np.divide(e, total, out=np.zeros_like(e), where=total != 0)
+    m_safe = np.where(m == -np.inf, 0, m)  # a NaN or +inf max stays: x - m is NaN somewhere
+    with np.errstate(invalid="ignore"):
+        e = np.exp(x - m_safe)
+        total = np.sum(e, axis=axis, keepdims=True)
+        # 0 / 0 only for a row of all -inf (zeros); a NaN (or +inf) makes the whole row NaN
+        return np.divide(e, total, out=np.zeros_like(e), where=total != 0)
 
 
 def causal_mask(nq: int, nk: int) -> np.ndarray:

@@ -149,3 +149,23 @@ def test_empty_sequences(nq, nk):
     dq, dk, dv = ref.attention_backward(q, k, v, o, lse, do, causal=True)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert not np.isnan(dq).any() and np.all(dk == 0) and np.all(dv == 0)
+
+
+@given(rows=st.integers(1, 4), n=st.integers(1, 9), bad=st.sampled_from([np.nan, np.inf, -np.inf]),
+       seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from([np.float64, np.float32]))
+def test_nan_or_inf_in_a_row_reaches_that_row_only(rows, n, bad, seed, dtype):
+    """softmax and logsumexp: a NaN or +inf makes its row NaN throughout (as PyTorch's
+    softmax does), other rows are untouched; -inf is a masked entry, not an error."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, n)) * 3
+    clean_p, clean_l = ref.softmax(x, dtype=dtype), ref.logsumexp(x, dtype=dtype)
+    r, j = rng.integers(rows), rng.integers(n)
+    x[r, j] = bad
+    p, lse = ref.softmax(x, dtype=dtype), ref.logsumexp(x, dtype=dtype)
+    others = np.arange(rows) != r
+    assert np.array_equal(p[others], clean_p[others]) and np.array_equal(lse[others], clean_l[others])
+    if np.isneginf(bad):
+        assert p[r, j] == 0 and np.isfinite(p[r]).all()
+        assert np.isfinite(lse[r]) or n == 1 and lse[r] == -np.inf
+    else:
+        assert np.isnan(p[r]).all() and np.isnan(lse[r])
