@@ -6,6 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -50,7 +51,8 @@ import numpy as np
 import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
 from kernels import reference as ref
 from kernels import sparsity_patterns as sp
-from kernels.block_sparse import block_sparse_attention, io_model_bytes, make_forward, tile_lists
+from kernels.block_sparse import (block_sparse_attention, forward_tiles, io_model_bytes, listed_tile,
+                                  make_block_sparse_forward, tile_lists)
 from kernels.block_sparse_backward import (block_sparse_attention_backward, make_backward_dkdv,
                                            make_backward_dq)
 from kernels.base.runtime import device_name, on_simulator
@@ -177,8 +179,8 @@ plt.show()
 #
 # The kernel tiles (Br, Bc) must divide the mask's blocks: then each kernel tile lies in
 # one mask block and takes its flag. The launcher picks the largest power of two (up to its
-# production tile) that divides the mask block; explicit `block_m`/`block_n` that do not
-# divide it are refused with a `ValueError` naming `block_mask`.
+# production tile) that divides the mask block; explicit `tiles` (chapter 4's `Tiles`) that
+# do not divide it are refused with a `ValueError` naming `block_mask`.
 
 # %%
 m = sp.sliding_window(16, 16, block=4, window=1)
@@ -193,15 +195,15 @@ print("Br=2:", tile_lists(m, 16, 16, Br=2, Bc=4).row_ptr)
 # %% [markdown]
 # ## 4. The forward kernel
 #
-# It is chapter 4's register-tiled FlashAttention-2 kernel (Q tile outer, O in registers,
-# the same tiles: Br = 128, Bc = 64 at d = 64, 8 x 8 micro-tiles, 128 threads, 103 KB of
-# dynamic shared memory), with the same per-tile code: a sparse kernel that is slower per
-# tile than the dense one gives back part of what skipping tiles won. A block of
-# (Br/RM) x TC threads owns Br query rows; thread (ty, tx) owns RM rows, Bc/TC columns of
-# S and D/TC columns of O, in runs of 4 adjacent rows or columns. The one structural
-# change is the loop, over this row's list instead of range(Tc); the blocks take their
-# query tiles longest list first (`row_order`). The next kept K/V tile is loaded into
-# registers while the current one is computed on, its column index read one step ahead:
+# Nothing of chapter 4's per-tile work is written again. Chapter 4 wrote everything a block
+# does for its query tile as one device function, `attend` (from
+# `make_attend_query_tile(Br, Bc, D, TM, TX, prefetch, tile_of)`): load `Q_i`, then for each
+# K/V tile load `K_j`, `V_j`, compute `S`, mask, update (m, l, O), add `P V_j`, and finally
+# write `O / l` and `L`. Which K/V tiles it visits is its last parameter, `tile_of(walk, t)`:
+# chapter 4 passes `every_tile` (tile t is tile t), this chapter passes `listed_tile` (tile
+# t is entry t of the compact list). So the new kernel is only the walk: a block finds its
+# query tile (longest list first, `row_order`) and the slice of `col_idx` that lists its
+# kept K/V tiles, and hands both to chapter 4's `attend`:
 
 # %%
 def show(fn, first, last, more=0):
@@ -213,53 +215,19 @@ def show(fn, first, last, more=0):
     print("\n".join(lines[i:j + 1 + more]))
 
 
-show(make_forward, "# The inner loop walks", "if prefetch and it + 1 < end:", more=1)
+print(inspect.getsource(listed_tile))
+show(make_block_sparse_forward, "attend = make_attend_query_tile", "return block_sparse_forward")
 
 # %% [markdown]
-# The copies themselves (`load_kv`) have no branch around a load: each thread reads fixed
-# columns of fixed rows, its addresses clamped into the matrix and the values zeroed
-# afterwards where they fall outside (ragged N, padded d). All of a thread's loads are
-# then in flight at once; a guarded load (`if row < N: x = k[row, col]`) would wait for
-# each in turn.
+# With every tile kept and the same tiles, the result is chapter 4's bit for bit (a test
+# checks it); with a fraction rho of the tiles kept, a block does rho of the work. The tiles
+# are chapter 4's, shrunk to divide the mask's blocks: at d = 64 and 128 x 128 mask blocks,
+# Br = 128, Bc = 64, 8 x 8 micro-tiles, 128 threads (chapter 4's default Br = 256 would
+# straddle two mask blocks). fp16 inputs work as in chapter 4.
 
 # %%
-show(make_forward, "def load_kv", "vr[rr * (D // CW) + cc] = vx")
-
-# %% [markdown]
-# The tile's scores. Q and K are stored transposed in shared memory, their rows padded
-# to a multiple of 4 floats (every row starts 16-byte aligned, and the transposing stores
-# still hit 32 different banks); at each step dd a thread reads its RM rows of Qt and its
-# CN columns of Kt in runs of 4 adjacent words, one 16-byte load a run, and does RM x CN
-# FMAs from registers. S stays the raw dot products; the scale goes into the exponent:
-
-# %%
-show(make_forward, "# S = Q K^T (raw", "kb += uint64(KS)")
-
-# %% [markdown]
-# Masking and the online softmax. Only the tiles that the ragged end of K or the causal
-# diagonal cross are masked. Masked scores become -1e30, a *finite* sentinel (fastmath
-# lets the compiler assume there are no infinities); the running max starts there too, and
-# a row whose max is still the sentinel has seen no key, so its P is 0 by a branch. The
-# row max is combined across the TC threads of a row by `row_max`: warp shuffles on a GPU,
-# shared memory in the simulator (which has no shuffles); the row sum l only once, at the
-# end. P = exp2((S - m) scale log2 e): the difference first (exact when S is close to m),
-# then one multiply, then the hardware's ex2. P goes to shared memory, transposed, for
-# O += P V:
-
-# %%
-show(make_forward, "# Mask, only in the tiles", "smem[pt + uint64(")
-
-# %%
-from kernels.block_sparse import _make_row_reductions
-
-show(_make_row_reductions, "if not on_simulator():", "return row_max, row_sum")
-
-# %% [markdown]
-# The end: a row whose l stayed 0 (no kept tile, or every score masked) writes O = 0 and
-# L = -inf; never 0/0.
-
-# %%
-show(make_forward, "# l: the sum over", "lse[bh, qi] = lse_row")
+# (tiles, padded head dim) the launcher picks for d = 64 and 128 x 128 blocks (the simulator's tiles are tiny)
+print(forward_tiles(64, sp.dense(256, 256, block=128)))
 
 # %% [markdown]
 # ### Check against the oracle
