@@ -72,8 +72,9 @@ def main(only):
                                            rand(rng, b, h, nq, d), causal=causal)
         ran.append("flash_backward")
     if want("block_sparse") and (m := have("block_sparse")):
-        from kernels.reference import BlockMask
+        from kernels.base.masks import BlockMask
 
+        backward = have("block_sparse_backward")
         for b, h, nq, nk, d in shapes[:3]:
             bq = bk = 64
             flags = rng.random((h, -(-nq // bq), -(-nk // bk))) < 0.5
@@ -81,9 +82,10 @@ def main(only):
             q, k, v = rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d)
             for causal in (False, True):
                 o, lse = m.block_sparse_attention(q, k, v, mask, causal=causal)
-                for dq_mode in ("atomic", "separate"):
-                    m.block_sparse_attention_backward(q, k, v, o, lse, rand(rng, b, h, nq, d), mask, causal=causal,
-                                                      dq_mode=dq_mode)
+                m.block_sparse_attention(*(x.astype(np.float16) for x in (q, k, v)), mask, causal=causal)
+                for dq_mode in ("atomic", "separate") if backward else ():
+                    backward.block_sparse_attention_backward(q, k, v, o, lse, rand(rng, b, h, nq, d), mask,
+                                                             causal=causal, dq_mode=dq_mode)
         ran.append("block_sparse")
     print("ran:", ", ".join(ran))
 
