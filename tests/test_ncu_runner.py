@@ -17,6 +17,7 @@ from kernels.bench import ncu
 from kernels.bench.harness import read_csv
 
 ROOT = Path(__file__).resolve().parents[1]
+RECORDED = Path(__file__).resolve().parent / "ncu_recorded"     # real ncu --csv output, H100, ncu 2025.3
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
           '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
 
@@ -259,3 +260,42 @@ def test_peer_pipes_profile_writes_the_pipes_table(fake_ncu, tmp_path):
     _, rows = read_csv(tmp_path / "sdpa_pipes.csv")
     assert len(rows) == 1 and rows[0]["median_ms"] == pytest.approx(8.1)
     assert "tensor_inst=402653184.0" in rows[0]["extra"]
+
+
+@pytest.mark.parametrize("case", ["bwd-atomic", "bwd-separate", "bs-fwd-1", "bs-fwd-0.125", "bs-bwd-1", "bs-bwd-0.125"])
+def test_every_traffic_case_has_its_model(case):
+    from kernels.bench import traffic
+
+    fn, chapter, what, model = traffic._case(case, build=False)
+    assert fn is None and chapter in (5, 6) and what and model > 0
+
+
+# --------------------------------------------------------------------------- recorded on an H100
+
+def test_recorded_naive_run_matches_the_io_model(fake_ncu, tmp_path):
+    fake_ncu((RECORDED / "naive_h100.csv").read_text())
+    out = tmp_path / "naive_attention_dram.csv"
+    proc = subprocess.run([sys.executable, ".ci/ncu_dram.py", "profile", str(out)], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    _, rows = read_csv(out)
+    assert len(rows) == 4
+    for r in rows:
+        measured = float(r["extra"].split("dram_total_bytes=")[1].split(";")[0])
+        assert 0.95 < measured / r["model_bytes"] < 1.05, r
+
+
+def test_recorded_backward_and_pipes_runs_tabulate(fake_ncu, tmp_path):
+    fake_ncu((RECORDED / "bwd-atomic_h100.csv").read_text(), l2=True)
+    proc = subprocess.run([sys.executable, "-m", "kernels.bench.traffic", "profile", "bwd-atomic", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    _, rows = read_csv(tmp_path / "flash_backward_dram.csv")
+    assert len(rows) == 1 and "2 kernels" in rows[0]["note"] and "delta:" in rows[0]["extra"]
+    fake_ncu((RECORDED / "sdpa_h100.csv").read_text())
+    proc = subprocess.run([sys.executable, "-m", "kernels.bench.peer_pipes", "profile", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    _, rows = read_csv(tmp_path / "sdpa_pipes.csv")
+    assert len(rows) == 4 and all(5 < r["median_ms"] < 50 for r in rows)          # ncu printed ns
+    assert all("tf32_flops_over_attention_flops=3.0" in r["extra"] for r in rows)

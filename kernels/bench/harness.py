@@ -237,7 +237,8 @@ def read_csv(path):
 # Nsight Compute's units: byte sizes to bytes, L2 sectors (32 B) to bytes, durations to
 # nanoseconds (ncu scales both to the value's size); other units (inst, cycle, ...) are kept.
 NCU_UNITS = {"byte": 1, "B": 1, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9, "GB": 1e9,
-             "Tbyte": 1e12, "sector": 32, "nsecond": 1, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
+             "Tbyte": 1e12, "sector": 32, "nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6,
+             "ms": 1e6, "second": 1e9, "s": 1e9}
 
 
 def read_ncu(path) -> list[dict]:

@@ -70,19 +70,19 @@ def _case(name, build=True):
     if not match:
         raise SystemExit(f"unknown case {name!r}: bwd-atomic, bwd-separate, bs-fwd-RHO, bs-bwd-RHO")
     from kernels.bench.block_sparse import _mask
-    from kernels.block_sparse import block_sparse_attention, forward_config, tile_lists
+    from kernels.block_sparse import block_sparse_attention, forward_tiles, tile_lists
     from kernels.block_sparse import io_model_bytes as sparse_forward_model
     from kernels.block_sparse_backward import backward_config, block_sparse_attention_backward
     from kernels.block_sparse_backward import io_model_bytes as sparse_backward_model
 
     part, density = match.group(1), float(match.group(2))
     mask = _mask(n, BLOCK, density)
-    fcfg = forward_config(d, mask)
-    flists = tile_lists(mask, n, n, Br=fcfg.Br, Bc=fcfg.Bc, batch=b, heads=h)
+    ftiles, _ = forward_tiles(d, mask)
+    flists = tile_lists(mask, n, n, Br=ftiles.Br, Bc=ftiles.Bc, batch=b, heads=h)
     if part == "fwd":
         fn = (lambda: block_sparse_attention(q, k, v, mask, lists=flists)) if build else None
         return (fn, 6, f"block-sparse forward, density {density:g}",
-                sparse_forward_model(b, h, n, n, d, Br=fcfg.Br, rho=flists.kept_fraction))
+                sparse_forward_model(b, h, n, n, d, Br=ftiles.Br, rho=flists.kept_fraction))
     cfg = backward_config(d, mask)
     lists = tile_lists(mask, n, n, Br=cfg.Br, Bc=cfg.Bc, batch=b, heads=h)
     fn = None
