@@ -166,14 +166,22 @@ def test_chapter_4_model_is_the_fused_forward():
 
 
 def test_chapter_5_model_is_the_fused_backward():
+    import inspect
+
     from kernels.flash_backward import default_tiles, io_model_bytes, standard_backward_bytes
 
+    takes_kept = "kept" in inspect.signature(io_model_bytes).parameters
     for (b, h, nq, nk, d), mode, causal in itertools.product(SHAPES, io.DQ_MODES, [False, True]):
         if d not in (16, 32, 64, 128):
             continue
         t = default_tiles(d)
+        # the dK/dV kernel's key tile and the dQ kernel's query tile (named Bc, dq_Br; before: block_k, dq_block_q)
+        bc, br = getattr(t, "Bc", None) or t.block_k, getattr(t, "dq_Br", None) or t.dq_block_q
         assert io_model_bytes(b, h, nq, nk, d, dq_mode=mode, causal=causal) == \
-            io.fused_backward_bytes(b, h, nq, nk, d, Bc=t.block_k, Br=t.dq_block_q, dq_mode=mode, causal=causal)
+            io.fused_backward_bytes(b, h, nq, nk, d, Bc=bc, Br=br, dq_mode=mode, causal=causal)
+        if takes_kept:
+            assert io_model_bytes(b, h, nq, nk, d, dq_mode=mode, kept=0.3) == \
+                io.fused_backward_bytes(b, h, nq, nk, d, Bc=bc, Br=br, dq_mode=mode, kept=0.3)
     for b, h, n, _, d in SHAPES:
         assert standard_backward_bytes(b, h, n, d) == io.standard_backward_bytes(b, h, n, d)
 

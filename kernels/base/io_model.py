@@ -166,7 +166,7 @@ def compulsory_forward_bytes(B: int, H: int, nq: int, nk: int, d: int, *, itemsi
 # --------------------------------------------------------------------------- fused backward (chapter 5)
 
 def fused_backward_elements(nq: int, nk: int, d: int, *, Bc: int, Br: int | None = None,
-                            dq_mode: str = "atomic", causal: bool = False) -> float:
+                            dq_mode: str = "atomic", causal: bool = False, kept: float | None = None) -> float:
     """Elements chapter 5's three kernels move, a head.
 
     D = rowsum(dO o O): reads O, dO, writes D (2 Nq d + Nq). dK/dV, K/V tile outer: reads
@@ -174,12 +174,14 @@ def fused_backward_elements(nq: int, nk: int, d: int, *, Bc: int, Br: int | None
     L, D (2 Nq d + 2 Nq). dQ, ``"atomic"``: each key tile reads and writes dQ (2 Nq d) and
     a pre-pass clears it (Nq d); ``"separate"``: a dQ kernel reads Q, dO, L, D once and
     writes dQ (3 Nq d + 2 Nq), and each of its ceil(Nq/Br) query tiles streams K, V
-    (2 Nk d). Causal halves the streams. With Nq = Nk = N, atomic dQ is the table's
-    6Nd + N + ceil(N/Bc)(4Nd + 2N) plus the Nd of the clearing pass.
+    (2 Nk d). ``kept``: the fraction of the tiles the kernels visit, which scales the
+    streams (default: 1/2 causal, 1 otherwise; a block mask's kept fraction). With
+    Nq = Nk = N, atomic dQ is the table's 6Nd + N + ceil(N/Bc)(4Nd + 2N) plus the Nd of the
+    clearing pass.
     """
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode: expected one of {DQ_MODES}, got {dq_mode!r}")
-    half = 0.5 if causal else 1.0
+    half = (0.5 if causal else 1.0) if kept is None else kept
     tc = _cdiv(nk, Bc)
     elems = 2 * nq * d + nq + 4 * nk * d + half * tc * (2 * nq * d + 2 * nq)
     if dq_mode == "atomic":
@@ -190,9 +192,10 @@ def fused_backward_elements(nq: int, nk: int, d: int, *, Bc: int, Br: int | None
 
 
 def fused_backward_bytes(B: int, H: int, nq: int, nk: int, d: int, *, Bc: int, Br: int | None = None,
-                         dq_mode: str = "atomic", causal: bool = False, itemsize: int = 4) -> float:
+                         dq_mode: str = "atomic", causal: bool = False, itemsize: int = 4,
+                         kept: float | None = None) -> float:
     """HBM bytes of chapter 5's backward for B x H heads (``fused_backward_elements``)."""
-    return float(fused_backward_elements(nq, nk, d, Bc=Bc, Br=Br, dq_mode=dq_mode, causal=causal)) \
+    return float(fused_backward_elements(nq, nk, d, Bc=Bc, Br=Br, dq_mode=dq_mode, causal=causal, kept=kept)) \
         * B * H * itemsize
 
 
