@@ -150,10 +150,9 @@ def test_missing_ncu_is_named_before_anything_runs(monkeypatch, tmp_path):
 def test_profile_runs_the_function_in_a_child_and_parses_the_launches(fake_ncu, tmp_path):
     log = fake_ncu(NAIVE_CSV, exec=True)
     (tmp_path / "case_mod.py").write_text(textwrap.dedent('''
-        import sys
         def case(path, word):
             open(path, "w").write(word)
-            print('"not a CSV row of ncu, but quoted"' if False else "the case ran")
+            print("the case ran")
     '''))
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     raw = tmp_path / "raw" / "ncu_case.csv"
