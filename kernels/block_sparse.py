@@ -38,6 +38,7 @@ import numpy as np
 from numba import cuda, int32, uint64
 
 from kernels.base.fused import FASTMATH, MAX_GRID_Y, Tiles, check_tiles_type, padded_head_dim
+from kernels.base.io_model import block_sparse_forward_bytes
 from kernels.base.masks import BlockMask
 from kernels.base.runtime import (ArrayKind, cdiv, check_flag, check_qkv, check_scale, device_empty,
                                   on_simulator, to_device)
@@ -243,7 +244,7 @@ def io_model_bytes(b, h, nq, nk, d, *, Br, rho, in_bytes=4):
     """HBM bytes of the forward by the IO model (``kernels/base/io_model.py``): per head, Q
     read and O written once (2 Nq d), L written (Nq), and K, V read once for every kept
     tile: 2 Nk d ceil(Nq/Br) rho, where rho is the kept fraction of the Tr x Tc tiles."""
-    return float(b * h * in_bytes * (2 * nq * d + nq + 2 * nk * d * cdiv(nq, Br) * rho))
+    return block_sparse_forward_bytes(b, h, nq, nk, d, Br=Br, rho=rho, itemsize=in_bytes)
 
 
 # --------------------------------------------------------------------------- the launcher

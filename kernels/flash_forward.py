@@ -104,6 +104,7 @@ from kernels.base.fused import (
     padded_head_dim,
     run_length,
 )
+from kernels.base.io_model import fused_forward_bytes
 from kernels.base.runtime import (
     ArrayKind,
     cdiv,
@@ -583,19 +584,15 @@ def flash_attention(q, k, v, *, causal=False, scale=None, tiles: Tiles | None = 
 
 def io_model_bytes(B: int, H: int, n_q: int, n_k: int, d: int, *, Br: int, Bc: int = 64,
                    causal: bool = False, in_bytes: int = 4) -> int:
-    """HBM bytes the fused forward moves with no L2 reuse (PERF.md's IO model, Q tile outer).
+    """HBM bytes the fused forward moves with no L2 reuse (Q tile outer): the course's IO
+    model, ``kernels.base.io_model.fused_forward_bytes``.
 
     A head reads Q once (Nq d), writes O (Nq d, float32) and L (Nq, float32), and every one
     of its ceil(Nq / Br) query tiles reads the K and V rows it needs: 2 Nk d each without
     causal masking, so 2 Nq d + Nq + 2 Nk d ceil(Nq / Br) elements. Inputs are ``in_bytes``
     an element (4 for float32, 2 for float16), the outputs float32.
     """
-    kv_rows = 0                  # K/V rows read from HBM by all query tiles of a head
-    for q0 in range(0, n_q, Br):
-        kv_end = min(n_k, q0 + Br + n_k - n_q) if causal else n_k
-        kv_rows += min(n_k, cdiv(max(kv_end, 0), Bc) * Bc)
-    per_head = n_q * d * in_bytes + n_q * d * 4 + n_q * 4 + 2 * kv_rows * d * in_bytes
-    return B * H * per_head
+    return fused_forward_bytes(B, H, n_q, n_k, d, Br=Br, Bc=Bc, causal=causal, itemsize=in_bytes)
 
 
 # --------------------------------------------------------------------------- PTX check

@@ -5,6 +5,7 @@
     masks          the block mask (chapter 6's input type, shared with the oracle)
     fused          what the fused kernels of chapters 4, 5, 6 share: the tile type,
                    row reductions across a row's threads, run lengths, numeric constants
+    io_model       the IO models of every chapter and the measured ceilings (from the committed results)
     testing        the tolerance rule, Hypothesis strategies, the exercise checker
     ptx_check      compiles every chapter's kernels for sm_90 (no GPU needed)
 
