@@ -32,11 +32,16 @@ The kernels, written for the H100 but kept plain (chapter 2 makes matmuls fast):
   shared memory, TM x TN outputs a thread. With causal, key tiles entirely past the
   diagonal are skipped (P is 0 there).
 
-Floating point: the kernels use ``fastmath=True`` (fast exp/log, FMA contraction). Under
-fast math the compiler may assume no value is infinite, so no kernel compares with or
-computes from an infinity constant: the row max starts at the lowest finite float32, a row
-whose max stays there is a fully masked row (P = 0, L = -inf are stored as constants), and
-exp(-inf - m) is only ever evaluated for a finite m (it is 0 in hardware).
+Floating point: the kernels use ``fastmath=FASTMATH`` (``kernels.base.fused``): fast exp and
+log, FMA contraction, reassociation, but not the two flags that let the compiler assume no
+value is NaN or infinite. -inf is a real value here (a masked score), and a NaN or Inf in
+an input must reach the outputs its arithmetic reaches, as PyTorch's math does
+(``kernels.reference``): a NaN in row i of Q makes row i of S, P, O and L NaN and nothing
+else; a NaN in row j of K every row that may attend key j; an Inf gives scores of +-inf,
+and a row with a +inf score is NaN (inf - inf), while -inf scores are simply masked keys.
+The row max is taken with ``nan_max`` (Numba's ``max`` drops a NaN argument); a row whose
+max is -inf is a fully masked row: P = 0, L = -inf, and exp(-inf - m) is never formed with
+m = -inf.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
+from kernels.base import io_model
+from kernels.base.fused import FASTMATH, nan_max
 from kernels.base.runtime import (
     ArrayKind,
     cdiv,
@@ -81,8 +88,6 @@ __all__ = [
 
 MAX_HEAD_DIM = 128
 NEG_INF = float32(-math.inf)
-# The lowest finite float32: the start value of a running max (see the module docstring).
-LOWEST = float32(-3.4028234663852886e38)
 SHARED_LIMIT_BYTES = 48 * 1024
 
 
@@ -163,13 +168,11 @@ def check_tiles(tiles) -> Tiles:
 def io_model_elements(nq: int, nk: int, d: int) -> dict:
     """Elements each kernel reads + writes in HBM, per head (each input read once).
 
-    With Nq = Nk = N the total is 4Nd + 4N^2 (PERF.md), plus Nq for the logsumexp L.
+    With Nq = Nk = N the total is 4Nd + 4N^2, plus Nq for the logsumexp L: the course's IO
+    model of the standard forward, ``kernels.base.io_model.standard_forward_elements``
+    (tests/test_naive_attention.py counts the elements these kernels touch against it).
     """
-    return {
-        "scores": nq * d + nk * d + nq * nk,          # read Q, K; write S
-        "row_softmax": 2 * nq * nk + nq,              # read S; write P and L
-        "weighted_sum": nq * nk + nk * d + nq * d,    # read P, V; write O
-    }
+    return io_model.standard_forward_elements(nq, nk, d)
 
 
 def io_model_bytes(b: int, h: int, nq: int, nk: int, d: int, *, bytes_per_element: int = 4) -> dict:
@@ -193,7 +196,7 @@ def make_scores(br: int, bc: int, bk: int, tm: int, tn: int):
     NT = RS * CS
     BKP = bk + 1           # padded shared rows: a warp's reads hit distinct banks
 
-    @cuda.jit(fastmath=True)
+    @cuda.jit(fastmath=FASTMATH)
     def scores_kernel(q, k, s, scale, causal):
         nq = s.shape[1]
         nk = s.shape[2]
@@ -278,7 +281,7 @@ def make_row_softmax(threads: int, regs: int):
 
     Launch: grid (Nq, B*H), block T; arguments s (BH, Nq, Nk), p (BH, Nq, Nk), lse (BH, Nq).
     Writes P = exp(S - m) / l and L = m + log(l), with m the row max and l = sum exp(S - m);
-    a row with no finite entry gets P = 0 and L = -inf.
+    a row of all -inf gets P = 0 and L = -inf, a row with a NaN or +inf gets NaN.
 
     A row of at most R*T entries (R = ``regs``) is read once into registers (thread t
     holds entries t, t + T, ..., t + (R-1)T: each load is a coalesced sweep of the row), so
@@ -288,7 +291,7 @@ def make_row_softmax(threads: int, regs: int):
     T = threads
     R = regs
 
-    @cuda.jit(fastmath=True)
+    @cuda.jit(fastmath=FASTMATH)
     def row_softmax_kernel(s, p, lse):
         nk = s.shape[2]
         i = cuda.blockIdx.x
@@ -300,31 +303,27 @@ def make_row_softmax(threads: int, regs: int):
         in_registers = nk <= R * T             # the same for the whole block
 
         # m = max_j S[i, j]: a per-thread max, then a tree reduction in shared memory.
-        m = LOWEST
+        # nan_max: a NaN in the row makes m NaN (and with it P and L), never drops out.
+        m = NEG_INF
         if in_registers:
             for u in range(R):
                 j = tid + u * T
-                x[u] = s[bh, i, j] if j < nk else LOWEST
-                if x[u] > m:
-                    m = x[u]
+                x[u] = s[bh, i, j] if j < nk else NEG_INF
+                m = nan_max(m, x[u])
         else:
             for j in range(tid, nk, T):
-                xj = s[bh, i, j]
-                if xj > m:
-                    m = xj
+                m = nan_max(m, s[bh, i, j])
         red_m[tid] = m
         cuda.syncthreads()
         stride = T // 2
         while stride > 0:
             if tid < stride:
-                other = red_m[tid + stride]
-                if other > red_m[tid]:
-                    red_m[tid] = other
+                red_m[tid] = nan_max(red_m[tid], red_m[tid + stride])
             cuda.syncthreads()
             stride //= 2
         m = red_m[0]
 
-        if m <= LOWEST:
+        if m == NEG_INF:
             # Nothing to attend to (every entry -inf, or Nk = 0): P = 0, L = -inf.
             for j in range(tid, nk, T):
                 p[bh, i, j] = float32(0)
@@ -395,7 +394,7 @@ def make_weighted_sum(br: int, bd: int, bk: int, tm: int, tn: int):
     NT = RS * CS
     BKP = bk + 1
 
-    @cuda.jit(fastmath=True)
+    @cuda.jit(fastmath=FASTMATH)
     def weighted_sum_kernel(p, v, o, causal):
         nq = p.shape[1]
         nk = p.shape[2]

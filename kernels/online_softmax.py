@@ -32,7 +32,11 @@ The kernel (``make_row_softmax``)
     pass for free; the flash chapters save exactly this L.
 
 -inf is a legal input (a masked logit). The state (-inf, 0) means "nothing seen yet", and
-no exp(-inf - (-inf)) is ever formed: a row of all -inf gives p = 0 and L = -inf.
+no exp(-inf - (-inf)) is ever formed: a row of all -inf gives p = 0 and L = -inf. A NaN or
++inf is not: it makes its row's p and L NaN (+inf - +inf is NaN), and only its row, as
+PyTorch's softmax does (``kernels.reference``). Every max propagates NaN (``nan_max`` on
+the device; NumPy's ``max``/``maximum`` do), and a row is empty when l == 0, not when
+"not l > 0" (that would call a NaN row empty).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
+from kernels.base.fused import FASTMATH, nan_max
 from kernels.base.runtime import ArrayKind, cdiv, check_array, check_flag, device_empty, on_simulator, to_device
 
 __all__ = [
@@ -76,7 +81,7 @@ def softmax_3pass(x):
     e = np.exp(x - _safe(m))
     l = np.sum(e, axis=-1, keepdims=True)            # pass 2: read x (e is recomputed on a GPU)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(l > 0, np.exp(x - _safe(m)) / l, 0.0).astype(x.dtype)  # pass 3: read x, write p
+        return np.where(l != 0, np.exp(x - _safe(m)) / l, 0.0).astype(x.dtype)  # pass 3: read x, write p
 
 
 def online_state(x):
@@ -103,7 +108,7 @@ def softmax_2pass(x):
     m, l = online_state(x)                           # pass 1: read x
     m, l = m[..., None], l[..., None]
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(l > 0, np.exp(x - _safe(m)) / l, 0.0).astype(x.dtype)  # pass 2: read x, write p
+        return np.where(l != 0, np.exp(x - _safe(m)) / l, 0.0).astype(x.dtype)  # pass 2: read x, write p
 
 
 IDENTITY = (-np.inf, 0.0)
@@ -128,7 +133,7 @@ def logsumexp_of(state):
     """L = m + log l, -inf for the empty state."""
     m, l = state
     with np.errstate(divide="ignore"):
-        return np.where(l > 0, _safe(m) + np.log(np.where(l > 0, l, 1.0)), -np.inf)
+        return np.where(l != 0, _safe(m) + np.log(np.where(l != 0, l, 1.0)), -np.inf)
 
 
 def attend_1pass(x, v):
@@ -151,7 +156,7 @@ def attend_1pass(x, v):
         o = o * alpha[..., None] + pj[..., None] * v[j]
         m = m_new
     with np.errstate(invalid="ignore", divide="ignore"):
-        o = np.where(l[..., None] > 0, o / np.where(l > 0, l, 1.0)[..., None], 0.0)
+        o = np.where(l[..., None] != 0, o / np.where(l != 0, l, 1.0)[..., None], 0.0)
     return o, logsumexp_of((m, l))
 
 
@@ -169,15 +174,16 @@ else:
     @cuda.jit(device=True, inline=True)
     def _syncwarp():
         cuda.syncwarp()
-# No nnan/ninf: -inf is a real input here (masked logits), so the compiler must not assume
-# it away. "afn" still gives the fast exp (ex2.approx), the rest the usual fast-math freedoms.
-_FASTMATH = {"nsz", "arcp", "contract", "afn"}
+# FASTMATH has no nnan/ninf: -inf is a real input here (masked logits) and a NaN must reach
+# its row, so the compiler may not assume them away. "afn" still gives the fast exp
+# (ex2.approx), the rest the usual fast-math freedoms. Every max is ``nan_max``: Numba's
+# ``max`` drops a NaN argument, and a NaN row would come out finite.
 
 
-@cuda.jit(device=True, inline=True, fastmath=_FASTMATH)
+@cuda.jit(device=True, inline=True, fastmath=FASTMATH)
 def merge_state(m1, l1, m2, l2):
     """merge((m1, l1), (m2, l2)) on the device: the same operator as ``merge``."""
-    m = max(m1, m2)
+    m = nan_max(m1, m2)
     if m == _NEG_INF:                                # both pieces empty (or all -inf)
         return m, float32(0.0)
     return m, l1 * math.exp(m1 - m) + l2 * math.exp(m2 - m)
@@ -193,7 +199,7 @@ def make_row_softmax(tpr: int, rpb: int, k: int):
     NT = TPR * RPB                                   # threads a block
     CHUNK = int32(TPR * K)                           # elements a row-sweep step covers
 
-    @cuda.jit(fastmath=_FASTMATH)
+    @cuda.jit(fastmath=FASTMATH)
     def row_softmax(x, p, lse):
         sm_m = cuda.shared.array(NT, float32)        # one (m, l) state a thread, for the tree
         sm_l = cuda.shared.array(NT, float32)
@@ -218,8 +224,8 @@ def make_row_softmax(tpr: int, rpb: int, k: int):
                 j = base + t + int32(i * TPR)
                 v = x[r, j] if (valid and j < n) else _NEG_INF
                 xr[i] = v
-                mc = max(mc, v)
-            m_new = max(m, mc)
+                mc = nan_max(mc, v)
+            m_new = nan_max(m, mc)
             if m_new != _NEG_INF:                    # else: nothing but -inf so far, state stays (-inf, 0)
                 lc = float32(0.0)
                 for i in range(K):
@@ -246,15 +252,17 @@ def make_row_softmax(tpr: int, rpb: int, k: int):
         m = sm_m[rib * TPR]
         l = sm_l[rib * TPR]
 
-        # ---- pass 2: p = exp(x - m) / l (a row of all -inf has l = 0: p = 0)
-        if l > float32(0.0):
-            inv_l = float32(1.0) / l
-        else:
+        # ---- pass 2: p = exp(x - m) / l (a row of all -inf has l = 0: p = 0; a row with a
+        # NaN or +inf has l = NaN: p = NaN, L = NaN)
+        empty = l == float32(0.0)
+        if empty:
             inv_l = float32(0.0)
             m = float32(0.0)                          # x - m stays -inf, never NaN
+        else:
+            inv_l = float32(1.0) / l
         if valid:
             if t == 0:
-                lse[r] = m + math.log(l) if l > float32(0.0) else _NEG_INF
+                lse[r] = _NEG_INF if empty else m + math.log(l)
             one_chunk = n <= CHUNK
             base = int32(0)
             while base < n:

@@ -7,15 +7,26 @@ Profiles (``HYPOTHESIS_PROFILE`` picks one; the default follows the device):
   ci   simulator, few examples, no deadline: what CI runs on a machine with no GPU
   dev  more examples, for working on a chapter
   gpu  the real device, hundreds of examples, production tile sizes
+  mutants  what tests/test_planted_bugs.py runs a mutant's tests with: a fixed, derandomized
+       set of examples and no shrinking (a caught mutant needs one failure, not the smallest)
+
+``WORKBOOK_MUTANT=<id>`` plants one of the bugs of ``tests/mutants.py`` before anything
+imports the kernels: the named kernel module is loaded from its source with the mutant's
+snippets replaced.
 """
 
 import os
 import sys
 
+if os.environ.get("WORKBOOK_MUTANT"):
+    import mutants  # tests/mutants.py (pytest puts tests/ on sys.path for this conftest)
+
+    mutants.install(os.environ["WORKBOOK_MUTANT"])
+
 import kernels  # noqa: F401  (GPU-or-simulator switch, before Numba)
 from kernels.base.runtime import on_simulator
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # Simulated threads are Python threads; switching between them more often makes
 # simulated barriers several times faster.
@@ -25,10 +36,14 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 settings.register_profile("ci", max_examples=8, derandomize=True, print_blob=True, **_common)
 settings.register_profile("dev", max_examples=40, print_blob=True, **_common)
 settings.register_profile("gpu", max_examples=300, print_blob=True, **_common)
+settings.register_profile("mutants", max_examples=25, derandomize=True, database=None, print_blob=False,
+                          phases=(Phase.explicit, Phase.generate), report_multiple_bugs=False, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if on_simulator() else "gpu"))
 
 
 def pytest_report_header(config):
     from kernels.base.runtime import device_name
 
-    return f"workbook device: {device_name()}; hypothesis profile: {settings._current_profile}"
+    mutant = os.environ.get("WORKBOOK_MUTANT")
+    planted = f"; planted bug: {mutant}" if mutant else ""
+    return f"workbook device: {device_name()}; hypothesis profile: {settings._current_profile}{planted}"

@@ -2,12 +2,15 @@
 
 Every intermediate is checked, not only O: S = scale * Q K^T with -inf where the causal
 mask forbids, P = softmax(S) with zero rows where nothing may be attended to, the
-logsumexp L, and O = P V. Tolerance: ``assert_close`` (twice the float32 NumPy error).
+logsumexp L, and O = P V. Tolerance: ``assert_close`` (twice the float32 NumPy error plus
+the element-by-element floors of ``attention_floors``: tight enough that a kernel whose
+error grows 4x fails, see tests/test_planted_bugs.py). A NaN or Inf planted in an input
+reaches exactly the outputs the oracle's arithmetic reaches.
 """
 
 import numpy as np
 import pytest
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from kernels import reference as ref
 from kernels.naive_attention import (
@@ -21,7 +24,15 @@ from kernels.naive_attention import (
     weighted_sum,
 )
 from kernels.base.runtime import on_simulator, to_device
-from kernels.base.testing import MAX_N, assert_close, attention_cases, case_with, forward_floor_scales
+from kernels.base.testing import (
+    MAX_N,
+    assert_close,
+    attention_cases,
+    attention_floors,
+    case_with,
+    counting_launches,
+    softmax_floors,
+)
 
 # Tiles the tests draw: small ones in the simulator (ragged N crosses several tiles),
 # the production ones and a few others on the GPU. Rows longer than
@@ -61,32 +72,33 @@ def oracle_scores(q, k, causal, scale, dtype=np.float64):
 @example(case=case_with((1, 1, 1, 1), (1, 1, 1, 1)), tiles=TILE_CHOICES[0])                   # N = 1, d = 1
 @example(case=case_with((1, 2, 33, 7), (1, 2, 17, 7), causal=True), tiles=TILE_CHOICES[0])     # one past a tile, Nq > Nk: masked rows
 @example(case=case_with((2, 1, 9, 5), (2, 1, 40, 5), causal=True, scale=0.7), tiles=TILE_CHOICES[1])  # Nq < Nk causal, odd d
+@example(case=case_with((1, 1, 20, 16), (1, 1, 20, 16), logit_std=100.0), tiles=TILE_CHOICES[0])  # exp(300) overflows
 @example(case=case_with((1, 1, 20, 16), (1, 1, 20, 16), magnitude=30.0, scale=2.0), tiles=TILE_CHOICES[1])  # logits ~ 1e4
 @example(case=case_with((1, 1, 12, 3), (1, 1, 12, 3), magnitude=30.0, causal=True, scale=1.9, seed=3),
          tiles=TILE_CHOICES[2])
 @example(case=case_with((1, 1, 40, 4), (1, 1, 40, 4), causal=True), tiles=TILE_CHOICES[1])  # tiles above the diagonal
 def test_each_step_matches_the_oracle(case, tiles):
     q, k, v, causal, scale = case.q, case.k, case.v, case.causal, case.scale
+    floors = attention_floors(q, k, v, causal=causal, scale=scale)
     s = scores(q, k, causal=causal, scale=scale, tiles=tiles)
     s_exact = oracle_scores(q, k, causal, scale)
     s_f32 = oracle_scores(q, k, causal, scale, np.float32)
-    assert_close(s, s_exact, s_f32, name="S")
+    assert_close(s, s_exact, s_f32, name="S", floor=floors.s)
 
     # The softmax is checked on the kernel's own S, so that its error is its own.
-    # Floors: P, O and L are as accurate as the exponents scale * S are (kernels.base.testing.exponent_scale).
-    fs_o, fs_l = forward_floor_scales(q, k, v, scale)
     p, lse = row_softmax(s, tiles=tiles)
-    assert_close(p, ref.softmax(s), ref.softmax(s, dtype=np.float32), name="P", floor_scale=fs_l)
-    assert_close(lse, ref.logsumexp(s), ref.logsumexp(s, dtype=np.float32), name="L", floor_scale=fs_l)
+    floor_p, floor_l = softmax_floors(s)
+    assert_close(p, ref.softmax(s), ref.softmax(s, dtype=np.float32), name="P", floor=floor_p)
+    assert_close(lse, ref.logsumexp(s), ref.logsumexp(s, dtype=np.float32), name="L", floor=floor_l)
 
     # The chain against the oracle from the inputs.
     assert_close(p, ref.softmax(s_exact), ref.softmax(s_f32, dtype=np.float32), name="P (from Q, K)",
-                 floor_scale=fs_l)
+                 floor=floors.p)
     o = weighted_sum(p, v, causal=causal, tiles=tiles)
     o_exact, lse_exact = ref.attention(q, k, v, causal=causal, scale=scale)
     o_f32, lse_f32 = ref.attention(q, k, v, causal=causal, scale=scale, dtype=np.float32)
-    assert_close(o, o_exact, o_f32, name="O", floor_scale=fs_o)
-    assert_close(lse, lse_exact, lse_f32, name="L (from Q, K)", floor_scale=fs_l)
+    assert_close(o, o_exact, o_f32, name="O", floor=floors.o)
+    assert_close(lse, lse_exact, lse_f32, name="L (from Q, K)", floor=floors.lse)
 
 
 # --------------------------------------------------------------------------- the launcher
@@ -101,9 +113,45 @@ def test_naive_attention_matches_the_oracle(case, tiles):
     assert isinstance(o, np.ndarray) and o.dtype == np.float32 and o.shape == q.shape
     o_exact, lse_exact = ref.attention(q, k, v, causal=causal, scale=scale)
     o_f32, lse_f32 = ref.attention(q, k, v, causal=causal, scale=scale, dtype=np.float32)
-    fs_o, fs_l = forward_floor_scales(q, k, v, scale)
-    assert_close(o, o_exact, o_f32, name="O", floor_scale=fs_o)
-    assert_close(lse, lse_exact, lse_f32, name="L", floor_scale=fs_l)
+    floors = attention_floors(q, k, v, causal=causal, scale=scale)
+    assert_close(o, o_exact, o_f32, name="O", floor=floors.o)
+    assert_close(lse, lse_exact, lse_f32, name="L", floor=floors.lse)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")     # inf - inf in simulated threads
+@settings(max_examples=6)
+@given(case=attention_cases(max_n=24, max_d=8, allow_empty=False), tiles=tile_choices, data=st.data())
+@example(case=case_with((1, 2, 9, 3), (1, 2, 5, 3), causal=True, seed=4), tiles=TILE_CHOICES[1], data=None)
+def test_nan_or_inf_reaches_the_rows_it_touches(case, tiles, data):
+    """A NaN or Inf in one element of Q, K or V: the outputs are NaN exactly where the
+    oracle's are (a query row: that row only; a key row: the rows that may attend it, where
+    a +inf score makes the row NaN and a -inf score is a masked key), infinities match, and
+    everything else meets the tolerance. V gets a NaN without causal masking: P V multiplies
+    masked (zero) probabilities by V in the oracle, and 0 * NaN is NaN there, while the
+    kernel skips key tiles past the diagonal."""
+    if data is None:                                  # the pinned case: NaN in a query row, causal
+        which, bad, index = "q", np.nan, (0, 1, 6, 2)
+    else:
+        which = data.draw(st.sampled_from(["q", "k", "v"]), label="which")
+        bad = np.nan if which == "v" else data.draw(st.sampled_from([np.nan, np.inf, -np.inf]), label="value")
+        index = tuple(data.draw(st.integers(0, n - 1)) for n in getattr(case, which).shape)
+    causal = case.causal and which != "v"
+    arrays = {"q": case.q.copy(), "k": case.k.copy(), "v": case.v.copy()}
+    arrays[which][index] = bad
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    o, lse = naive_attention(q, k, v, causal=causal, scale=case.scale, return_lse=True, tiles=tiles)
+    with np.errstate(invalid="ignore", over="ignore"):
+        o_exact, lse_exact = ref.attention(q, k, v, causal=causal, scale=case.scale)
+        o_f32, lse_f32 = ref.attention(q, k, v, causal=causal, scale=case.scale, dtype=np.float32)
+    assert np.array_equal(np.isnan(o), np.isnan(o_exact)), "O: NaN in other places than the oracle's"
+    assert np.array_equal(np.isnan(lse), np.isnan(lse_exact)), "L: NaN in other places than the oracle's"
+    if which == "q" and np.isnan(bad):                # a NaN query row reaches that row only
+        rows = np.isnan(o).any(axis=-1)
+        assert rows[index[:3]] and rows.sum() == 1
+    arrays[which][index] = 0.0                        # the floors: from the finite inputs
+    floors = attention_floors(arrays["q"], arrays["k"], arrays["v"], causal=causal, scale=case.scale)
+    assert_close(o, o_exact, o_f32, name="O", floor=floors.o)
+    assert_close(lse, lse_exact, lse_f32, name="L", floor=floors.lse)
 
 
 def test_fully_masked_rows_give_zero_not_nan():
@@ -122,7 +170,8 @@ def test_device_arrays_in_device_arrays_out_and_out_buffers():
     assert not isinstance(o, np.ndarray) and hasattr(o, "copy_to_host")
     o_exact, _ = ref.attention(case.q, case.k, case.v, causal=True)
     o_f32, _ = ref.attention(case.q, case.k, case.v, causal=True, dtype=np.float32)
-    assert_close(o.copy_to_host(), o_exact, o_f32, name="O (device)")
+    floor_o = attention_floors(case.q, case.k, case.v, causal=True).o
+    assert_close(o.copy_to_host(), o_exact, o_f32, name="O (device)", floor=floor_o)
 
     # The three steps writing into buffers the caller owns (what the bench does).
     from numba import cuda
@@ -135,7 +184,7 @@ def test_device_arrays_in_device_arrays_out_and_out_buffers():
     p_got, l_got = row_softmax(s_buf, out=p_buf, lse_out=l_buf)
     assert p_got is p_buf and l_got is l_buf
     assert weighted_sum(p_buf, dv, causal=True, out=o_buf) is o_buf
-    assert_close(o_buf.copy_to_host(), o_exact, o_f32, name="O (out buffers)")
+    assert_close(o_buf.copy_to_host(), o_exact, o_f32, name="O (out buffers)", floor=floor_o)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -231,15 +280,36 @@ def test_long_rows_take_the_three_sweep_path_and_agree():
     s = oracle_scores(case.q, case.k, False, None, np.float32)
     for tiles in (Tiles(softmax_threads=4, softmax_regs=2), Tiles(softmax_threads=4, softmax_regs=4)):
         p, lse = row_softmax(s, tiles=tiles)
-        assert_close(p, ref.softmax(s), ref.softmax(s, dtype=np.float32), name="P")
-        assert_close(lse, ref.logsumexp(s), ref.logsumexp(s, dtype=np.float32), name="L")
+        floor_p, floor_l = softmax_floors(s)
+        assert_close(p, ref.softmax(s), ref.softmax(s, dtype=np.float32), name="P", floor=floor_p)
+        assert_close(lse, ref.logsumexp(s), ref.logsumexp(s, dtype=np.float32), name="L", floor=floor_l)
 
 
 # --------------------------------------------------------------------------- the IO model
 
-def test_io_model_is_4nd_plus_4n2_per_head():
-    n, d = 1024, 64
-    per_head = io_model_elements(n, n, d)
-    assert sum(per_head.values()) == 4 * n * d + 4 * n * n + n  # + n: the logsumexp L
-    total = io_model_bytes(4, 16, n, n, d)["total"]
-    assert total == 4 * 16 * 4 * (4 * n * d + 4 * n * n + n)
+@pytest.mark.skipif(not on_simulator(), reason="counts element accesses in the simulator")
+@settings(max_examples=5)
+@given(b=st.integers(1, 2), h=st.integers(1, 2), nq=st.integers(1, 12), nk=st.integers(1, 12),
+       d=st.integers(1, 6), causal=st.booleans(), tiles=tile_choices)
+@example(b=1, h=2, nq=9, nk=5, d=3, causal=False, tiles=TILE_CHOICES[1])
+@example(b=1, h=1, nq=12, nk=12, d=4, causal=True, tiles=TILE_CHOICES[1])
+def test_io_model_counts_the_elements_the_launches_touch(b, h, nq, nk, d, causal, tiles):
+    """The IO model (4Nd + 4N^2 a head, plus L) against the kernels themselves: every
+    element each launch reads and writes in global memory, counted in the simulator. Each
+    input is read at least once and each output written, so without causal masking the
+    distinct elements touched are exactly the model's; with causal masking the scores and
+    weighted-sum kernels skip tiles past the diagonal and touch at most that."""
+    import kernels.naive_attention as chapter
+
+    case = case_with((b, h, nq, d), (b, h, nk, d), causal=causal, seed=nq * 13 + nk)
+    with counting_launches(chapter, "make_scores", "make_row_softmax", "make_weighted_sum") as launches:
+        naive_attention(case.q, case.k, case.v, causal=causal, return_lse=True, tiles=tiles)
+    touched = {launch.factory: launch.elements() for launch in launches}
+    assert list(touched) == ["make_scores", "make_row_softmax", "make_weighted_sum"]
+    model = {"make_" + name: n * b * h for name, n in io_model_elements(nq, nk, d).items()}
+    for factory, n in model.items():
+        if causal and factory != "make_row_softmax":
+            assert touched[factory] <= n, f"{factory}: touched {touched[factory]} elements, the model counts {n}"
+        else:
+            assert touched[factory] == n, f"{factory}: touched {touched[factory]} elements, the model counts {n}"
+    assert io_model_bytes(b, h, nq, nk, d)["total"] == 4 * sum(model.values())

@@ -1,0 +1,202 @@
+"""Planted bugs: the mutants the chapters' property tests must catch, and the import hook
+that plants one.
+
+A mutant is a copy of one kernel module with one or more exact snippets of its source
+replaced: a dropped rescale, a shifted diagonal, a skipped ragged tile, a wrong L, a less
+accurate P. ``tests/test_planted_bugs.py`` runs each chapter's own tests (a ``-k``
+selection) in a child process with ``WORKBOOK_MUTANT=<id>``; ``tests/conftest.py`` then
+calls ``install(id)`` before anything imports the kernels, and the import of the named
+module loads its source with the snippets replaced. The child must fail with an assertion
+error: a mutant that passes is a bug the tests cannot see.
+
+Every snippet must occur exactly once in the module's current source, so a refactor that
+moves the code a mutant targets fails loudly (``MutantError``) instead of testing nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class MutantError(RuntimeError):
+    """A mutant that cannot be planted: its snippet is missing or not unique."""
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug.
+
+    id        a short name, the value of WORKBOOK_MUTANT
+    chapter   the chapter whose kernel it breaks
+    module    the kernel module (dotted name) whose source is edited
+    edits     (snippet, replacement) pairs; each snippet occurs exactly once
+    tests     the test files to run (paths relative to the repository)
+    select    the ``-k`` expression that picks the tests expected to catch it
+    bug       what the mutant does, in words
+    """
+
+    id: str
+    chapter: int
+    module: str
+    edits: tuple
+    tests: tuple
+    select: str
+    bug: str
+
+    @property
+    def path(self) -> Path:
+        return ROOT / (self.module.replace(".", "/") + ".py")
+
+    def mutated_source(self, source: str | None = None) -> str:
+        """The module's source with every edit applied; MutantError unless each snippet
+        occurs exactly once (in the source as it is before any edit)."""
+        source = self.path.read_text() if source is None else source
+        out = source
+        for snippet, replacement in self.edits:
+            count = source.count(snippet)
+            if count != 1:
+                raise MutantError(f"mutant {self.id}: the snippet occurs {count} times in {self.module} "
+                                  f"(expected exactly once): {snippet!r}")
+            out = out.replace(snippet, replacement)
+        return out
+
+
+def _veltkamp(value: str, bits: int, indent: str, out: str) -> str:
+    """Lines that store ``value`` rounded to ``bits`` significant bits into ``out``
+    (Veltkamp's split: c = v (2^(24 - bits) + 1); hi = c - (c - v))."""
+    factor = float(2 ** (24 - bits) + 1)
+    return (f"{indent}_v = {value}\n"
+            f"{indent}_c = _v * float32({factor!r})\n"
+            f"{indent}{out} = _c - (_c - _v)")
+
+
+# --------------------------------------------------------------------------- the table
+
+NAIVE = "kernels.naive_attention"
+ONLINE = "kernels.online_softmax"
+T1 = ("tests/test_naive_attention.py",)
+T3 = ("tests/test_online_softmax.py",)
+CH1_ORACLE = "test_each_step_matches_the_oracle or test_naive_attention_matches_the_oracle"
+CH3_KERNEL = "test_softmax_matches_oracle"
+
+MUTANTS = [
+    # ---- chapter 1: naive attention
+    Mutant("ch1-no-max-subtraction", 1, NAIVE,
+           (("        m = red_m[0]\n",
+             "        m = red_m[0] if red_m[0] == NEG_INF else float32(0)   # PLANTED: no max subtracted\n"),),
+           T1, CH1_ORACLE, "softmax without subtracting the row max: exp overflows on large logits"),
+    Mutant("ch1-wrong-lse", 1, NAIVE,
+           (("            lse[bh, i] = m + math.log(l)\n",
+             "            lse[bh, i] = math.log(l)   # PLANTED: L without the max\n"),),
+           T1, CH1_ORACLE, "L = log l: the max m is left out of the logsumexp"),
+    Mutant("ch1-causal-diagonal-shifted", 1, NAIVE,
+           (("                    if causal and j > i + shift:\n",
+             "                    if causal and j >= i + shift:   # PLANTED: the diagonal is masked\n"),),
+           T1, CH1_ORACLE, "the causal mask hides the diagonal too (j >= i + Nk - Nq)"),
+    Mutant("ch1-causal-top-left", 1, NAIVE,
+           (("        shift = nk - nq                      # causal: key j allowed iff j <= i + shift\n",
+             "        shift = max(nk - nq, 0)   # PLANTED: top-left aligned when Nq > Nk\n"),),
+           T1, CH1_ORACLE, "the causal mask is off when Nq > Nk (top-left instead of bottom-right aligned)"),
+    Mutant("ch1-ragged-key-tile-skipped", 1, NAIVE,
+           (("        for j0 in range(0, j_end, bk):\n",
+             "        for j0 in range(0, j_end - j_end % bk, bk):   # PLANTED: the ragged last key tile is skipped\n"),),
+           T1, CH1_ORACLE, "O = P V skips the last, partial tile of keys"),
+    Mutant("ch1-ragged-head-dim-skipped", 1, NAIVE,
+           (("        for k0 in range(0, d, bk):\n",
+             "        for k0 in range(0, d - d % bk if d > bk else d, bk):   # PLANTED: a ragged last chunk of d is skipped\n"),),
+           T1, CH1_ORACLE, "S = Q K^T skips the last, partial chunk of the head dimension"),
+    Mutant("ch1-p-fp16-precision", 1, NAIVE,
+           (("                    p[bh, i, j] = x[u] * inv_l\n",
+             _veltkamp("x[u] * inv_l", 11, " " * 20, "p[bh, i, j]") + "   # PLANTED: P to fp16's 11 bits\n"),),
+           T1, CH1_ORACLE, "P rounded to fp16's precision (11 significant bits) before P V"),
+    Mutant("ch1-p-4x-less-accurate", 1, NAIVE,
+           (("                    p[bh, i, j] = x[u] * inv_l\n",
+             _veltkamp("x[u] * inv_l", 21, " " * 20, "p[bh, i, j]") + "   # PLANTED: P to 21 bits\n"),),
+           T1, CH1_ORACLE, "P rounded to 21 significant bits: P's error about 4x the kernel's (median over the cases)"),
+
+    # ---- chapter 3: online softmax
+    Mutant("ch3-no-rescale", 3, ONLINE,
+           (("                l = l * math.exp(m - m_new) + lc     # = merge((m, l), (mc, lc)) with the chunk's state\n",
+             "                l = l + lc   # PLANTED: the running sum is not rescaled when the max grows\n"),),
+           T3, CH3_KERNEL, "the running sum l is not rescaled by exp(m_old - m_new) when a chunk raises the max"),
+    Mutant("ch3-merge-one-side", 3, ONLINE,
+           (("    return m, l1 * math.exp(m1 - m) + l2 * math.exp(m2 - m)\n",
+             "    return m, l1 + l2 * math.exp(m2 - m)   # PLANTED: the left state is not rescaled\n"),),
+           T3, CH3_KERNEL, "the (m, l) merge rescales only one of the two states"),
+    Mutant("ch3-tree-skips-half", 3, ONLINE,
+           (("        s = TPR // 2\n",
+             "        s = TPR // 4   # PLANTED: the tree starts one level too low\n"),),
+           T3, CH3_KERNEL, "the tree reduction of a row's states starts one level too low: half the states are lost"),
+    Mutant("ch3-wrong-lse", 3, ONLINE,
+           (("                lse[r] = _NEG_INF if empty else m + math.log(l)\n",
+             "                lse[r] = _NEG_INF if empty else math.log(l)   # PLANTED: L without the max\n"),),
+           T3, CH3_KERNEL, "L = log l: the max m is left out of the logsumexp"),
+    Mutant("ch3-ragged-chunk-skipped", 3, ONLINE,
+           (("                v = x[r, j] if (valid and j < n) else _NEG_INF\n",
+             "                v = x[r, j] if (valid and base + CHUNK <= n) else _NEG_INF   # PLANTED: a ragged last chunk is skipped\n"),),
+           T3, CH3_KERNEL, "pass 1 skips the last, partial chunk of a row: its entries never reach m and l"),
+    Mutant("ch3-nan-row-as-empty", 3, ONLINE,
+           (("        empty = l == float32(0.0)\n",
+             "        empty = not l > float32(0.0)   # PLANTED: a NaN row is taken for an empty one\n"),),
+           T3, "test_nan_or_inf_in_a_row_reaches_that_row_only",
+           "a row whose l is NaN is treated like a row of all -inf: p = 0, L = -inf instead of NaN"),
+    Mutant("ch3-p-fp16-precision", 3, ONLINE,
+           (("                        p[r, j] = math.exp(v - m) * inv_l\n",
+             _veltkamp("math.exp(v - m) * inv_l", 11, " " * 24, "p[r, j]") + "   # PLANTED: p to fp16's 11 bits\n"),),
+           T3, CH3_KERNEL, "p rounded to fp16's precision (11 significant bits)"),
+    Mutant("ch3-p-4x-less-accurate", 3, ONLINE,
+           (("                        p[r, j] = math.exp(v - m) * inv_l\n",
+             _veltkamp("math.exp(v - m) * inv_l", 21, " " * 24, "p[r, j]") + "   # PLANTED: p to 21 bits\n"),),
+           T3, CH3_KERNEL, "p rounded to 21 significant bits: p's error about 4x the kernel's (median over the cases)"),
+]
+
+BY_ID = {m.id: m for m in MUTANTS}
+assert len(BY_ID) == len(MUTANTS), "mutant ids must be unique"
+
+
+# --------------------------------------------------------------------------- the import hook
+
+class _MutantLoader(importlib.machinery.SourceFileLoader):
+    """Loads the module from its source with the mutant's edits (never from a .pyc)."""
+
+    def __init__(self, mutant: Mutant, fullname: str, path: str):
+        super().__init__(fullname, path)
+        self.mutant = mutant
+
+    def get_code(self, fullname):
+        source = self.mutant.mutated_source(Path(self.path).read_text())
+        return compile(source, self.path, "exec", dont_inherit=True)
+
+
+class _MutantFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, mutant: Mutant):
+        self.mutant = mutant
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.mutant.module:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.origin is None:
+            raise MutantError(f"mutant {self.mutant.id}: cannot find {fullname}")
+        loader = _MutantLoader(self.mutant, fullname, spec.origin)
+        return importlib.util.spec_from_file_location(fullname, spec.origin, loader=loader)
+
+
+def install(mutant_id: str) -> Mutant:
+    """Plant mutant ``mutant_id``: the next import of its module loads the mutated source.
+    Must run before anything imports that module."""
+    mutant = BY_ID.get(mutant_id)
+    if mutant is None:
+        raise MutantError(f"WORKBOOK_MUTANT={mutant_id!r}: no such mutant (known: {', '.join(BY_ID)})")
+    if mutant.module in sys.modules:
+        raise MutantError(f"mutant {mutant_id}: {mutant.module} was imported before the mutant was planted")
+    mutant.mutated_source()                     # fail now if a snippet is gone
+    sys.meta_path.insert(0, _MutantFinder(mutant))
+    return mutant

@@ -1,0 +1,62 @@
+"""Planted bugs: every mutant of ``tests/mutants.py`` must be caught by its chapter's tests.
+
+A tolerance is honest when it catches real bugs and passes the real kernels with margin.
+For each mutant (a dropped rescale, a shifted diagonal, a skipped ragged tile, a wrong L,
+a P rounded to fp16, a P only 4x less accurate than float32's, ...) this runs the
+chapter's own property tests in a child process with the bug planted
+(``WORKBOOK_MUTANT=<id>``, see ``tests/conftest.py``) and the ``mutants`` Hypothesis
+profile (the pinned examples, then a fixed set of drawn ones, no shrinking), and asserts
+that they fail with an assertion error: not an import or syntax error of a stale mutant,
+not a crash, not a pass.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mutants import MUTANTS, ROOT, MutantError
+
+# A child runs a few seconds: Python, Numba's simulator and the chapter's tests up to the
+# first failing example. A mutant the tests cannot see runs them all (25 examples each).
+TIMEOUT_S = 300
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.id)
+def test_each_snippet_occurs_exactly_once(mutant):
+    """A refactor that moves the code a mutant targets must fail here, loudly: a mutant
+    whose snippet is gone would plant nothing and pass for the wrong reason."""
+    source = mutant.path.read_text()
+    for snippet, replacement in mutant.edits:
+        assert source.count(snippet) == 1, f"{mutant.id}: snippet not found exactly once in {mutant.module}"
+        assert snippet != replacement
+    assert mutant.mutated_source() != source
+    compile(mutant.mutated_source(), str(mutant.path), "exec")    # the mutant itself is valid Python
+
+
+def run_with_mutant(mutant):
+    env = dict(os.environ, WORKBOOK_MUTANT=mutant.id, HYPOTHESIS_PROFILE="mutants")
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS", "WORKBOOK_TOLERANCE_LOG"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-p", "no:cacheprovider",
+           "-p", "no:nbmake", "-p", "no:xdist", "-o", "addopts=", *mutant.tests, "-k", mutant.select]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.id)
+def test_mutant_is_caught(mutant):
+    try:
+        mutant.mutated_source()
+    except MutantError as exc:
+        pytest.fail(str(exc))
+    rc, out = run_with_mutant(mutant)
+    tail = "\n".join(out.strip().splitlines()[-25:])
+    summary = out.strip().splitlines()[-1] if out.strip() else ""
+    assert rc != 0, f"planted bug {mutant.id} ({mutant.bug}) was NOT caught by {mutant.select}:\n{tail}"
+    assert rc == 1 and re.search(r"\b1 failed\b", summary) and "error" not in summary, (
+        f"planted bug {mutant.id}: the tests did not run to a failure (exit {rc}):\n{tail}")
+    assert re.search(r"^E\s+(AssertionError\b|assert\b)", out, re.M), (
+        f"planted bug {mutant.id}: the tests failed, but not on an assertion (a crash is not a catch):\n{tail}")
