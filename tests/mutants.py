@@ -157,6 +157,63 @@ MUTANTS = [
            T3, CH3_KERNEL, "p rounded to 21 significant bits: p's error about 4x the kernel's (median over the cases)"),
 ]
 
+FORWARD = "kernels.flash_forward"
+SPARSE = "kernels.block_sparse"
+T4 = ("tests/test_flash_forward.py",)
+T6 = ("tests/test_block_sparse.py",)
+CH4_ORACLE = "test_matches_oracle or test_drawn_tiles"
+CH6_FORWARD = "test_forward_matches_oracle or test_forward_patterns"
+
+MUTANTS += [
+    # ---- chapter 4: the fused forward (make_attend_query_tile, shared with chapter 6)
+    Mutant("ch4-output-not-rescaled", 4, FORWARD,
+           (("                    acc[i, c] *= alpha\n",
+             "                    pass   # PLANTED: O is not rescaled when the max grows\n"),),
+           T4, CH4_ORACLE, "the running output O is not rescaled by alpha = exp(m_old - m_new)"),
+    Mutant("ch4-sum-not-rescaled", 4, FORWARD,
+           (("                l[i] *= alpha\n",
+             "                pass   # PLANTED: l is not rescaled when the max grows\n"),),
+           T4, CH4_ORACLE, "the running sum l is not rescaled by alpha = exp(m_old - m_new)"),
+    Mutant("ch4-causal-diagonal-shifted", 4, FORWARD,
+           (("if col >= n_k or (causal and col > row + diag):",
+             "if col >= n_k or (causal and col >= row + diag):   # PLANTED: the diagonal is masked"),),
+           T4, CH4_ORACLE, "the causal mask hides the diagonal too"),
+    Mutant("ch4-ragged-key-tile-skipped", 4, FORWARD,
+           (("n_tiles = (max(kv_end, 0) + Bc - 1) // Bc",
+             "n_tiles = max(kv_end, 0) // Bc   # PLANTED: the ragged last K/V tile is skipped"),),
+           T4, CH4_ORACLE, "the last, partial K/V tile is never visited"),
+    Mutant("ch4-ragged-keys-not-masked", 4, FORWARD,
+           (("if k0 + Bc > n_k or (causal and k0 + Bc - 1 > q0 + diag):",
+             "if causal and k0 + Bc - 1 > q0 + diag:   # PLANTED: keys past Nk are not masked"),),
+           T4, CH4_ORACLE, "the zero-padded keys past Nk in the last tile get score 0 instead of being masked"),
+    Mutant("ch4-wrong-lse", 4, FORWARD,
+           (("lse_row = m[i] * scale + math.log(total)",
+             "lse_row = math.log(total)   # PLANTED: L without the max"),),
+           T4, CH4_ORACLE, "L = log l: the max m is left out of the logsumexp"),
+    Mutant("ch4-no-normalisation", 4, FORWARD,
+           (("inv = float32(1.0) / total",
+             "inv = float32(1.0)   # PLANTED: O is not divided by l"),),
+           T4, CH4_ORACLE, "O = acc: the division by l is dropped"),
+    Mutant("ch4-p-fp16-precision", 4, FORWARD,
+           (("                    p = math.exp2(s[i, jj] * scale_log2e - base)\n",
+             _veltkamp("math.exp2(s[i, jj] * scale_log2e - base)", 11, " " * 20, "p") + "   # PLANTED: P to fp16's 11 bits\n"),),
+           T4, CH4_ORACLE, "P rounded to fp16's precision (11 significant bits), in l and in P V"),
+
+    # ---- chapter 6: the block-sparse forward (the list walk, the lists)
+    Mutant("ch6-list-walk-off-by-one", 6, SPARSE,
+           (("count = row_ptr[g * tr + i + 1] - first",
+             "count = row_ptr[g * tr + i + 1] - first - 1   # PLANTED: the last kept tile is not walked"),),
+           T6, CH6_FORWARD, "the walk over a query tile's kept K/V tiles stops one tile short"),
+    Mutant("ch6-diagonal-tile-dropped", 6, SPARSE,
+           (("kept = kept & (first_k[None, :] <= last_q[:, None] + (nk - nq))[None]",
+             "kept = kept & (first_k[None, :] < last_q[:, None] + (nk - nq))[None]   # PLANTED: off by one"),),
+           T6, CH6_FORWARD, "causal: a tile whose first key is the last query's diagonal key is dropped from the lists"),
+    Mutant("ch6-one-mask-for-all-heads", 6, SPARSE,
+           (("g = int32(bh) % groups",
+             "g = int32(0)   # PLANTED: every head walks head 0's lists"),),
+           T6, CH6_FORWARD, "per-head masks: every head walks the first head's lists"),
+]
+
 BY_ID = {m.id: m for m in MUTANTS}
 assert len(BY_ID) == len(MUTANTS), "mutant ids must be unique"
 
