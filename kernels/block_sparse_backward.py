@@ -1,561 +1,209 @@
-"""Chapter 6: block-sparse FlashAttention, backward pass.
+"""Chapter 6: block-sparse FlashAttention, the backward pass.
 
-Chapter 5's recomputing backward, walking kept tiles only. With P = exp(S - L) rebuilt
-from Q, K and the saved logsumexp L, and D = rowsum(dO * O):
+Chapter 5's recomputing backward (``kernels.flash_backward``), walking the kept tiles only.
+What is new is the walk: chapter 5's kernel bodies take a tile source ``tile_at(tiles, first,
+n)``, the n-th tile of a block's walk, and here it reads the lists of kept tiles that the
+forward's launcher builds from the block mask (``kernels.block_sparse.tile_lists``):
 
-    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = scale dS K,   dK = scale dS^T Q
+* the dK/dV kernel (K/V tiles outer, grid Tc x B*H) owns key tile c and walks the query
+  tiles that keep it, the CSC lists of the mask (its transpose):
+  ``row_idx[col_ptr[g*Tc + c] : col_ptr[g*Tc + c + 1]]`` in place of ``range(first, Tr)``;
+* the separate dQ kernel (Q tiles outer, grid Tr x B*H) owns query tile r and walks the key
+  tiles it keeps, the CSR lists: ``col_idx[row_ptr[g*Tr + r] : row_ptr[g*Tr + r + 1]]``;
+* blocks take their tile from ``col_order`` / ``row_order``: the longest lists start first,
+  so that with uneven lists (global tokens) the last wave of blocks is short.
 
-Two ways to get dQ, as in chapter 5 (``dq_mode``):
+g = bh % groups is the head's mask (one for all heads, one a head, or one a (batch, head)).
+Everything else is chapter 5's: its tiles (fitted to the mask's blocks, below), its D
+pre-pass, its register prefetch (the next tile's index is read a step ahead, before the
+barriers), its two-level sums, atomic or separate dQ. With every tile kept it is chapter 5's
+dense backward. Tiles wholly above the causal diagonal are not in the lists; the diagonal's
+tiles, ragged last tiles and rows that see nothing are masked element by element (P = 0,
+dS = 0), and a key tile no query keeps gets dK = dV = 0.
 
-* ``"atomic"`` (the default): a pre-pass (chapter 5's ``make_delta``) computes
-  D = rowsum(dO * O) and clears dQ; then one kernel, K/V tile outer (grid Tc x B*H): a block
-  owns Bc keys, walks the kept query tiles of its column (the CSC lists: the transposed
-  mask), accumulates its Bc x d slices of dK and dV in registers, and adds each tile's
-  contribution scale * dS K_j to dQ_i with float32 atomic adds. P is computed once a tile;
-  the order of the additions into dQ depends on which block gets there first, so dQ varies
-  in its last bits from run to run.
-* ``"separate"``: deterministic (bit for bit, run to run), no atomics. First a dQ kernel,
-  Q tile outer (grid Tr x B*H): a block owns Br query rows, walks the kept key tiles of its
-  row (the forward's CSR lists), accumulates its Br x d slice of dQ in registers; it also
-  computes D for its rows and writes it out. Then the same dK/dV kernel without the dQ
-  additions. P and dP are computed twice (once per kernel), the price of determinism.
-
-Tiles
-wholly above the causal diagonal are not in the lists; the diagonal's tiles, the ragged
-last tiles, and rows that see nothing are masked per element (P = 0 there by a branch,
-never exp(S - (-inf))). The lists and the tile choice are the forward's (kernels.block_sparse).
-
-Register tiling as in the forward: thread (ty, tx) owns R consecutive rows (query rows
-in the dQ kernel, key rows in the dK/dV kernel) and the columns tx, tx + TC, ...; every
-tile lives transposed in one dynamic shared buffer with its rows padded by one float, so
-the same buffer serves, conflict-free, both as the transposed operand of the scores
-(S = Q K^T reads Kt[dd, c] along c) and as the plain operand of the accumulations
-(dQ += dS K reads K[c, dd] = Kt[dd, c] along dd: rows Bc + 1 apart, different banks);
-dS (and P) are stored transposed too, so a thread's R rows are adjacent words.
-
-Tile copies are branch-free (``_make_tile_copy``: loads clamped to valid addresses, zeroed
-afterwards, all of a thread's loads in flight at once). P is rebuilt as exp of one fma,
-scale * S - L rounded once: with large logits a separately rounded scale * S would carry
-an error of a few ulps of |scale * S| into the small difference.
+Tiles: each kernel's tile must lie inside one mask block, so its Br divides the mask's
+block_q and its Bc block_k. By default chapter 5's production tiles shrink to the largest
+powers of two that divide (with fewer threads where the smaller tiles need them); the lists
+of each kernel are built for its own tiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint64
+from numba import cuda, float32, int32
 
-from kernels.block_sparse import KernelConfig, lists_for, fit_tiles, padded_head_dim
-from kernels.flash_backward import make_delta
-from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, device_empty,
-                             on_simulator, to_device)
-from kernels.base.shared_memory import allow_dynamic_shared_memory
+from kernels.backward_tiles import (BackwardTiles, check_tiles, default_tiles, dkdv_layout, dq_layout, fits,
+                                    head_dim_bucket)
+from kernels.base.fused import ALIGN, FASTMATH
+from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_scale
+from kernels.block_sparse import TileLists, check_tiles_fit_mask, fit_to_mask, lists_for
+from kernels.flash_backward import (DKDV_SIG, DQ_SIG, DQ_MODES, GPU_TILES, allocate_outputs, check_backward_args,
+                                    device_views, launch_delta, launch_with_shared, make_dkdv_body, make_dq_body,
+                                    shared_bytes, zero_gradients)
+from kernels.flash_backward import io_model_bytes as dense_io_model_bytes
 
-__all__ = ["block_sparse_attention_backward", "make_backward_dq", "make_backward_dkdv", "backward_config",
-           "BACKWARD_CONFIGS", "DQ_MODES", "io_model_bytes", "ptx_targets"]
-
-DQ_MODES = ("atomic", "separate")
-
-# Production tiles for the H100 by padded head dim: (Br, Bc, R, TC), used by both kernels
-# (so that one set of lists serves both). dQ kernel: (Br/R) x TC threads, R query rows
-# a thread; dK/dV kernel: (Bc/R) x TC threads, R key rows a thread. Shared memory: one
-# dynamic buffer a kernel (see dq_layout, dkdv_layout), above 48 KB through
-# kernels/base/shared_memory.py.
-BACKWARD_CONFIGS = {
-    32: (64, 64, 4, 16),   # dQ 50 KB / dK dV 67 KB at D=32; 256 threads each
-    64: (64, 64, 4, 16),   # dQ 83 KB / dK dV 100 KB; 256 threads each: 4x4 scores, 4x4 outputs
-    128: (64, 32, 4, 16),  # dQ 108 KB / dK dV 118 KB; 256 / 128 threads
-}
-SIM_CONFIG = (8, 8, 2, 4)
-DKDV_MAX_REGISTERS = 128   # the dK/dV kernel's register cap for D <= 64 (see make_backward_dkdv)
+__all__ = ["block_sparse_attention_backward", "backward_tiles", "backward_lists", "make_listed_dkdv",
+           "make_listed_dq", "listed", "io_model_bytes", "ptx_targets", "DQ_MODES"]
 
 
-def dq_layout(Br, Bc, D):
-    """dQ kernel, offsets (floats) in its shared buffer: Qt, dOt D x (Br+1); Kt, Vt D x (Bc+1);
-    dSt Bc x (Br+1). Returns the offsets, the strides QS, KS and the total."""
-    QS, KS = Br + 1, Bc + 1
-    q_off = 0
-    do_off = q_off + D * QS
-    k_off = do_off + D * QS
-    v_off = k_off + D * KS
-    ds_off = v_off + D * KS
-    return q_off, do_off, k_off, v_off, ds_off, QS, KS, ds_off + Bc * QS
+@cuda.jit(device=True, inline="always")
+def listed(tiles, first, n):
+    """The tile source of chapter 6: the n-th kept tile of a block's list, tiles[first + n]."""
+    return tiles[first + n]
 
-
-def dkdv_layout(Br, Bc, D):
-    """dK/dV kernel: Kt, Vt D x (Bc+1); Qt, dOt D x (Br+1); Pt, dSt Br x (Bc+1); L, D Br each."""
-    QS, KS = Br + 1, Bc + 1
-    k_off = 0
-    v_off = k_off + D * KS
-    q_off = v_off + D * KS
-    do_off = q_off + D * QS
-    p_off = do_off + D * QS
-    ds_off = p_off + Br * KS
-    l_off = ds_off + Br * KS
-    dl_off = l_off + Br
-    return k_off, v_off, q_off, do_off, p_off, ds_off, l_off, dl_off, QS, KS, dl_off + Br
-
-
-def shared_bytes_dq(Br, Bc, D):
-    return 4 * dq_layout(Br, Bc, D)[-1]
-
-
-def shared_bytes_dkdv(Br, Bc, D):
-    return 4 * dkdv_layout(Br, Bc, D)[-1]
-
-
-def backward_config(d, block_mask, block_m=None, block_n=None) -> KernelConfig:
-    """The backward kernels' tiles for head dim ``d`` and this mask (R is RM for dQ, RN for dK/dV)."""
-    if on_simulator():
-        Br, Bc, R, TC = SIM_CONFIG
-    else:
-        Br, Bc, R, TC = BACKWARD_CONFIGS[32 if d <= 32 else (64 if d <= 64 else 128)]
-    Br, Bc, R, TC = fit_tiles(block_mask, Br, Bc, R, TC, block_m, block_n)
-    R = min(R, Br, Bc)
-    TC = min(TC, Br, Bc)
-    return KernelConfig(Br, Bc, R, TC, padded_head_dim(d, TC))
-
-
-def _make_tile_copy(R: int, D: int, NT: int, S: int):
-    """copy(x, y, r0, n, d, smem, x_off, y_off, tid): rows r0 .. r0 + R - 1 of two (N, d)
-    matrices x and y (Q and dO, or K and V) into shared memory, transposed: element (r, c)
-    to ``off + c * S + r``; zeros past N and past d. A pass of the NT threads copies
-    NT // LC rows of LC columns, consecutive threads reading consecutive columns (coalesced)
-    and storing to rows S = R + 1 apart (different banks). Every load reads a valid address
-    (row and column clamped) and is zeroed afterwards if it lies outside the matrix: no
-    branch around a load, so all of a thread's loads are in flight at once."""
-    LC = min(D, NT)
-    LR = NT // LC
-    PASSES = cdiv(R, LR)
-    EXACT = R % LR == 0
-
-    @cuda.jit(device=True, inline=True)
-    def copy(x, y, r0, n, d, smem, x_off, y_off, tid):
-        lc = tid % LC
-        lr = tid // LC
-        for rr in range(PASSES):
-            r = lr + LR * rr
-            row = uint64(min(r0 + r, n - 1))
-            for cc in range(D // LC):
-                c = lc + LC * cc
-                col = uint64(min(c, d - 1))
-                xv = x[row, col]
-                yv = y[row, col]
-                if r0 + r >= n or c >= d:
-                    xv = float32(0.0)
-                    yv = float32(0.0)
-                if EXACT or r < R:
-                    smem[uint64(x_off + c * S + r)] = xv
-                    smem[uint64(y_off + c * S + r)] = yv
-    return copy
-
-
-# --------------------------------------------------------------------------- dQ (and D)
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq(Br: int, Bc: int, D: int, RM: int, TC: int):
-    """dQ kernel: grid (Tr, B*H), (Br/RM)*TC threads, ``shared_bytes_dq`` bytes of dynamic
-    shared memory; also writes D = rowsum(dO * O)."""
-    if Br % RM or Bc % TC or D % TC:
-        raise ValueError(f"make_backward_dq: need RM | Br, TC | Bc and TC | D; got Br={Br} Bc={Bc} D={D} "
-                         f"RM={RM} TC={TC}")
-    TR = Br // RM
-    NT = TR * TC
-    CN = Bc // TC
-    DN = D // TC
-    Q_OFF, DO_OFF, K_OFF, V_OFF, DS_OFF, QS, KS, _ = dq_layout(Br, Bc, D)
-    copy_q = _make_tile_copy(Br, D, NT, QS)
-    copy_k = _make_tile_copy(Bc, D, NT, KS)
+def make_listed_dkdv(Br: int, Bc: int, Dh: int, NT: int, dynamic: bool = False, atomic_dq: bool = False,
+                     merged: bool = False):
+    """Chapter 5's dK/dV kernel walking the CSC lists: grid (Tc, B*H), NT threads."""
+    body = make_dkdv_body(Br, Bc, Dh, NT, atomic_dq, merged, listed)
+    SHARED = 0 if dynamic else dkdv_layout(Br, Bc, Dh, merged)[1]
 
-    @cuda.jit(fastmath=True)
-    def block_sparse_backward_dq(q, k, v, o, lse, do, dq, delta, row_ptr, col_idx, row_order, nq, nk, d,
-                                 groups, scale, causal):
-        smem = cuda.shared.array(0, float32)       # Qt | dOt | Kt | Vt | dSt, see dq_layout
-        tid = int32(cuda.threadIdx.x)
-        ty = tid // TC
-        tx = tid - ty * TC
+    @cuda.jit(fastmath=FASTMATH)
+    def listed_dkdv(q, k, v, do, lse, delta, dq, dk, dv, col_ptr, row_idx, col_order, groups, nq, nk, scale,
+                    causal):
+        sm = cuda.shared.array(SHARED, float32, alignment=ALIGN)
         bh = int32(cuda.blockIdx.y)
-        tr = int32(cuda.gridDim.x)
-        g = bh % groups
-        rt = row_order[g * tr + int32(cuda.blockIdx.x)]   # longest lists first
-        q0 = rt * Br
-        shift = nk - nq
-        r0 = ty * RM
-        utx = uint64(tx)
-        ur0 = uint64(r0)
-        kh = k[uint64(bh)]                         # this head's K, V: (Nk, d) views
-        vh = v[uint64(bh)]
+        g = (bh % groups) * int32(cuda.gridDim.x)                   # this head's lists
+        j = col_order[g + int32(cuda.blockIdx.x)]                   # the longest lists first
+        first = col_ptr[g + j]
+        body(sm, q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal, bh, j, first,
+             col_ptr[g + j + 1] - first, row_idx)
 
-        copy_q(q[uint64(bh)], do[uint64(bh)], q0, nq, d, smem, Q_OFF, DO_OFF, tid)
+    return listed_dkdv
 
-        Lr = cuda.local.array(RM, float32)
-        Dr = cuda.local.array(RM, float32)
-        acc = cuda.local.array((RM, DN), float32)
-        s = cuda.local.array((RM, CN), float32)
-        dp = cuda.local.array((RM, CN), float32)
-        a = cuda.local.array(RM, float32)
-        a2 = cuda.local.array(RM, float32)
-        b = cuda.local.array(CN, float32)
-        b2 = cuda.local.array(CN, float32)
-        w = cuda.local.array(DN, float32)
-
-        # D = rowsum(dO * O), summed over dd in the same order as the dot products of dP
-        # below, so that dP - D is exactly 0 where it should be (e.g. a row that sees a
-        # single key, where O = V and P = 1).
-        cuda.syncthreads()                         # Qt and dOt are in shared memory
-        for i in range(RM):
-            qi = q0 + r0 + i
-            total = float32(0.0)
-            Lr[i] = float32(0.0)
-            if qi < nq:
-                Lr[i] = lse[bh, qi]
-                for dd in range(d):
-                    total += smem[DO_OFF + dd * QS + r0 + i] * o[bh, qi, dd]
-            Dr[i] = total
-            if tx == 0 and qi < nq:
-                delta[bh, qi] = total
-            for j in range(DN):
-                acc[i, j] = float32(0.0)
-
-        start = row_ptr[g * tr + rt]
-        end = row_ptr[g * tr + rt + 1]
-        for it in range(start, end):
-            k0 = col_idx[it] * Bc
-            cuda.syncthreads()                     # done with the previous Kt, Vt, dSt
-            copy_k(kh, vh, k0, nk, d, smem, K_OFF, V_OFF, tid)
-            cuda.syncthreads()
-
-            # S = Q K^T (raw dot products) and dP = dO V^T, RM x CN each.
-            for i in range(RM):
-                for j in range(CN):
-                    s[i, j] = float32(0.0)
-                    dp[i, j] = float32(0.0)
-            qa = ur0
-            kb = utx
-            for dd in range(D):
-                for i in range(RM):
-                    a[i] = smem[uint64(Q_OFF) + qa + uint64(i)]
-                    a2[i] = smem[uint64(DO_OFF) + qa + uint64(i)]
-                for j in range(CN):
-                    b[j] = smem[uint64(K_OFF) + kb + uint64(j * TC)]
-                    b2[j] = smem[uint64(V_OFF) + kb + uint64(j * TC)]
-                for i in range(RM):
-                    for j in range(CN):
-                        s[i, j] += a[i] * b[j]
-                        dp[i, j] += a2[i] * b2[j]
-                qa += uint64(QS)
-                kb += uint64(KS)
-
-            # P = exp(scale S - L) where allowed, 0 elsewhere; dS = P * (dP - D), into dSt[c, r].
-            # The exponent is one fma: scale S - L rounded once. (Rounding scale S first, or
-            # scaling both by log2(e) first, would each add an error of a few ulps of |scale S|,
-            # large next to the small difference when the logits are large.)
-            for i in range(RM):
-                qi = q0 + r0 + i
-                for j in range(CN):
-                    kj = k0 + tx + j * TC
-                    val = float32(0.0)
-                    if qi < nq and kj < nk and (causal == 0 or kj <= qi + shift):
-                        val = math.exp(cuda.fma(s[i, j], scale, -Lr[i])) * (dp[i, j] - Dr[i])
-                    smem[uint64(DS_OFF + (tx + j * TC) * QS) + ur0 + uint64(i)] = val
-            cuda.syncthreads()
-
-            # dQ += dS K, with K[c, dd] read from Kt[dd, c].
-            pa = uint64(DS_OFF) + ur0              # dSt[c, r0]
-            kc = uint64(K_OFF) + utx * uint64(KS)  # Kt[tx, c]
-            for c in range(Bc):
-                for i in range(RM):
-                    a[i] = smem[pa + uint64(i)]
-                for j in range(DN):
-                    w[j] = smem[kc + uint64(j * TC * KS)]
-                for i in range(RM):
-                    for j in range(DN):
-                        acc[i, j] += a[i] * w[j]
-                pa += uint64(QS)
-                kc += uint64(1)
-
-        for i in range(RM):
-            qi = q0 + r0 + i
-            if qi < nq:
-                for j in range(DN):
-                    dd = tx + j * TC
-                    if dd < d:
-                        dq[bh, qi, dd] = acc[i, j] * scale
-
-    return block_sparse_backward_dq
-
-
-# --------------------------------------------------------------------------- dK, dV
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv(Br: int, Bc: int, D: int, RN: int, TC: int, atomic_dq: bool = False):
-    """dK/dV kernel: grid (Tc, B*H), (Bc/RN)*TC threads, ``shared_bytes_dkdv`` bytes of
-    dynamic shared memory. With ``atomic_dq`` it also adds scale * dS K_j into dQ (which
-    must hold zeros, and D must be computed, before it runs)."""
-    if Bc % RN or Br % TC or D % TC:
-        raise ValueError(f"make_backward_dkdv: need RN | Bc, TC | Br and TC | D; got Br={Br} Bc={Bc} D={D} "
-                         f"RN={RN} TC={TC}")
-    TY = Bc // RN
-    NT = TY * TC
-    QN = Br // TC          # query columns of S^T a thread owns
-    DN = D // TC
-    QR = cdiv(Br, TY)      # dQ_i partial (Br x D): query rows ty, ty + TY, ... a thread
-    K_OFF, V_OFF, Q_OFF, DO_OFF, P_OFF, DS_OFF, L_OFF, DL_OFF, QS, KS, _ = dkdv_layout(Br, Bc, D)
-    copy_q = _make_tile_copy(Br, D, NT, QS)
-    copy_k = _make_tile_copy(Bc, D, NT, KS)
-    # Two blocks an SM (100 KB of shared memory each at D = 64) also need <= 128 registers
-    # a thread: 2 x 256 threads x 128 fill the 64 K register file. Left alone, ptxas takes
-    # about 178 (one block an SM); capped at 128 it fits without spilling for D <= 64.
-    # (D = 128: 118 KB of shared memory, one block an SM anyway.) The simulator has no cap.
-    opts = {} if on_simulator() or D > 64 or not DKDV_MAX_REGISTERS else {"max_registers": DKDV_MAX_REGISTERS}
+def make_listed_dq(Br: int, Bc: int, Dh: int, NT: int, dynamic: bool = False):
+    """Chapter 5's separate dQ kernel walking the CSR lists: grid (Tr, B*H), NT threads."""
+    body = make_dq_body(Br, Bc, Dh, NT, listed)
+    SHARED = 0 if dynamic else dq_layout(Br, Bc, Dh)[1]
 
-    @cuda.jit(fastmath=True, **opts)
-    def block_sparse_backward_dkdv(q, k, v, lse, do, delta, dq, dk, dv, col_ptr, row_idx, col_order, nq, nk,
-                                   d, groups, scale, causal):
-        smem = cuda.shared.array(0, float32)       # Kt | Vt | Qt | dOt | Pt | dSt | L | D
-        tid = int32(cuda.threadIdx.x)
-        ty = tid // TC
-        tx = tid - ty * TC
+    @cuda.jit(fastmath=FASTMATH)
+    def listed_dq(q, k, v, do, lse, delta, dq, row_ptr, col_idx, row_order, groups, nq, nk, scale, causal):
+        sm = cuda.shared.array(SHARED, float32, alignment=ALIGN)
         bh = int32(cuda.blockIdx.y)
-        tcn = int32(cuda.gridDim.x)
-        g = bh % groups
-        ct = col_order[g * tcn + int32(cuda.blockIdx.x)]  # longest lists first
-        k0 = ct * Bc
-        shift = nk - nq
-        c0 = ty * RN
-        utx = uint64(tx)
-        uc0 = uint64(c0)
-        qh = q[uint64(bh)]                         # this head's Q, dO: (Nq, d) views
-        doh = do[uint64(bh)]
+        g = (bh % groups) * int32(cuda.gridDim.x)
+        i = row_order[g + int32(cuda.blockIdx.x)]
+        first = row_ptr[g + i]
+        body(sm, q, k, v, do, lse, delta, dq, nq, nk, scale, causal, bh, i, first, row_ptr[g + i + 1] - first,
+             col_idx)
 
-        copy_k(k[uint64(bh)], v[uint64(bh)], k0, nk, d, smem, K_OFF, V_OFF, tid)
-
-        dka = cuda.local.array((RN, DN), float32)
-        dva = cuda.local.array((RN, DN), float32)
-        st = cuda.local.array((RN, QN), float32)
-        dpt = cuda.local.array((RN, QN), float32)
-        a = cuda.local.array(RN, float32)
-        a2 = cuda.local.array(RN, float32)
-        b = cuda.local.array(QN, float32)
-        b2 = cuda.local.array(QN, float32)
-        w = cuda.local.array(DN, float32)
-        w2 = cuda.local.array(DN, float32)
-        dqa = cuda.local.array((QR, DN), float32)
-        dsr = cuda.local.array(QR, float32)
-        for i in range(RN):
-            for j in range(DN):
-                dka[i, j] = float32(0.0)
-                dva[i, j] = float32(0.0)
-
-        start = col_ptr[g * tcn + ct]
-        end = col_ptr[g * tcn + ct + 1]
-        for it in range(start, end):
-            q0 = row_idx[it] * Br
-            cuda.syncthreads()                     # done with the previous Q, dO, P, dS
-            copy_q(qh, doh, q0, nq, d, smem, Q_OFF, DO_OFF, tid)
-            for r in range(tid, Br, NT):
-                lv = float32(0.0)
-                dlv = float32(0.0)
-                if q0 + r < nq:
-                    lv = lse[bh, q0 + r]
-                    dlv = delta[bh, q0 + r]
-                smem[L_OFF + r] = lv
-                smem[DL_OFF + r] = dlv
-            cuda.syncthreads()
-
-            # S^T = K Q^T (raw dot products) and dP^T = V dO^T, RN x QN each.
-            for i in range(RN):
-                for j in range(QN):
-                    st[i, j] = float32(0.0)
-                    dpt[i, j] = float32(0.0)
-            ka = uc0
-            qb = utx
-            for dd in range(D):
-                for i in range(RN):
-                    a[i] = smem[uint64(K_OFF) + ka + uint64(i)]
-                    a2[i] = smem[uint64(V_OFF) + ka + uint64(i)]
-                for j in range(QN):
-                    b[j] = smem[uint64(Q_OFF) + qb + uint64(j * TC)]
-                    b2[j] = smem[uint64(DO_OFF) + qb + uint64(j * TC)]
-                for i in range(RN):
-                    for j in range(QN):
-                        st[i, j] += a[i] * b[j]
-                        dpt[i, j] += a2[i] * b2[j]
-                ka += uint64(KS)
-                qb += uint64(QS)
-
-            # P^T = exp(scale S^T - L) (one fma, as in the dQ kernel), dS^T = P^T * (dP^T - D),
-            # 0 where not allowed; stored as
-            # Pt[r, c] and dSt[r, c] (query-major) so the accumulation reads adjacent words.
-            for i in range(RN):
-                kj = k0 + c0 + i
-                for j in range(QN):
-                    r = tx + j * TC
-                    qi = q0 + r
-                    p = float32(0.0)
-                    dsv = float32(0.0)
-                    if qi < nq and kj < nk and (causal == 0 or kj <= qi + shift):
-                        p = math.exp(cuda.fma(st[i, j], scale, -smem[L_OFF + r]))
-                        dsv = p * (dpt[i, j] - smem[DL_OFF + r])
-                    at = uint64(r * KS) + uc0 + uint64(i)
-                    smem[uint64(P_OFF) + at] = p
-                    smem[uint64(DS_OFF) + at] = dsv
-            cuda.syncthreads()
-
-            # dV += P^T dO, dK += dS^T Q; dO[r, dd] and Q[r, dd] read from dOt, Qt[dd, r].
-            pa = uc0                               # Pt[r, c0]
-            qc = utx * uint64(QS)                  # Qt[tx, r]
-            for r in range(Br):
-                for i in range(RN):
-                    a[i] = smem[uint64(P_OFF) + pa + uint64(i)]
-                    a2[i] = smem[uint64(DS_OFF) + pa + uint64(i)]
-                for j in range(DN):
-                    w[j] = smem[uint64(DO_OFF) + qc + uint64(j * TC * QS)]
-                    w2[j] = smem[uint64(Q_OFF) + qc + uint64(j * TC * QS)]
-                for i in range(RN):
-                    for j in range(DN):
-                        dva[i, j] += a[i] * w[j]
-                        dka[i, j] += a2[i] * w2[j]
-                pa += uint64(KS)
-                qc += uint64(1)
-
-            if atomic_dq:
-                # dQ_i += scale dS K_j: dS[r, c] from dSt (row r, stride KS), K[c, dd] from
-                # Kt[dd, c]; thread (ty, tx) owns rows ty + TY m and columns tx + TC j.
-                for m in range(QR):
-                    for j in range(DN):
-                        dqa[m, j] = float32(0.0)
-                for c in range(Bc):
-                    for m in range(QR):
-                        r = ty + m * TY
-                        dsr[m] = smem[uint64(DS_OFF + min(r, Br - 1) * KS + c)]
-                    for j in range(DN):
-                        w[j] = smem[uint64(K_OFF + (tx + j * TC) * KS + c)]
-                    for m in range(QR):
-                        for j in range(DN):
-                            dqa[m, j] += dsr[m] * w[j]
-                for m in range(QR):
-                    r = ty + m * TY
-                    qi = q0 + r
-                    if r < Br and qi < nq:
-                        for j in range(DN):
-                            dd = tx + j * TC
-                            if dd < d:
-                                cuda.atomic.add(dq, (bh, qi, dd), dqa[m, j] * scale)
-
-        for i in range(RN):
-            kj = k0 + c0 + i
-            if kj < nk:
-                for j in range(DN):
-                    dd = tx + j * TC
-                    if dd < d:
-                        dk[bh, kj, dd] = dka[i, j] * scale
-                        dv[bh, kj, dd] = dva[i, j]
-
-    return block_sparse_backward_dkdv
+    return listed_dq
 
 
-DQ_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
-          "float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], int32[::1], int32[::1], "
-          "int32[::1], int32, int32, int32, int32, float32, int32)")
-DKDV_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
-            "float32[:, :, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], int32[::1], "
-            "int32[::1], int32[::1], int32, int32, int32, int32, float32, int32)")
+# --------------------------------------------------------------------------- tiles and lists
+
+def _fewer_threads(tiles: BackwardTiles, Dh: int, dq_mode: str) -> BackwardTiles:
+    """Halve each kernel's threads until its (smaller) tiles split evenly over them."""
+    for kernel, name in (("dK/dV", "threads"), ("dQ", "dq_threads")):
+        while getattr(tiles, name) > 1 and not fits(tiles, Dh, kernel, dq_mode):
+            tiles = dataclasses.replace(tiles, **{name: getattr(tiles, name) // 2})
+    return check_tiles(tiles, Dh, dq_mode)
 
 
-def io_model_bytes(b, h, nq, nk, d, *, Br, Bc, rho, in_bytes=4, dq_mode="atomic"):
-    """HBM bytes of the backward kernels by the IO model, per head:
-    dK/dV kernel: K, V read, dK, dV written (4 Nk d), Q, dO, L, D read for each kept tile
-    ((2 Nq d + 2 Nq) ceil(Nk/Bc) rho);
-    atomic: the pre-pass reads O, dO, writes D and clears dQ (3 Nq d + Nq), and each kept
-    tile reads and writes its dQ_i (2 Nq d ceil(Nk/Bc) rho);
-    separate: the dQ kernel reads Q, dO, O, writes dQ (4 Nq d), reads L and writes D (2 Nq),
-    and reads K and V for each kept tile (2 Nk d ceil(Nq/Br) rho)."""
-    dkdv = 4 * nk * d + (2 * nq * d + 2 * nq) * cdiv(nk, Bc) * rho
-    if dq_mode == "atomic":
-        dq = 3 * nq * d + nq + 2 * nq * d * cdiv(nk, Bc) * rho
-    else:
-        dq = 4 * nq * d + 2 * nq + 2 * nk * d * cdiv(nq, Br) * rho
-    return float(b * h * in_bytes * (dq + dkdv))
+def backward_tiles(d: int, block_mask, tiles=None, dq_mode: str = "atomic") -> BackwardTiles:
+    """The tiles for head dim d and this mask: ``tiles`` if given (each kernel's Br x Bc must
+    divide the mask's blocks: ValueError naming block_mask otherwise), else chapter 5's
+    production tiles shrunk to the largest powers of two that divide the blocks."""
+    Dh = head_dim_bucket(d)
+    if tiles is not None:
+        check_tiles(tiles, Dh, dq_mode)
+        check_tiles_fit_mask(block_mask, tiles.Br, tiles.Bc, "tiles: Br x Bc")
+        if dq_mode == "separate":
+            check_tiles_fit_mask(block_mask, tiles.dq_Br, tiles.dq_Bc, "tiles: dq_Br x dq_Bc")
+        return tiles
+    t = default_tiles(d)
+    Br, Bc = fit_to_mask(block_mask, t.Br, t.Bc)
+    dq_Br, dq_Bc = fit_to_mask(block_mask, t.dq_Br, t.dq_Bc)
+    if (Br, Bc, dq_Br, dq_Bc) == (t.Br, t.Bc, t.dq_Br, t.dq_Bc):
+        return check_tiles(t, Dh, dq_mode)
+    return _fewer_threads(dataclasses.replace(t, Br=Br, Bc=Bc, dq_Br=dq_Br, dq_Bc=dq_Bc), Dh, dq_mode)
+
+
+def backward_lists(block_mask, lists, b, h, nq, nk, causal, tiles, dq_mode="atomic"):
+    """(dK/dV kernel lists, dQ kernel lists or None): each kernel's lists built for its own
+    tiles, or taken from ``lists`` (a TileLists, or several) where one was built for them."""
+    given = [] if lists is None else [lists] if isinstance(lists, TileLists) else list(lists)
+    wanted = [(tiles.Br, tiles.Bc)] + ([(tiles.dq_Br, tiles.dq_Bc)] if dq_mode == "separate" else [])
+    for x in given:
+        if not isinstance(x, TileLists) or (x.Br, x.Bc) not in wanted:
+            lists_for(block_mask, x, b, h, nq, nk, causal, *wanted[0])     # raises, naming lists
+    out = []
+    for Br, Bc in wanted:
+        match = [x for x in given + out if (x.Br, x.Bc) == (Br, Bc)]
+        out.append(lists_for(block_mask, match[0] if match else None, b, h, nq, nk, causal, Br, Bc))
+    return out[0], (out[1] if len(out) > 1 else None)
 
 
 # --------------------------------------------------------------------------- the launcher
 
-def block_sparse_attention_backward(q, k, v, o, lse, do, block_mask, *, causal=False, scale=None,
-                                    block_m=None, block_n=None, lists=None, dq_mode="atomic"):
-    """Gradients (dQ, dK, dV) of block-sparse attention for the upstream gradient dO.
+def block_sparse_attention_backward(q, k, v, o, lse, do, block_mask, *, causal=False, scale=None, tiles=None,
+                                    lists=None, dq_mode="atomic"):
+    """Gradients (dq, dk, dv) of block-sparse attention for the upstream gradient ``do``.
 
-    q: (B, H, Nq, d); k, v: (B, H, Nk, d); o, do: (B, H, Nq, d); lse: (B, H, Nq), the
+    q: (B, H, Nq, d); k, v: (B, H, Nk, d); o, do: (B, H, Nq, d); lse: (B, H, Nq): the
     forward's O and L for the same ``block_mask``, ``causal`` and ``scale``. Rows that see
-    nothing (L = -inf) and keys no query sees get zero gradients. ``block_m``/``block_n``
-    override the tiles (powers of two dividing the mask's blocks); ``lists`` reuses a
-    ``tile_lists(...)`` built for these tiles. ``dq_mode``: ``"atomic"`` (one pass over the
-    kept tiles, dQ added with atomics: its last bits vary from run to run) or ``"separate"``
-    (a second pass for dQ, no atomics: bitwise reproducible, slower).
+    nothing (L = -inf) and keys no query sees get zero gradients. ``tiles``: a chapter 5
+    ``BackwardTiles`` whose kernel tiles divide the mask's blocks; ``lists``: ``tile_lists``
+    built for them (one TileLists, or one a kernel), reused; ``dq_mode``: "atomic" (the
+    default; dQ's last bits vary run to run) or "separate" (bitwise reproducible, slower).
     """
-    b, h, nq, nk, d, _ = check_qkv(q, k, v)
-    for x, name in ((o, "o"), (do, "do")):
-        shape, _ = check_array(x, name, ndim=4)
-        if shape != (b, h, nq, d):
-            raise ValueError(f"{name}: expected shape {(b, h, nq, d)} like q, got {shape}")
-    shape, _ = check_array(lse, "lse", ndim=3)
-    if shape != (b, h, nq):
-        raise ValueError(f"lse: expected shape {(b, h, nq)}, got {shape}")
-    causal = check_flag(causal, "causal")
-    scale = check_scale(scale, d)
-    if dq_mode not in DQ_MODES:
-        raise ValueError(f"dq_mode: expected one of {DQ_MODES}, got {dq_mode!r}")
-    cfg = backward_config(d, block_mask, block_m, block_n)
-    tl = lists_for(block_mask, lists, b, h, nq, nk, causal, cfg.Br, cfg.Bc)
+    b, h, nq, nk, d = check_backward_args(q, k, v, o, lse, do, dq_mode)
+    causal, scale = check_flag(causal, "causal"), check_scale(scale, d)
+    tiles = backward_tiles(d, block_mask, tiles, dq_mode)
+    dkdv_lists, dq_lists = backward_lists(block_mask, lists, b, h, nq, nk, causal, tiles, dq_mode)
     kind = ArrayKind(q)
-    dq = device_empty((b, h, nq, d))
-    dk = device_empty((b, h, nk, d))
-    dv = device_empty((b, h, nk, d))
-    if b * h * nq == 0 and b * h * nk > 0:   # no queries: nothing flows back to the keys
-        zeros = np.zeros((b, h, nk, d), np.float32)
-        return kind.give_back(dq), kind.give_back(cuda.to_device(zeros)), kind.give_back(cuda.to_device(zeros))
-    if b * h * nq == 0:
-        return kind.give_back(dq), kind.give_back(dk), kind.give_back(dv)
-    names = ("q", "k", "v", "o", "lse", "do")
-    qd, kd, vd, od, ld, dod = (to_device(x, n) for x, n in zip((q, k, v, o, lse, do), names))
-    delta = device_empty((b * h, nq))
-    dev = tl.device()
-    row_ptr, col_idx, col_ptr, row_idx = dev.row_ptr, dev.col_idx, dev.col_ptr, dev.row_idx
-    bhn = b * h
-    args3 = dict(q=qd.reshape(bhn, nq, d), k=kd.reshape(bhn, nk, d), v=vd.reshape(bhn, nk, d))
-    common = (np.int32(nq), np.int32(nk), np.int32(d), np.int32(tl.groups), np.float32(scale), np.int32(causal))
-    o3, do3, dq3, l2 = od.reshape(bhn, nq, d), dod.reshape(bhn, nq, d), dq.reshape(bhn, nq, d), ld.reshape(bhn, nq)
-    atomic = dq_mode == "atomic"
-    if atomic:   # D = rowsum(dO * O) and dQ = 0, before the dK/dV kernel adds into dQ
-        kern_delta, rows_nt = make_delta(cfg.D, 4, True)
-        kern_delta[(cdiv(nq, rows_nt // 32), bhn), rows_nt](o3, do3, delta, dq3, np.int32(nq))
-    else:        # dQ (and D) by its own pass over the row lists
-        kern_dq = make_backward_dq(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC)
-        args = (args3["q"], args3["k"], args3["v"], o3, l2, do3, dq3, delta, row_ptr, col_idx, dev.row_order,
-                *common)
-        nbytes = shared_bytes_dq(cfg.Br, cfg.Bc, cfg.D)
-        allow_dynamic_shared_memory(kern_dq, args, nbytes)
-        kern_dq[(cdiv(nq, cfg.Br), bhn), (cfg.Br // cfg.RM) * cfg.TC, 0, nbytes](*args)
-    if nk > 0:
-        kern_kv = make_backward_dkdv(cfg.Br, cfg.Bc, cfg.D, cfg.RM, cfg.TC, atomic)
-        args = (args3["q"], args3["k"], args3["v"], l2, do3, delta, dq3,
-                dk.reshape(bhn, nk, d), dv.reshape(bhn, nk, d), col_ptr, row_idx, dev.col_order, *common)
-        nbytes = shared_bytes_dkdv(cfg.Br, cfg.Bc, cfg.D)
-        allow_dynamic_shared_memory(kern_kv, args, nbytes)
-        kern_kv[(cdiv(nk, cfg.Bc), bhn), (cfg.Bc // cfg.RM) * cfg.TC, 0, nbytes](*args)
-    return kind.give_back(dq), kind.give_back(dk), kind.give_back(dv)
+    if b * h == 0 or nq == 0 or nk == 0:
+        return zero_gradients(kind, (b, h, nq, d), (b, h, nk, d))
+    q3, k3, v3, o3, l2, do3 = device_views(q, k, v, o, lse, do)
+    bh, Dh, atomic = b * h, head_dim_bucket(d), dq_mode == "atomic"
+    delta, dq, dk, dv = allocate_outputs(bh, nq, nk, d)
+    n_q, n_k, sc, ca = np.int32(nq), np.int32(nk), np.float32(scale), np.int32(1 if causal else 0)
+    launch_delta(o3, do3, delta, dq, nq, Dh, atomic)
+    dkdv_bytes, dq_bytes = shared_bytes(tiles, Dh)
+    merged, lc = tiles.merged_at(Dh), dkdv_lists.device()
+    launch_with_shared(lambda dyn: make_listed_dkdv(tiles.Br, tiles.Bc, Dh, tiles.threads, dyn, atomic, merged),
+                       dkdv_bytes, (cdiv(nk, tiles.Bc), bh), tiles.threads,
+                       (q3, k3, v3, do3, l2, delta, dq, dk, dv, lc.col_ptr, lc.row_idx, lc.col_order,
+                        np.int32(dkdv_lists.groups), n_q, n_k, sc, ca))
+    if not atomic:
+        lr = dq_lists.device()
+        launch_with_shared(lambda dyn: make_listed_dq(tiles.dq_Br, tiles.dq_Bc, Dh, tiles.dq_threads, dyn),
+                           dq_bytes, (cdiv(nq, tiles.dq_Br), bh), tiles.dq_threads,
+                           (q3, k3, v3, do3, l2, delta, dq, lr.row_ptr, lr.col_idx, lr.row_order,
+                            np.int32(dq_lists.groups), n_q, n_k, sc, ca))
+    return tuple(kind.give_back(x.reshape(b, h, x.shape[1], d)) for x in (dq, dk, dv))
+
+
+def io_model_bytes(b, h, nq, nk, d, *, Br, Bc, rho, in_bytes=4, dq_mode="atomic"):
+    """HBM bytes by chapter 5's IO model with the streams over the kept tiles only (fraction
+    rho): Bc the dK/dV kernel's key tile, Br the separate dQ kernel's query tile."""
+    tiles = BackwardTiles(Bc=Bc, dq_Br=Br)
+    return dense_io_model_bytes(b, h, nq, nk, d, tiles, dq_mode, itemsize=in_bytes, kept=rho)
+
+
+# --------------------------------------------------------------------------- PTX targets
+
+_LISTS = "int32[::1], int32[::1], int32[::1], int32"
+LISTED_DKDV_SIG = DKDV_SIG.replace("float32[:, :, ::1], int32, int32", f"float32[:, :, ::1], {_LISTS}, int32, int32")
+LISTED_DQ_SIG = DQ_SIG.replace("float32[:, :, ::1], int32, int32", f"float32[:, :, ::1], {_LISTS}, int32, int32")
 
 
 def ptx_targets():
-    """Both backward kernels at their production tiles, for the sm_90 PTX check."""
-    out = []
-    for D0, (Br, Bc, R, TC) in BACKWARD_CONFIGS.items():
-        for D in sorted({D0 // 2, D0}) if D0 == 32 else (D0,):
-            tag = f"fp32 Br={Br} Bc={Bc} D={D} R={R} TC={TC}"
-            out.append((f"block-sparse bwd dQ {tag}", make_backward_dq(Br, Bc, D, R, TC), DQ_SIG))
-            out.append((f"block-sparse bwd dK dV {tag}", make_backward_dkdv(Br, Bc, D, R, TC), DKDV_SIG))
-            out.append((f"block-sparse bwd dK dV + atomic dQ {tag}", make_backward_dkdv(Br, Bc, D, R, TC, True),
-                        DKDV_SIG))
-    return out
+    """The list-walking kernels at chapter 5's production tiles, d = 16..128, both dQ modes."""
+    targets = []
+    for Dh in (16, 32, 64, 128):
+        t = GPU_TILES[Dh]
+        big = [n > 48 * 1024 for n in shared_bytes(t, Dh)]
+        for atomic in (False, True):
+            targets.append((f"block-sparse bwd dkdv{' + atomic dQ' if atomic else ''} fp32 Br={t.Br} Bc={t.Bc} "
+                            f"t={t.threads} d={Dh}",
+                            make_listed_dkdv(t.Br, t.Bc, Dh, t.threads, big[0], atomic, t.merged_at(Dh)),
+                            LISTED_DKDV_SIG))
+        targets.append((f"block-sparse bwd dq fp32 Br={t.dq_Br} Bc={t.dq_Bc} t={t.dq_threads} d={Dh}",
+                        make_listed_dq(t.dq_Br, t.dq_Bc, Dh, t.dq_threads, big[1]), LISTED_DQ_SIG))
+    return targets

@@ -12,28 +12,21 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference as ref
-from kernels.flash_backward import (
-    DQ_MODES,
-    Tiles,
-    _split,
-    default_tiles,
-    flash_attention_backward,
-    flash_backward_numpy,
-    recompute_p,
-    head_dim_bucket,
-)
+from kernels.backward_tiles import check_tiles, split
 from kernels.base.runtime import on_simulator
 from kernels.base.testing import assert_close, attention_cases, case_with, gradient_floor_scales, random_array
+from kernels.flash_backward import (ACC_ROWS, DQ_MODES, BackwardTiles, default_tiles, flash_attention_backward,
+                                    flash_backward_numpy, head_dim_bucket, recompute_p)
 
 SIM = on_simulator()
 # Simulated threads are slow: small shapes and tiles there; larger ones on the GPU.
 MAX_N = 20 if SIM else 300
 MAX_D = 12 if SIM else 128
 TILE_CHOICES = (
-    [None, Tiles(16, 4, 16, 4, 16, 16), Tiles(4, 8, 8, 8, 4, 8, merged=True)]
+    [None, BackwardTiles(4, 16, 16, 4, 16, 16), BackwardTiles(8, 4, 8, 8, 4, 8, merged=True)]
     if SIM else
-    [None, Tiles(64, 32, 128, 64, 32, 128), Tiles(32, 16, 128, 32, 16, 128, merged=True),
-     Tiles(64, 16, 128, 64, 16, 128, merged=False), Tiles(32, 8, 128, 32, 8, 128)]
+    [None, BackwardTiles(32, 64, 128, 64, 32, 128), BackwardTiles(16, 32, 128, 32, 16, 128, merged=True),
+     BackwardTiles(16, 64, 128, 64, 16, 128, merged=False), BackwardTiles(8, 32, 128, 32, 8, 128)]
 )
 
 
@@ -44,28 +37,26 @@ def _forward_and_grad(case, seed=1):
     return o.astype(np.float32), lse.astype(np.float32), do
 
 
-def _check_gradients(case, got, o, lse, do):
+def _check_gradients(case, got, o, lse, do, floors_from=None):
+    """Each gradient against the oracle's; NaN exactly where the oracle's is NaN. The floors
+    follow the terms that cancel in dS and the accuracy of the exponents (kernels.base.testing
+    .gradient_floor_scales says why); ``floors_from``: the finite inputs to take them from."""
     kw = dict(causal=case.causal, scale=case.scale)
-    exact = ref.attention_backward(case.q, case.k, case.v, o, lse, do, **kw)
-    baseline = ref.attention_backward(case.q, case.k, case.v, o, lse, do, dtype=np.float32, **kw)
-    # Floors follow the terms that cancel in dS and the accuracy of the exponents
-    # (kernels.base.testing.gradient_floor_scales says why).
-    floors = gradient_floor_scales(case.q, case.k, case.v, o, lse, do, **kw)
+    q, k, v = case.q, case.k, case.v
+    with np.errstate(invalid="ignore", over="ignore"):
+        exact = ref.attention_backward(q, k, v, o, lse, do, **kw)
+        baseline = ref.attention_backward(q, k, v, o, lse, do, dtype=np.float32, **kw)
+        floors = gradient_floor_scales(*(floors_from or (q, k, v, o, lse, do)), **kw)
     for name, g, e, b, fs in zip(("dq", "dk", "dv"), got, exact, baseline, floors):
         assert_close(g, e, b, name=name, floor_scale=fs)
 
 
-def _usable(tiles, d, dq_mode="separate"):
+def _usable(tiles, d, dq_mode):
     """Whether a drawn tile configuration splits evenly at this head dim."""
-    if tiles is None:
-        return True
-    from kernels.flash_backward import _check_tiles
-
     try:
-        _check_tiles(tiles, head_dim_bucket(d), dq_mode)
+        return tiles is None or check_tiles(tiles, head_dim_bucket(d), dq_mode) is tiles
     except ValueError:
         return False
-    return True
 
 
 @given(case=attention_cases(max_n=MAX_N, max_d=MAX_D), tiles=st.sampled_from(TILE_CHOICES),
@@ -77,8 +68,8 @@ def _usable(tiles, d, dq_mode="separate"):
          dq_mode="atomic")                                                                  # Nq > Nk: masked rows
 @example(case=case_with((1, 1, 13, 8), (1, 1, 11, 8), scale=0.37, magnitude=30.0), tiles=None, seed=3,
          dq_mode="atomic")                                                                  # big logits
-@example(case=case_with((1, 1, 9, 4), (1, 1, 12, 4), causal=True), tiles=Tiles(4, 8, 8, 8, 4, 8, merged=True),
-         seed=4, dq_mode="atomic")                                                          # P and dS share a buffer
+@example(case=case_with((1, 1, 9, 4), (1, 1, 12, 4), causal=True),
+         tiles=BackwardTiles(8, 4, 8, 8, 4, 8, merged=True), seed=4, dq_mode="atomic")      # P and dS share a buffer
 def test_gradients_match_the_oracle(case, tiles, seed, dq_mode):
     if not _usable(tiles, case.q.shape[-1], dq_mode):
         tiles = None
@@ -88,13 +79,13 @@ def test_gradients_match_the_oracle(case, tiles, seed, dq_mode):
     _check_gradients(case, got, o, lse, do)
 
 
-@given(case=attention_cases(max_n=40, max_d=16), block_q=st.integers(1, 9), block_k=st.integers(1, 9))
-@example(case=case_with((1, 1, 7, 3), (1, 1, 3, 3), causal=True), block_q=2, block_k=2)
+@given(case=attention_cases(max_n=40, max_d=16), Br=st.integers(1, 9), Bc=st.integers(1, 9))
+@example(case=case_with((1, 1, 7, 3), (1, 1, 3, 3), causal=True), Br=2, Bc=2)
 @settings(max_examples=20)
-def test_numpy_version_matches_the_oracle(case, block_q, block_k):
+def test_numpy_version_matches_the_oracle(case, Br, Bc):
     o, lse, do = _forward_and_grad(case)
     got = flash_backward_numpy(case.q, case.k, case.v, o, lse, do, causal=case.causal, scale=case.scale,
-                               block_q=block_q, block_k=block_k)
+                               Br=Br, Bc=Bc)
     _check_gradients(case, got, o, lse, do)
 
 
@@ -127,6 +118,50 @@ def test_fully_masked_rows_give_zero_dq_and_no_nan():
     _check_gradients(case, (dq, dk, dv), o, lse, do)
 
 
+# --------------------------------------------------------------------------- NaN and Inf
+
+# A NaN or +Inf planted in one element of one row of an input: every gradient must be NaN
+# exactly where the float64 oracle's is (and equal where it is +-Inf), the finite entries
+# within the tolerance rule. Non-causal and unmasked: a masked score is 0 * (whatever) in the
+# oracle's dense formulas but simply absent from a kernel that skips the tile.
+PLANTS = [(name, value) for name in ("q", "k", "v", "do", "o", "lse") for value in (np.nan, np.inf)
+          if not (name == "lse" and value == np.inf)]
+
+
+@pytest.mark.parametrize("dq_mode", DQ_MODES)
+@pytest.mark.parametrize("name, value", PLANTS)
+def test_nan_and_inf_reach_what_they_touch(name, value, dq_mode):
+    case = case_with((1, 2, 11, 5), (1, 2, 13, 5), seed=21)        # ragged: 11 and 13 are no tile multiples
+    o, lse, do = _forward_and_grad(case, seed=22)
+    clean = (case.q.copy(), case.k.copy(), case.v.copy(), o, lse, do)
+    arrays = dict(q=case.q, k=case.k, v=case.v, do=do, o=o, lse=lse)
+    index = (0, 1, 6) if name == "lse" else (0, 1, 6, 2)
+    arrays[name][index] = value
+    if name in ("q", "k", "v"):                                     # the forward of the planted inputs
+        with np.errstate(invalid="ignore", over="ignore"):
+            o, lse = (x.astype(np.float32) for x in ref.attention(case.q, case.k, case.v))
+    got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, dq_mode=dq_mode)
+    assert any(np.isnan(g).any() for g in got), "the planted value reached no gradient"
+    _check_gradients(case, got, o, lse, do, floors_from=clean)
+
+
+def test_a_nan_logsumexp_is_not_a_dead_row():
+    # L = -inf: the row sees nothing, P = 0 on it. L = NaN: not "dead": its P is NaN, and so
+    # is every gradient that P reaches (its row of dQ, the dK and dV rows of the keys it sees).
+    case = case_with((1, 1, 12, 5), (1, 1, 8, 5), causal=True, seed=23)   # rows 0..3 see no key
+    o, lse, do = _forward_and_grad(case)
+    lse[0, 0, 6] = np.nan                                           # row 6 sees keys 0..2
+    for dq_mode in DQ_MODES:
+        dq, dk, dv = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=True, dq_mode=dq_mode)
+        assert (dq[0, 0, :4] == 0).all()
+        assert np.isnan(dq[0, 0]).any(axis=-1).tolist() == [r == 6 for r in range(12)]
+        for g in (dk, dv):
+            assert np.isnan(g[0, 0]).all(axis=-1).tolist() == [c <= 2 for c in range(8)]
+            assert not np.isnan(g[0, 0, 3:]).any()
+
+
+# --------------------------------------------------------------------------- shapes, modes, devices
+
 @pytest.mark.parametrize("nq, nk", [(0, 5), (5, 0), (0, 0)])
 def test_empty_sequences(nq, nk):
     case = case_with((2, 1, nq, 3), (2, 1, nk, 3), causal=True)
@@ -138,10 +173,11 @@ def test_empty_sequences(nq, nk):
 
 
 def test_consumes_the_logsumexp_of_the_chapter_4_forward():
-    forward = pytest.importorskip("kernels.flash_forward", reason="chapter 4's forward is not written yet")
+    from kernels.flash_forward import flash_attention
+
     for causal, (nq, nk) in ((False, (11, 14)), (True, (14, 9))):
         case = case_with((1, 2, nq, 6), (1, 2, nk, 6), causal=causal, seed=nq)
-        o, lse = forward.flash_attention(case.q, case.k, case.v, causal=causal)
+        o, lse = flash_attention(case.q, case.k, case.v, causal=causal)
         do = random_array(np.random.default_rng(5), o.shape)
         got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=causal)
         _check_gradients(case, got, o, lse, do)
@@ -175,8 +211,7 @@ def test_device_arrays_in_device_arrays_out():
 
     case = case_with((1, 1, 9, 4), (1, 1, 7, 4), seed=13)
     o, lse, do = _forward_and_grad(case)
-    args = [cuda.to_device(x) for x in (case.q, case.k, case.v, o, lse, do)]
-    got = flash_attention_backward(*args)
+    got = flash_attention_backward(*(cuda.to_device(x) for x in (case.q, case.k, case.v, o, lse, do)))
     assert all(not isinstance(g, np.ndarray) for g in got)
     _check_gradients(case, [g.copy_to_host() for g in got], o, lse, do)
 
@@ -185,11 +220,9 @@ def test_two_level_sums_across_many_tiles():
     # More query rows and keys than ACC_ROWS: dV_j, dK_j (and dQ_i in the separate kernel)
     # pass through the running sums in shared memory (several flushes, and a partial left
     # in registers at the end).
-    from kernels.flash_backward import ACC_ROWS
-
     case = case_with((1, 1, 2 * ACC_ROWS + 7, 4), (1, 1, ACC_ROWS + 9, 4), causal=True, seed=14)
     o, lse, do = _forward_and_grad(case)
-    tiles = Tiles(8, 8, 16, 8, 8, 16) if SIM else None
+    tiles = BackwardTiles(8, 8, 16, 8, 8, 16) if SIM else None
     for dq_mode in DQ_MODES:
         got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=True, tiles=tiles,
                                        dq_mode=dq_mode)
@@ -210,9 +243,9 @@ def test_long_causal_sequence(dq_mode):
 
 def test_micro_tiles_split_the_threads():
     for rows, cols, threads in [(16, 64, 128), (64, 64, 128), (8, 8, 16), (32, 128, 128)]:
-        tm, tn = _split(rows, cols, threads)
+        tm, tn = split(rows, cols, threads)
         assert rows % tm == 0 and cols % tn == 0 and (rows // tm) * (cols // tn) == threads
-    assert _split(3, 5, 4) is None
+    assert split(3, 5, 4) is None
     if not SIM:
         assert default_tiles(64) != default_tiles(128)
 
@@ -253,9 +286,11 @@ def test_bad_arrays_are_named(name, value, error):
     (dict(scale=-1.0), "scale", ValueError),
     (dict(scale="big"), "scale", TypeError),
     (dict(tiles=(64, 16)), "tiles", TypeError),
-    (dict(tiles=Tiles(16, 4, 5, 4, 16, 16)), "tiles", ValueError),
-    (dict(tiles=Tiles(0, 4, 16, 4, 16, 16)), "tiles", ValueError),
-    (dict(tiles=Tiles(16, 4, 16, 4, 16, 16, merged="yes")), "tiles", TypeError),
+    (dict(tiles=BackwardTiles(4, 16, 5, 4, 16, 16)), "tiles", ValueError),
+    (dict(tiles=BackwardTiles(4, 0, 16, 4, 16, 16)), "tiles", ValueError),
+    (dict(tiles=BackwardTiles(4, 16, 2048, 4, 16, 16)), "tiles", ValueError),
+    (dict(tiles=BackwardTiles(4, 16, 16, 4, 16, 16, merged="yes")), "tiles", TypeError),
+    (dict(tiles=BackwardTiles(4, 16, 16, 4, 16, 5), dq_mode="separate"), "tiles", ValueError),
     (dict(dq_mode="fast"), "dq_mode", ValueError),
 ])
 def test_bad_options_are_named(kwargs, name, error):
@@ -269,7 +304,3 @@ def test_head_dim_above_128_is_refused():
     lse = np.zeros((1, 1, 2), np.float32)
     with pytest.raises(ValueError, match=r"^q\b"):
         flash_attention_backward(case.q, case.k, case.v, o, lse, o)
-
-
-def test_dq_modes_are_listed():
-    assert DQ_MODES == ("separate", "atomic")

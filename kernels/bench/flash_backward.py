@@ -32,19 +32,18 @@ from numba import cuda
 
 from kernels import reference as ref
 from kernels.bench.harness import Result, torch_or_none
+from kernels.backward_tiles import check_tiles, head_dim_bucket, shared_bytes
 from kernels.flash_backward import (
     DKDV_SIG,
     DQ_SIG,
-    Tiles,
-    _launch,
+    BackwardTiles,
     allocate_outputs,
     default_tiles,
     flash_attention_backward,
-    head_dim_bucket,
     io_model_bytes,
+    launch,
     make_dkdv,
     make_dq,
-    shared_bytes,
     standard_backward_bytes,
 )
 
@@ -56,23 +55,24 @@ except ImportError:  # chapter 4 not present: the forward + backward rows are sk
 CHAPTER = 5
 TITLE = "recomputing backward"
 
-# Tile candidates at d = 64. Tiles(block_k, block_q, threads, dq_block_q, dq_block_k, dq_threads).
-# Shared memory includes the running sums of the two-level dV/dK (dQ) sums.
+# Tile candidates at d = 64: BackwardTiles(Br, Bc, threads, dq_Br, dq_Bc, dq_threads, merged).
+# dK/dV candidates (Br, Bc, threads, merged); shared memory includes the running sums of the
+# two-level dV/dK (dQ) sums.
 DKDV_SWEEP = (
-    (128, 64, 256, True),    # default: 199 KB (P and dS share a buffer), 8 x 4 micro-tiles
-    (64, 16, 128, None),     # the earlier default: 83 KB
-    (64, 32, 128, None),     # 100 KB
+    (64, 128, 256, True),    # default: 199 KB (P and dS share a buffer), 8 x 4 micro-tiles
+    (16, 64, 128, None),     # the earlier default: 83 KB
+    (32, 64, 128, None),     # 100 KB
     (64, 64, 256, None),     # 134 KB
-    (128, 32, 256, None),    # 182 KB
+    (32, 128, 256, None),    # 182 KB
     (64, 64, 128, None),     # 134 KB, 8 x 4 S micro-tiles but local memory at 128 threads
-    (64, 16, 64, None),      # 8 x 8 dK/dV micro-tiles: local memory
+    (16, 64, 64, None),      # 8 x 8 dK/dV micro-tiles: local memory
 )
-DQ_SWEEP = (
-    (64, 16, 128),           # default: 64 KB
+DQ_SWEEP = (                 # dQ candidates (dq_Br, dq_Bc, dq_threads)
+    (64, 16, 128),           # 64 KB
     (64, 32, 128),           # 76 KB
     (64, 64, 256),           # 101 KB
     (128, 32, 256),          # 136 KB
-    (128, 64, 256),          # 169 KB
+    (128, 64, 256),          # default: 169 KB
 )
 QUICK_SWEEP = 3              # --quick: the first candidates of each list
 
@@ -133,11 +133,11 @@ def _kernel_resources(tiles, D, dq_mode):
     out = {}
     dkdv_b, dq_b = shared_bytes(tiles, D)
     try:
-        kd = make_dkdv(tiles.block_k, tiles.block_q, D, tiles.threads, dkdv_b > 48 * 1024,
-                       dq_mode == "atomic", tiles.dkdv_merged(D)).compile(DKDV_SIG)
+        kd = make_dkdv(tiles.Br, tiles.Bc, D, tiles.threads, dkdv_b > 48 * 1024,
+                       dq_mode == "atomic", tiles.merged_at(D)).compile(DKDV_SIG)
         out.update(dkdv_regs=kd.regs_per_thread, dkdv_local=kd.local_mem_per_thread, dkdv_smem=dkdv_b)
         if dq_mode != "atomic":
-            kq = make_dq(tiles.dq_block_q, tiles.dq_block_k, D, tiles.dq_threads, dq_b > 48 * 1024).compile(DQ_SIG)
+            kq = make_dq(tiles.dq_Br, tiles.dq_Bc, D, tiles.dq_threads, dq_b > 48 * 1024).compile(DQ_SIG)
             out.update(dq_regs=kq.regs_per_thread, dq_local=kq.local_mem_per_thread, dq_smem=dq_b)
     except Exception as exc:  # resources are a note, never a failure
         out["resources"] = f"n/a ({type(exc).__name__})"
@@ -172,7 +172,7 @@ def run(ctx) -> list[Result]:
             out = allocate_outputs(bh, n, n, d)
 
             def bwd(q3, k3, v3, o3, l2, do3, dq_mode=dq_mode, out=out):
-                return _launch(q3, k3, v3, o3, l2, do3, n, n, D, causal, scale, tiles, dq_mode, out=out)
+                return launch(q3, k3, v3, o3, l2, do3, n, n, D, causal, scale, tiles, dq_mode, out=out)
 
             grads = bwd(*views[0])
             q, k, v, do, o, lse = full[0]
@@ -184,7 +184,7 @@ def run(ctx) -> list[Result]:
             results.append(ctx.measure(
                 CHAPTER, f"flash backward ({dq_mode} dQ)", config, bwd, views, flops=2.5 * fwd_flops,
                 model_bytes=io_model_bytes(b, h, n, n, d, tiles, dq_mode, causal), peak_memory=False,
-                note=f"{note}; bare launches; {tiles.label()}",
+                note=f"{note}; bare launches; {tiles}",
                 extra=dict(extra, dq_mode=dq_mode, **accuracy, **_kernel_resources(tiles, D, dq_mode))))
             del out
         launcher_sets = [(q, k, v, o, lse, do) for q, k, v, do, o, lse in full]
@@ -223,36 +223,34 @@ def run(ctx) -> list[Result]:
     sweep_dkdv = DKDV_SWEEP[:QUICK_SWEEP] if ctx.quick else DKDV_SWEEP
     sweep_dq = DQ_SWEEP[:QUICK_SWEEP] if ctx.quick else DQ_SWEEP
     if ctx.simulator:
-        sweep_dkdv, sweep_dq = ((16, 8, 16, True),), ((16, 8, 16),)
-    for bk, bq, nt, merged in sweep_dkdv:
-        candidates.append(("dkdv", Tiles(bk, bq, nt, base.dq_block_q, base.dq_block_k, base.dq_threads, merged)))
-    for bq, bk, nt in sweep_dq:
-        candidates.append(("dq", Tiles(base.block_k, base.block_q, base.threads, bq, bk, nt, base.merged)))
+        sweep_dkdv, sweep_dq = ((8, 16, 16, True),), ((16, 8, 16),)
+    for br, bc, nt, merged in sweep_dkdv:
+        candidates.append(("dkdv", BackwardTiles(br, bc, nt, base.dq_Br, base.dq_Bc, base.dq_threads, merged)))
+    for br, bc, nt in sweep_dq:
+        candidates.append(("dq", BackwardTiles(base.Br, base.Bc, base.threads, br, bc, nt, base.merged)))
     for what, tiles in candidates:
+        mode = "atomic" if what == "dkdv" else "separate"
         try:
-            from kernels.flash_backward import _check_tiles
-
-            mode = "atomic" if what == "dkdv" else "separate"
-            _check_tiles(tiles, D, mode)
+            check_tiles(tiles, D, mode)
         except ValueError as exc:
-            ctx.progress(f"  skipped {tiles.label()}: {exc}")
+            ctx.progress(f"  skipped {tiles}: {exc}")
             continue
         out = allocate_outputs(bh, n, n, d)
 
         def bwd(q3, k3, v3, o3, l2, do3, tiles=tiles, out=out, mode=mode):
-            return _launch(q3, k3, v3, o3, l2, do3, n, n, D, False, 1.0 / math.sqrt(d), tiles, mode, out=out)
+            return launch(q3, k3, v3, o3, l2, do3, n, n, D, False, 1.0 / math.sqrt(d), tiles, mode, out=out)
 
         try:
             grads = bwd(*view[0])
             accuracy = _check_head([g.reshape(b, h, n, d) for g in grads], q, k, v, o, lse, do, False)
             results.append(ctx.measure(
-                CHAPTER, f"tile sweep: {what} kernel", config + " | " + tiles.label(), bwd, view,
+                CHAPTER, f"tile sweep: {what} kernel", config + " | " + str(tiles), bwd, view,
                 flops=2.5 * fwd_flops, model_bytes=io_model_bytes(b, h, n, n, d, tiles, mode),
                 peak_memory=False, note=f"sweeps the {what} kernel; the other at its default",
-                extra=dict(sweep=what, tiles=tiles.label(), dq_mode=mode, **accuracy,
+                extra=dict(sweep=what, tiles=str(tiles), dq_mode=mode, **accuracy,
                            **_kernel_resources(tiles, D, mode))))
         except Exception as exc:  # a candidate that fails to launch is reported, not fatal
-            ctx.progress(f"  candidate {tiles.label()} failed: {type(exc).__name__}: {exc}")
+            ctx.progress(f"  candidate {tiles} failed: {type(exc).__name__}: {exc}")
         del out
     del sets, view
 
