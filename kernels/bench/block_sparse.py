@@ -36,7 +36,7 @@ from kernels.bench.harness import Result, cupy_or_none, torch_or_none
 from kernels.base.fused import Tiles, padded_head_dim
 from kernels.block_sparse import forward_tiles, io_model_bytes, make_block_sparse_forward, tile_lists
 from kernels.flash_forward import shared_bytes
-from kernels.block_sparse_backward import backward_config, block_sparse_attention_backward
+from kernels.block_sparse_backward import backward_lists, backward_tiles, block_sparse_attention_backward
 from kernels.block_sparse_backward import io_model_bytes as io_model_bytes_backward
 from kernels.base.runtime import cdiv
 from kernels.base.shared_memory import allow_dynamic_shared_memory
@@ -310,9 +310,9 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
                              model, dict(extra, part="forward"), dense_flops / (2 if causal else 1))
 
     # backward: the launcher with the lists built once (it allocates dQ, dK, dV and D)
-    bcfg = backward_config(d, mask)
-    blists = tile_lists(mask, n, n, Br=bcfg.Br, Bc=bcfg.Bc, causal=causal, batch=b, heads=h)
-    brho = blists.kept_fraction
+    bcfg = backward_tiles(d, mask)          # chapter 5's tiles, fitted to the mask: both kernels' lists
+    blists = backward_lists(mask, None, b, h, n, n, causal, bcfg, "separate")
+    brho = blists[0].kept_fraction
     grads = []
     for q, k, v in sets:
         fn(q, k, v)
@@ -320,7 +320,7 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
         do = cuda.to_device(np.random.default_rng(7).standard_normal((b, h, n, d)).astype(np.float32))
         grads.append((q, k, v, cuda.to_device(o.reshape(b, h, n, d)), cuda.to_device(lse.reshape(b, h, n)), do))
     bflops = 2.5 * dense_flops * brho
-    bmodel = io_model_bytes_backward(b, h, n, n, d, Br=bcfg.Br, Bc=bcfg.Bc, rho=brho)
+    bmodel = io_model_bytes_backward(b, h, n, n, d, Br=bcfg.dq_Br, Bc=bcfg.Bc, rho=brho)
     bextra = dict(extra, rho=round(brho, 4), Br=bcfg.Br, Bc=bcfg.Bc, part="backward")
     # the default (atomic dQ) at every point; the deterministic two-pass variant where the
     # dense peers run too, to show what determinism costs
@@ -331,13 +331,13 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
             lambda q, k, v, o, lse, do, mode=mode: block_sparse_attention_backward(
                 q, k, v, o, lse, do, mask, causal=causal, lists=blists, dq_mode=mode),
             grads, flops=bflops, peak_memory=False,
-            model_bytes=io_model_bytes_backward(b, h, n, n, d, Br=bcfg.Br, Bc=bcfg.Bc, rho=brho, dq_mode=mode),
-            note=f"launcher, Br={bcfg.Br} Bc={bcfg.Bc}, lists built once; " + (
+            model_bytes=io_model_bytes_backward(b, h, n, n, d, Br=bcfg.dq_Br, Bc=bcfg.Bc, rho=brho, dq_mode=mode),
+            note=f"launcher, {bcfg}, lists built once; chapter 5's kernels walking them: " + (
                 "D pre-pass + dK/dV kernel adding dQ atomically" if mode == "atomic" else
-                "dQ kernel + dK/dV kernel, deterministic"), extra=dict(bextra, dq_mode=mode)))
+                "D pre-pass + dK/dV kernel + dQ kernel, deterministic"), extra=dict(bextra, dq_mode=mode)))
     if extra0.get("density") == 1.0 or extra0.get("pattern"):
         _dense_chapter5(ctx, results, grads, config, 2.5 * dense_flops / (2 if causal else 1),
-                        io_model_bytes_backward(b, h, n, n, d, Br=bcfg.Br, Bc=bcfg.Bc, rho=1.0),
+                        io_model_bytes_backward(b, h, n, n, d, Br=bcfg.dq_Br, Bc=bcfg.Bc, rho=1.0),
                         dict(bextra, rho=1.0), causal)
     if torch is not None:
         _torch_backward_peers(ctx, results, torch, sets, mask.flags, n, d, mask.block_q, causal, config, bflops,
