@@ -6,6 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -41,8 +42,9 @@ import numpy as np
 
 import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
 from kernels import reference as ref
+import kernels.flash_backward as fb
 from kernels.flash_backward import (
-    Tiles,
+    BackwardTiles,
     default_tiles,
     ds_tile,
     flash_attention_backward,
@@ -50,7 +52,8 @@ from kernels.flash_backward import (
     io_model_bytes,
     make_delta,
     make_dkdv,
-    make_dq,
+    make_dkdv_body,
+    make_dq_body,
     recompute_p,
     shared_bytes,
     standard_backward_bytes,
@@ -163,7 +166,7 @@ print(inspect.getsource(ds_tile))
 print(inspect.getsource(flash_backward_numpy))
 
 # %%
-got = flash_backward_numpy(q, k, v, o, lse, do, causal=True, block_q=4, block_k=8)
+got = flash_backward_numpy(q, k, v, o, lse, do, causal=True, Br=4, Bc=8)
 exact = ref.attention_backward(q, k, v, o, lse, do, causal=True)
 baseline = ref.attention_backward(q, k, v, o, lse, do, causal=True, dtype=np.float32)
 for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, baseline):
@@ -239,9 +242,34 @@ print(inspect.getsource(make_delta))
 #
 # Causal masking (bottom-right: query i sees key j iff j <= i + Nk - Nq) skips every query
 # tile that lies entirely above the key tile; fully visible and ragged tiles are masked
-# element by element (P = 0).
+# element by element (P = 0 and dS = 0). A NaN or Inf in an input follows IEEE arithmetic
+# into every gradient it touches (no fast-math flag that assumes finite values); only
+# L = -inf has a meaning of its own: the row saw nothing, its P is 0.
+#
+# **Building blocks.** Both kernels do the same steps on a tile, so each step is written
+# once, as a device function that a cached factory builds for the tile sizes and that Numba
+# inlines into the kernel (its per-thread arrays stay registers). The S and dP micro-tiles,
+# and P and dS from them:
 
 # %%
+print(inspect.getsource(fb._scores))
+
+# %% [markdown]
+# The dK/dV kernel's body composes the blocks: load K_j, V_j once; then, for each query tile
+# of its walk, store the prefetched Q_i, dO_i, L_i, D_i, start fetching the next ones,
+# compute S and dP, P and dS, accumulate dV_j and dK_j (and with atomic dQ add its piece of
+# dQ_i). Which query tiles it walks comes from a *tile source* `tile_at(tiles, first, n)`:
+
+# %%
+print(inspect.getsource(make_dkdv_body))
+
+# %% [markdown]
+# The kernel itself only decides which key tile a block owns and which query tiles it walks:
+# chapter 5's source `counted` is first, first + 1, ... (causal: from the first tile that
+# sees the key tile). Chapter 6 hands the same body a source that reads a list of kept tiles.
+
+# %%
+print(inspect.getsource(fb.counted))
 print(inspect.getsource(make_dkdv))
 
 # %% [markdown]
@@ -250,11 +278,11 @@ print(inspect.getsource(make_dkdv))
 # summed by one thread in a fixed order.
 
 # %%
-print(inspect.getsource(make_dq))
+print(inspect.getsource(make_dq_body))
 
 # %%
 tiles = default_tiles(D_HEAD)
-print("tiles here:", tiles.label())
+print("tiles here:", tiles)
 from kernels.flash_backward import head_dim_bucket
 
 print("shared memory a block (dkdv, dq), bytes:", shared_bytes(tiles, head_dim_bucket(D_HEAD)))
@@ -310,12 +338,12 @@ print("atomic dQ, two runs: max |difference| =", float(np.abs(runs[0] - runs[1])
 
 # %%
 d = 64
-gpu_tiles = Tiles()     # the d = 64 production tiles (Bc = 128 for dK/dV, Br = 128 for dQ)
+gpu_tiles = BackwardTiles()     # the d = 64 production tiles (Bc = 128 for dK/dV, Br = 128 for dQ)
 print("MB a head, fp32, d = 64")
-print(f"{'N':>6} {'standard':>10} {'fused (PERF)':>13} {'ours':>8} {'compulsory':>11} {'standard/ours':>14}")
+print(f"{'N':>6} {'standard':>10} {'fused (table)':>13} {'ours':>8} {'compulsory':>11} {'standard/ours':>14}")
 for n in (1024, 2048, 4096, 8192, 16384):
     std = standard_backward_bytes(1, 1, n, d) / 1e6
-    perf = 4 * (6 * n * d + n + math.ceil(n / gpu_tiles.block_k) * (4 * n * d + 2 * n)) / 1e6
+    perf = 4 * (6 * n * d + n + math.ceil(n / gpu_tiles.Bc) * (4 * n * d + 2 * n)) / 1e6
     ours = io_model_bytes(1, 1, n, n, d, gpu_tiles) / 1e6
     compulsory = 4 * (8 * n * d + 3 * n) / 1e6
     print(f"{n:>6} {std:>10.1f} {perf:>13.1f} {ours:>8.1f} {compulsory:>11.2f} {std / ours:>14.2f}")
@@ -375,7 +403,7 @@ if traffic and traffic[1]:
         print(f"  {r['mode']}, per kernel (DRAM GB / L2->SM GB): {kernels_}")
     # The model's streaming term: every key tile re-reads Q, dO, L and D of its head.
     b_, h_, n_, d_ = 4, 16, 4096, 64
-    tc = math.ceil(n_ / gpu_tiles.block_k)
+    tc = math.ceil(n_ / gpu_tiles.Bc)
     stream = tc * (2 * n_ * d_ + 2 * n_) * b_ * h_ * 4 / 1e9
     print(f"the model's Q, dO, L, D stream (Tc = {tc} key tiles): {stream:.2f} GB")
 else:
