@@ -1,9 +1,10 @@
 """Chapter 6: block-sparse FlashAttention, the backward pass.
 
 Chapter 5's recomputing backward (``kernels.flash_backward``), walking the kept tiles only.
-What is new is the walk: chapter 5's kernel bodies take a tile source ``tile_at(tiles, first,
-n)``, the n-th tile of a block's walk, and here it reads the lists of kept tiles that the
-forward's launcher builds from the block mask (``kernels.block_sparse.tile_lists``):
+What is new is the walk: chapter 5's kernel bodies visit the tiles ``tile_of(walk, t)``,
+t = first .. first + count - 1, and here, as in the block-sparse forward, ``tile_of`` is
+``listed_tile``, which reads the lists of kept tiles built from the block mask
+(``kernels.block_sparse.tile_lists``):
 
 * the dK/dV kernel (K/V tiles outer, grid Tc x B*H) owns key tile c and walks the query
   tiles that keep it, the CSC lists of the mask (its transpose):
@@ -39,27 +40,21 @@ from kernels.backward_tiles import (BackwardTiles, check_tiles, default_tiles, d
                                     head_dim_bucket)
 from kernels.base.fused import ALIGN, FASTMATH
 from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_scale
-from kernels.block_sparse import TileLists, check_tiles_fit_mask, fit_to_mask, lists_for
+from kernels.block_sparse import TileLists, check_tiles_fit_mask, fit_to_mask, listed_tile, lists_for
 from kernels.flash_backward import (DKDV_SIG, DQ_SIG, DQ_MODES, GPU_TILES, allocate_outputs, check_backward_args,
                                     device_views, launch_delta, launch_with_shared, make_dkdv_body, make_dq_body,
                                     shared_bytes, zero_gradients)
 from kernels.flash_backward import io_model_bytes as dense_io_model_bytes
 
 __all__ = ["block_sparse_attention_backward", "backward_tiles", "backward_lists", "make_listed_dkdv",
-           "make_listed_dq", "listed", "io_model_bytes", "ptx_targets", "DQ_MODES"]
-
-
-@cuda.jit(device=True, inline="always")
-def listed(tiles, first, n):
-    """The tile source of chapter 6: the n-th kept tile of a block's list, tiles[first + n]."""
-    return tiles[first + n]
+           "make_listed_dq", "io_model_bytes", "ptx_targets", "DQ_MODES"]
 
 
 @functools.lru_cache(maxsize=None)
 def make_listed_dkdv(Br: int, Bc: int, Dh: int, NT: int, dynamic: bool = False, atomic_dq: bool = False,
                      merged: bool = False):
     """Chapter 5's dK/dV kernel walking the CSC lists: grid (Tc, B*H), NT threads."""
-    body = make_dkdv_body(Br, Bc, Dh, NT, atomic_dq, merged, listed)
+    body = make_dkdv_body(Br, Bc, Dh, NT, atomic_dq, merged, listed_tile)
     SHARED = 0 if dynamic else dkdv_layout(Br, Bc, Dh, merged)[1]
 
     @cuda.jit(fastmath=FASTMATH)
@@ -70,8 +65,8 @@ def make_listed_dkdv(Br: int, Bc: int, Dh: int, NT: int, dynamic: bool = False, 
         g = (bh % groups) * int32(cuda.gridDim.x)                   # this head's lists
         j = col_order[g + int32(cuda.blockIdx.x)]                   # the longest lists first
         first = col_ptr[g + j]
-        body(sm, q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal, bh, j, first,
-             col_ptr[g + j + 1] - first, row_idx)
+        body(sm, q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal, bh, j, row_idx, first,
+             col_ptr[g + j + 1] - first)
 
     return listed_dkdv
 
@@ -79,7 +74,7 @@ def make_listed_dkdv(Br: int, Bc: int, Dh: int, NT: int, dynamic: bool = False, 
 @functools.lru_cache(maxsize=None)
 def make_listed_dq(Br: int, Bc: int, Dh: int, NT: int, dynamic: bool = False):
     """Chapter 5's separate dQ kernel walking the CSR lists: grid (Tr, B*H), NT threads."""
-    body = make_dq_body(Br, Bc, Dh, NT, listed)
+    body = make_dq_body(Br, Bc, Dh, NT, listed_tile)
     SHARED = 0 if dynamic else dq_layout(Br, Bc, Dh)[1]
 
     @cuda.jit(fastmath=FASTMATH)
@@ -89,8 +84,8 @@ def make_listed_dq(Br: int, Bc: int, Dh: int, NT: int, dynamic: bool = False):
         g = (bh % groups) * int32(cuda.gridDim.x)
         i = row_order[g + int32(cuda.blockIdx.x)]
         first = row_ptr[g + i]
-        body(sm, q, k, v, do, lse, delta, dq, nq, nk, scale, causal, bh, i, first, row_ptr[g + i + 1] - first,
-             col_idx)
+        body(sm, q, k, v, do, lse, delta, dq, nq, nk, scale, causal, bh, i, col_idx, first,
+             row_ptr[g + i + 1] - first)
 
     return listed_dq
 

@@ -31,11 +31,11 @@ written once, here, as device functions inlined into the kernels (their per-thre
 have constant shapes and unrolled constant indices, so they stay in registers): tile copies
 with a register prefetch, L and D of a query row, the S and dP micro-tiles, P and dS from
 them, dV += P^T dO and dK += dS^T Q, dQ += dS K, the two-level sums. Two bodies compose
-them, ``make_dkdv_body`` and ``make_dq_body``, walking their tiles through a tile source
-``tile_at(tiles, first, n)``, the n-th tile of the walk: here ``counted`` (first, first + 1,
-...); chapter 6 passes one that reads its lists of kept tiles, and the rest of its kernels
-is this code. (Triton's fused attention shares its bodies through a compile-time flag; a
-device function handed to a factory is the Numba way to do the same.)
+them, ``make_dkdv_body`` and ``make_dq_body``, and walk their tiles as chapter 4's forward
+does: tile ``tile_of(walk, t)`` for t = first .. first + count - 1, here chapter 4's
+``every_tile`` (tile t); chapter 6 passes ``listed_tile``, which reads its lists of kept
+tiles, and the rest of its kernels is this code. (Triton's fused attention shares its bodies
+through a compile-time flag; a device function handed to a factory is the Numba way.)
 
 Each thread owns a register micro-tile of every product, reads shared memory 16 bytes at a
 time (rows Dh + 4 or Bc + 4 floats apart), at unsigned offsets (Numba adds a negative-index
@@ -61,9 +61,10 @@ from kernels.base.fused import ALIGN, FASTMATH, MAX_GRID_Y, MINUS_INF, run_lengt
 from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, device_empty,
                                   on_simulator, to_device)
 from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
+from kernels.flash_forward import every_tile
 
 __all__ = ["flash_attention_backward", "flash_backward_numpy", "recompute_p", "ds_tile", "BackwardTiles",
-           "default_tiles", "make_delta", "make_dkdv_body", "make_dq_body", "make_dkdv", "make_dq", "counted",
+           "default_tiles", "make_delta", "make_dkdv_body", "make_dq_body", "make_dkdv", "make_dq",
            "launch", "ptx_targets", "DQ_MODES", "allocate_outputs", "io_model_bytes", "standard_backward_bytes"]
 
 DQ_MODES = ("atomic", "separate")
@@ -164,12 +165,6 @@ def make_delta(Dh: int, rows: int = 4, zero_dq: bool = False):
 
 def _device(fn):
     return cuda.jit(device=True, inline="always")(fn)
-
-
-@_device
-def counted(tiles, first, n):
-    """Chapter 5's tile source: the n-th tile of a walk over the tiles first, first + 1, ..."""
-    return int32(first + n)
 
 
 @_device
@@ -409,10 +404,10 @@ def _ds_k(g: Grid, Bc: int, LP: int, LD: int):
 
 @functools.lru_cache(maxsize=None)
 def make_dkdv_body(Br: int, Bc: int, Dh: int, NT: int, atomic_dq: bool = False, merged: bool = False,
-                   tile_at=counted):
-    """dkdv_body(sm, q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal, bh, j, first,
-    count, tiles): dK_j and dV_j of key tile j (and with ``atomic_dq`` its pieces of dQ),
-    walking ``count`` query tiles ``tile_at(tiles, first, n)``; ``sm``: the block's shared
+                   tile_of=every_tile):
+    """dkdv_body(sm, q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal, bh, j, walk,
+    first, count): dK_j and dV_j of key tile j (and with ``atomic_dq`` its pieces of dQ),
+    walking the query tiles ``tile_of(walk, t)``, t = first .. first + count - 1; ``sm``: the block's shared
     memory (``dkdv_layout``), arrays (B*H, N, d), NT threads. The next tile's index is read
     before the barriers, its Q_i, dO_i, L_i, D_i travel into registers during the compute."""
     LD, LP = Dh + 4, Bc + 4
@@ -430,7 +425,7 @@ def make_dkdv_body(Br: int, Bc: int, Dh: int, NT: int, atomic_dq: bool = False, 
     KM, KN, KTC, KVR, KVC, QM, QN, QTC, QVC = gkv.M, gkv.N, gkv.TC, gkv.VR, gkv.VC, gq.M, gq.N, gq.TC, gq.VC
 
     @_device
-    def dkdv_body(sm, q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal, bh, j, first, count, tiles):
+    def dkdv_body(sm, q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal, bh, j, walk, first, count):
         t = int32(cuda.threadIdx.x)
         d = int32(q.shape[2])
         c0 = j * int32(Bc)
@@ -459,7 +454,7 @@ def make_dkdv_body(Br: int, Bc: int, Dh: int, NT: int, atomic_dq: bool = False, 
         pl, pd = DEAD, float32(0.0)
         nxt = int32(0)
         if count > 0:
-            nxt = tile_at(tiles, first, 0)
+            nxt = int32(tile_of(walk, first))
             fetch_q(q, do, bh, nxt * int32(Br), nq, d, t, pq, pg)
             if t < Br:
                 pl, pd = row_stats(lse, delta, bh, nxt * int32(Br) + t, nq)
@@ -467,7 +462,7 @@ def make_dkdv_body(Br: int, Bc: int, Dh: int, NT: int, atomic_dq: bool = False, 
         for n in range(count):
             r0 = nxt * int32(Br)
             if n + 1 < count:
-                nxt = tile_at(tiles, first, n + 1)
+                nxt = int32(tile_of(walk, first + n + 1))
             cuda.syncthreads()                                      # the last step is done with Q_i, dO_i
             put_q(sm, O_Q, O_DO, t, pq, pg)
             if t < Br:
@@ -527,8 +522,8 @@ def make_dkdv(Br: int, Bc: int, Dh: int, NT: int, dynamic: bool = False, atomic_
         if causal != 0 and j * int32(Bc) - (nk - nq) > 0:          # the first row that sees key tile j
             first = (j * int32(Bc) - (nk - nq)) // int32(Br)
         count = (nq + int32(Br - 1)) // int32(Br) - first
-        body(sm, q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal, int32(cuda.blockIdx.y), j, first,
-             count, lse)
+        body(sm, q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal, int32(cuda.blockIdx.y), j, lse,
+             first, count)
 
     return dkdv
 
@@ -536,9 +531,10 @@ def make_dkdv(Br: int, Bc: int, Dh: int, NT: int, dynamic: bool = False, atomic_
 # --------------------------------------------------------------------------- kernel 3: dQ
 
 @functools.lru_cache(maxsize=None)
-def make_dq_body(Br: int, Bc: int, Dh: int, NT: int, tile_at=counted):
-    """dq_body(sm, q, k, v, do, lse, delta, dq, nq, nk, scale, causal, bh, i, first, count,
-    tiles): dQ_i of query tile i, walking ``count`` key tiles ``tile_at(tiles, first, n)``.
+def make_dq_body(Br: int, Bc: int, Dh: int, NT: int, tile_of=every_tile):
+    """dq_body(sm, q, k, v, do, lse, delta, dq, nq, nk, scale, causal, bh, i, walk, first,
+    count): dQ_i of query tile i, walking the key tiles ``tile_of(walk, t)``, t = first ..
+    first + count - 1.
     Q_i, dO_i, L_i, D_i stay in shared memory (``dq_layout``); the next K_j, V_j travel into
     registers during the compute. Each dQ entry is summed by one thread in a fixed order."""
     LD, LP = Dh + 4, Bc + 4
@@ -553,7 +549,7 @@ def make_dq_body(Br: int, Bc: int, Dh: int, NT: int, tile_at=counted):
     QM, QN, QTC, QVC = gq.M, gq.N, gq.TC, gq.VC
 
     @_device
-    def dq_body(sm, q, k, v, do, lse, delta, dq, nq, nk, scale, causal, bh, i, first, count, tiles):
+    def dq_body(sm, q, k, v, do, lse, delta, dq, nq, nk, scale, causal, bh, i, walk, first, count):
         t = int32(cuda.threadIdx.x)
         d = int32(q.shape[2])
         r0 = i * int32(Br)
@@ -577,13 +573,13 @@ def make_dq_body(Br: int, Bc: int, Dh: int, NT: int, tile_at=counted):
         pv = cuda.local.array(LK, float32)
         nxt = int32(0)
         if count > 0:
-            nxt = tile_at(tiles, first, 0)
+            nxt = int32(tile_of(walk, first))
             fetch_kv(k, v, bh, nxt * int32(Bc), nk, d, t, pk, pv)
         since_flush = int32(0)
         for n in range(count):
             c0 = nxt * int32(Bc)
             if n + 1 < count:
-                nxt = tile_at(tiles, first, n + 1)
+                nxt = int32(tile_of(walk, first + n + 1))
             cuda.syncthreads()                                      # the last step is done with K_j, V_j
             put_kv(sm, O_K, O_V, t, pk, pv)
             cuda.syncthreads()
@@ -621,8 +617,8 @@ def make_dq(Br: int, Bc: int, Dh: int, NT: int, dynamic: bool = False):
         count = int32(0)
         if last_col >= 0:
             count = last_col // int32(Bc) + int32(1)
-        body(sm, q, k, v, do, lse, delta, dq, nq, nk, scale, causal, int32(cuda.blockIdx.y), i, int32(0), count,
-             lse)
+        body(sm, q, k, v, do, lse, delta, dq, nq, nk, scale, causal, int32(cuda.blockIdx.y), i, lse, int32(0),
+             count)
 
     return dq_kernel
 

@@ -258,18 +258,19 @@ print(inspect.getsource(fb._scores))
 # The dK/dV kernel's body composes the blocks: load K_j, V_j once; then, for each query tile
 # of its walk, store the prefetched Q_i, dO_i, L_i, D_i, start fetching the next ones,
 # compute S and dP, P and dS, accumulate dV_j and dK_j (and with atomic dQ add its piece of
-# dQ_i). Which query tiles it walks comes from a *tile source* `tile_at(tiles, first, n)`:
+# dQ_i). It walks its query tiles as chapter 4's forward walks key tiles: tile
+# `tile_of(walk, t)` for t = first .. first + count - 1:
 
 # %%
 print(inspect.getsource(make_dkdv_body))
 
 # %% [markdown]
 # The kernel itself only decides which key tile a block owns and which query tiles it walks:
-# chapter 5's source `counted` is first, first + 1, ... (causal: from the first tile that
-# sees the key tile). Chapter 6 hands the same body a source that reads a list of kept tiles.
+# with chapter 4's `every_tile` (tile t is tile t), the tiles first, first + 1, ... (causal:
+# from the first tile that sees the key tile). Chapter 6 hands the same body `listed_tile`,
+# which reads a list of kept tiles.
 
 # %%
-print(inspect.getsource(fb.counted))
 print(inspect.getsource(make_dkdv))
 
 # %% [markdown]

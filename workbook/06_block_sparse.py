@@ -53,8 +53,7 @@ from kernels import reference as ref
 from kernels import sparsity_patterns as sp
 from kernels.block_sparse import (block_sparse_attention, forward_tiles, io_model_bytes, listed_tile,
                                   make_block_sparse_forward, tile_lists)
-from kernels.block_sparse_backward import (block_sparse_attention_backward, make_backward_dkdv,
-                                           make_backward_dq)
+from kernels.block_sparse_backward import block_sparse_attention_backward, make_listed_dkdv
 from kernels.base.runtime import device_name, on_simulator
 from kernels.base.testing import assert_close, check_exercise
 
@@ -272,42 +271,34 @@ except ImportError:
 # Chapter 5's recomputing backward, over kept tiles. Every kept tile (i, j) rebuilds
 # P = exp(scale S - L) and dS = P * (dP - D) and contributes to three sums: dV_j and dK_j
 # (summed over the kept query tiles of column j) and dQ_i (summed over the kept key tiles of
-# row i). A block that owns a K/V tile can keep dK_j and dV_j in registers; dQ_i gets
-# pieces from every block of row i. The same choice as in chapter 5 (`dq_mode`):
+# row i). So the backward is chapter 5's kernels, unchanged, walking lists: chapter 5's
+# kernel bodies visit the tiles `tile_of(walk, t)`, t = first .. first + count - 1, and
+# here `tile_of` is the forward's `listed_tile`:
+#
+# * **dK, dV** (both modes), K/V tile outer: the block of key tile j walks the *column*
+#   lists, the transposed mask (CSC): `row_idx[col_ptr[g*Tc + j] : col_ptr[g*Tc + j + 1]]`
+#   in place of chapter 5's range of query tiles; with atomic dQ it also adds its Br x d
+#   piece of dQ_i for every kept tile.
+# * **dQ** (separate mode), Q tile outer: the block of query tile i walks the *row* lists
+#   (CSR, the forward's): `col_idx[row_ptr[g*Tr + i] : row_ptr[g*Tr + i + 1]]`.
+#
+# Everything else is chapter 5's: the D pre-pass, the tiles (fitted to the mask's blocks),
+# the register prefetch of the next tile (its index read before the barriers), the
+# two-level sums, and the choice of `dq_mode`:
 #
 # | | **float32 atomics** (`dq_mode="atomic"`, the default) | **separate dQ kernel** (`dq_mode="separate"`) |
 # |---|---|---|
-# | kernels | D pre-pass (chapter 5's `make_delta`, it also clears dQ), then **one** dK/dV kernel | a dQ kernel (it also writes D), then the dK/dV kernel |
-# | walks | the column lists (CSC) only | the row lists (CSR), then the column lists |
+# | kernels | D pre-pass (it also clears dQ), then **one** dK/dV kernel | D pre-pass, the dK/dV kernel, then the dQ kernel |
+# | walks | the column lists (CSC) only | the column lists, then the row lists (CSR) |
 # | dQ | each kept tile adds scale dS K_j into dQ_i with `cuda.atomic.add` | Q tile outer: dQ_i summed in registers, written once |
 # | P, dP | computed once per kept tile | computed twice per kept tile (once per kernel) |
 # | result | dK, dV bitwise reproducible; dQ's last bits vary run to run (the order of the atomic adds), within the tolerance every run | **bitwise identical run to run** |
 #
-# * **dK, dV** (both modes), K/V tile outer, walks the *column* lists (the transposed
-#   mask): rebuilds P^T and dS^T, accumulates dV = P^T dO and dK = scale dS^T Q in
-#   registers; with atomics it also adds its Br x d piece of dQ_i for every kept tile.
-# * **dQ** (separate mode), Q tile outer, walks the *row* lists (the forward's): rebuilds
-#   P, dP, dS, accumulates dQ = scale dS K in registers. It also computes D = rowsum(dO * O)
-#   for its rows (summed in the same order as dP's dot products, so that dP - D is exactly
-#   0 where it should be) and writes it out for the dK/dV kernel.
-#
-# In both, P's exponent, scale S - L, is one fma, rounded once: with large logits, scale S
-# and L are large and nearly equal, and rounding scale S on its own first would put an
-# error of a few ulps of |scale S| into the small difference (and so into P, relatively).
-# The column loop of the dK/dV kernel and its P^T, dS^T:
+# The whole of chapter 6's dK/dV kernel: which key tile a block owns (the longest lists
+# first) and where its list starts; the body is chapter 5's.
 
 # %%
-show(make_backward_dkdv, "start = col_ptr", "copy_q(qh, doh")
-show(make_backward_dkdv, "# P^T = exp(scale S^T - L)", "smem[uint64(DS_OFF) + at] = dsv")
-
-# %% [markdown]
-# With atomics, after dK and dV have taken their part of the tile, the block computes its
-# piece of dQ_i = scale dS K_j (dS from shared memory, K_j still there from the start of
-# the column) and adds it to dQ in global memory. The adds are resolved in L2; the blocks
-# of a row reach them in whatever order they run, which is why dQ's last bits vary:
-
-# %%
-show(make_backward_dkdv, "if atomic_dq:", "cuda.atomic.add(dq")
+print(inspect.getsource(make_listed_dkdv))
 
 # %% [markdown]
 # ### Check against the oracle
@@ -353,7 +344,7 @@ print("separate dQ, a second run is bit-identical:", all(np.array_equal(a, b_) f
 # $$\text{HBM}_{\text{bwd, atomic}} = 7Nd + N + \left\lceil \tfrac{N}{B_c} \right\rceil \rho\,(4Nd + 2N)$$
 #
 # The separate dQ kernel streams K_j and V_j per kept tile instead of dQ_i's round trip:
-# 8Nd + 2N + rho (ceil(N/Br) 2Nd + ceil(N/Bc)(2Nd + 2N)). The time should shrink with rho
+# 9Nd + 3N + rho (ceil(N/Br) 2Nd + ceil(N/Bc)(2Nd + 2N)). The time should shrink with rho
 # too, as long as the kept tiles keep every SM busy: rows of very different lengths (global
 # tokens) make some blocks run much longer.
 
@@ -361,8 +352,8 @@ print("separate dQ, a second run is bit-identical:", all(np.array_equal(a, b_) f
 from kernels.block_sparse_backward import io_model_bytes as backward_model_bytes
 
 n, d, Br = 4096, 64, 128   # the forward's production query tile at d = 64
-bBr, bBc = 64, 64          # the backward's production tiles at d = 64
-print(f"B=4 H=16 N={n} d={d} fp32; forward Br={Br}, backward Br=Bc={bBc}")
+bBr, bBc = 128, 128        # the backward's production tiles at d = 64: dQ kernel Br, dK/dV kernel Bc
+print(f"B=4 H=16 N={n} d={d} fp32; forward Br={Br}, backward: dK/dV Bc={bBc}, dQ Br={bBr}")
 print(f"{'rho':>8}{'fwd GFLOP':>11}{'fwd model MB':>14}{'bwd GFLOP':>11}{'bwd atomic MB':>15}{'bwd separate MB':>17}")
 for rho in (1.0, 0.5, 0.25, 0.125, 0.0625):
     fwd_mb = io_model_bytes(4, 16, n, n, d, Br=Br, rho=rho) / 1e6
