@@ -15,7 +15,7 @@ from kernels import sparsity_patterns as sp
 from kernels.base.fused import Tiles
 from kernels.base.runtime import on_simulator
 from kernels.base.testing import assert_close, forward_floor_scales, random_array
-from kernels.block_sparse import block_sparse_attention, forward_tiles, tile_lists
+from kernels.block_sparse import block_sparse_attention, tile_lists
 from kernels.flash_forward import default_tiles, flash_attention
 from sparse_cases import MAX_N, build, case, sparse_cases
 
