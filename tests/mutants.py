@@ -40,6 +40,11 @@ class Mutant:
     tests     the test files to run (paths relative to the repository)
     select    the ``-k`` expression that picks the tests expected to catch it
     bug       what the mutant does, in words
+    gpu_only  only a GPU run can catch it (sizes the simulator cannot reach); the planted-bug
+              suite skips it in the simulator and says why
+    escapes   a known gap: the chapter's tests do not catch it yet (why, and what would);
+              the suite expects it to escape (strict: once the tests catch it, the suite
+              fails until this note is removed)
     """
 
     id: str
@@ -49,6 +54,8 @@ class Mutant:
     tests: tuple
     select: str
     bug: str
+    gpu_only: str = ""
+    escapes: str = ""
 
     @property
     def path(self) -> Path:
@@ -212,6 +219,73 @@ MUTANTS += [
            (("g = int32(bh) % groups",
              "g = int32(0)   # PLANTED: every head walks head 0's lists"),),
            T6, CH6_FORWARD, "per-head masks: every head walks the first head's lists"),
+]
+
+BACKWARD = "kernels.flash_backward"
+SPARSE_BACKWARD = "kernels.block_sparse_backward"
+T5 = ("tests/test_flash_backward.py",)
+T6B = ("tests/test_block_sparse_backward.py",)
+CH5_ORACLE = ("test_gradients_match_the_oracle or test_two_level_sums_across_many_tiles "
+              "or test_fully_masked_rows_give_zero_dq_and_no_nan")
+CH6_BACKWARD = "test_backward_matches_oracle"
+
+MUTANTS += [
+    # ---- chapter 5: the recomputing backward (its building blocks are chapter 6's too)
+    Mutant("ch5-delta-dropped", 5, BACKWARD,
+           (("            out[bh, row] = part[t]\n",
+             "            out[bh, row] = float32(0.0)   # PLANTED: D = rowsum(dO O) is dropped\n"),),
+           T5, CH5_ORACLE, "D = rowsum(dO * O) is taken as 0: dS = P dP instead of P (dP - D)"),
+    Mutant("ch5-causal-diagonal-shifted", 5, BACKWARD,
+           (("cols = min(cols, r0 + r + (nk - nq) + int32(1))",
+             "cols = min(cols, r0 + r + (nk - nq))   # PLANTED: the diagonal is masked"),),
+           T5, CH5_ORACLE, "the backward's causal mask hides the diagonal too"),
+    Mutant("ch5-p-from-a-wrong-lse", 5, BACKWARD,
+           (("p = math.exp(s[a, b] * scale - lrow)",
+             "p = math.exp((s[a, b] - lrow) * scale)   # PLANTED: L taken as a raw score"),),
+           T5, CH5_ORACLE, "P is rebuilt as exp(scale (S - L)): the saved L is used in the wrong units"),
+    Mutant("ch5-ragged-query-tile-skipped", 5, BACKWARD,
+           (("count = (nq + int32(Br - 1)) // int32(Br) - first",
+             "count = nq // int32(Br) - first   # PLANTED: the ragged last query tile is skipped"),),
+           T5, CH5_ORACLE, "dK/dV: the last, partial query tile is never walked"),
+    Mutant("ch5-ragged-key-tile-skipped-in-dq", 5, BACKWARD,
+           (("count = last_col // int32(Bc) + int32(1)",
+             "count = (last_col + int32(1)) // int32(Bc)   # PLANTED: the ragged last key tile is skipped"),),
+           T5, CH5_ORACLE, "the separate dQ kernel never walks the last, partial key tile"),
+    Mutant("ch5-dk-unscaled", 5, BACKWARD,
+           (("write(dk, sm, O_SK, t, acc_dk, bh, c0, nk, d, ty_b, tx_b, scale)",
+             "write(dk, sm, O_SK, t, acc_dk, bh, c0, nk, d, ty_b, tx_b, float32(1.0))   # PLANTED: no scale"),),
+           T5, CH5_ORACLE, "dK = dS^T Q without the softmax scale"),
+    Mutant("ch5-flush-overwrites", 5, BACKWARD,
+           (("sm[uint64(o + (a * N + b) * NT + t)] += acc[a, b]",
+             "sm[uint64(o + (a * N + b) * NT + t)] = acc[a, b]   # PLANTED: the running sum is overwritten"),),
+           T5, "test_two_level_sums_across_many_tiles", "the two-level sums: a flush overwrites the running sum instead of adding to it",
+           escapes="no test walks more than FLUSH = ACC_ROWS / Br tiles twice over: test_two_level_sums_across_"
+                   "many_tiles is causal with Nq > Nk, so each key tile walks at most ~10 query tiles of 8 (one "
+                   "flush); the same sizes without causal masking (dK, dV) and causal with Nq < Nk (separate dQ) "
+                   "catch it"),
+    Mutant("ch5-single-register-sums", 5, BACKWARD,
+           (("FLUSH = max(1, ACC_ROWS // Br)                                  # query tiles a partial sum holds",
+             "FLUSH = 1 << 30   # PLANTED: one register sums every query tile"),
+            ("FLUSH = max(1, ACC_ROWS // Bc)                                  # key tiles a partial sum holds",
+             "FLUSH = 1 << 30   # PLANTED: one register sums every key tile")),
+           T5, "test_long_causal_sequence",
+           "single-register sums in place of the two-level sums: dV's error grows with N (4x NumPy's at N = 4096)",
+           gpu_only="the error shows at N = 4096 (test_long_causal_sequence); at the simulator's sizes "
+                    "float32 NumPy's own sums are single sequences too"),
+
+    # ---- chapter 6: the block-sparse backward (chapter 5's bodies walking the lists)
+    Mutant("ch6-backward-dkdv-walk-one-short", 6, SPARSE_BACKWARD,
+           (("col_ptr[g + j + 1] - first",
+             "col_ptr[g + j + 1] - first - 1"),),
+           T6B, CH6_BACKWARD, "dK/dV: the walk over a key tile's kept query tiles stops one tile short"),
+    Mutant("ch6-backward-dq-walk-one-short", 6, SPARSE_BACKWARD,
+           (("row_ptr[g + i + 1] - first",
+             "row_ptr[g + i + 1] - first - 1"),),
+           T6B, CH6_BACKWARD, "separate dQ: the walk over a query tile's kept key tiles stops one tile short"),
+    Mutant("ch6-backward-one-mask-for-all-heads", 6, SPARSE_BACKWARD,
+           (("g = (bh % groups) * int32(cuda.gridDim.x)                   # this head's lists",
+             "g = int32(0) * int32(cuda.gridDim.x)   # PLANTED: every head walks head 0's lists"),),
+           T6B, CH6_BACKWARD, "per-head masks: dK/dV of every head walk the first head's lists"),
 ]
 
 BY_ID = {m.id: m for m in MUTANTS}

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from kernels.base.runtime import on_simulator
 from mutants import MUTANTS, ROOT, MutantError
 
 # A child runs a few seconds: Python, Numba's simulator and the chapter's tests up to the
@@ -47,7 +48,11 @@ def run_with_mutant(mutant):
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.id)
-def test_mutant_is_caught(mutant):
+def test_mutant_is_caught(mutant, request):
+    if mutant.gpu_only and on_simulator():
+        pytest.skip(f"needs a GPU: {mutant.gpu_only}")
+    if mutant.escapes:                    # a known gap, written down; strict: a catch must remove the note
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"known gap: {mutant.escapes}"))
     try:
         mutant.mutated_source()
     except MutantError as exc:
