@@ -27,18 +27,16 @@ The kernels, in launch order:
 
 How it is built. Tile sizes are compile-time constants (``kernels.backward_tiles``), so all
 the code comes from cached factories that close over them. The device building blocks are
-written once, here, as device functions inlined into the kernels (their per-thread arrays
-have constant shapes and unrolled constant indices, so they stay in registers): tile copies
-with a register prefetch, L and D of a query row, the S and dP micro-tiles, P and dS from
-them, dV += P^T dO and dK += dS^T Q, dQ += dS K, the two-level sums. Two bodies compose
-them, ``make_dkdv_body`` and ``make_dq_body``, and walk their tiles as chapter 4's forward
-does: tile ``tile_of(walk, t)`` for t = first .. first + count - 1, here chapter 4's
-``every_tile`` (tile t); chapter 6 passes ``listed_tile``, which reads its lists of kept
-tiles, and the rest of its kernels is this code. (Triton's fused attention shares its bodies
-through a compile-time flag; a device function handed to a factory is the Numba way.)
-
-Each thread owns a register micro-tile of every product, reads shared memory 16 bytes at a
-time (rows Dh + 4 or Bc + 4 floats apart), at unsigned offsets (Numba adds a negative-index
+written once, here, as device functions inlined into the kernels (per-thread arrays of
+constant shape, indexed by unrolled loops, stay in registers): tile copies with a register
+prefetch, L and D of a query row, the S and dP micro-tiles, P and dS, dV += P^T dO and
+dK += dS^T Q, dQ += dS K, the two-level sums. Two bodies compose them (``make_dkdv_body``,
+``make_dq_body``) and walk their tiles as chapter 4's forward does: tile ``tile_of(walk, t)``
+for t = first .. first + count - 1, with chapter 4's ``every_tile`` (tile t) here; chapter 6
+passes ``listed_tile``, which reads its lists of kept tiles, and the rest of its kernels is
+this code. (Triton's fused attention shares bodies through a compile-time flag; a device
+function handed to a factory is the Numba way.) Threads read shared memory 16 bytes at a
+time (rows Dh + 4 or Bc + 4 floats apart) at unsigned offsets (Numba adds a negative-index
 wraparound to signed ones: instructions, and the alignment hidden).
 
 NaN and Inf follow IEEE arithmetic (``FASTMATH`` keeps the no-NaN/no-Inf assumptions out): a
@@ -57,6 +55,7 @@ from numba import cuda, float32, int32, uint64
 
 from kernels.backward_tiles import (GPU_TILES, BackwardTiles, Grid, check_tiles, default_tiles, dkdv_layout,
                                     dq_layout, head_dim_bucket, need, shared_bytes, warp_split)
+from kernels.base import io_model as io
 from kernels.base.fused import ALIGN, FASTMATH, MAX_GRID_Y, MINUS_INF, run_length
 from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, device_empty,
                                   on_simulator, to_device)
@@ -719,25 +718,18 @@ def launch(q, k, v, o, lse, do, nq, nk, Dh, causal, scale, tiles, dq_mode, out=N
 
 
 def io_model_bytes(B, H, nq, nk, d, tiles=None, dq_mode="atomic", causal=False, itemsize=4, kept=None):
-    """HBM bytes the kernels move, by the IO model (no reuse through L2). delta: reads O, dO,
-    writes D (2 Nq d + Nq). dK/dV: reads K, V, writes dK, dV (4 Nk d); each of its Tc blocks
-    streams Q, dO, L, D (2 Nq d + 2 Nq). Atomic dQ: the pre-pass clears dQ (Nq d), each block
-    reads and writes its dQ_i (2 Nq d). Separate dQ: reads Q, dO, L, D once, writes dQ (3 Nq d +
-    2 Nq), each of its Tr blocks streams K, V (2 Nk d). ``kept``: the fraction of tiles the
-    walks visit (default: 1/2 causal, else 1; chapter 6: the mask's)."""
+    """HBM bytes the kernels move by the IO model of ``kernels.base.io_model`` (no reuse through
+    L2): the dK/dV kernel streams Q, dO, L, D (and with atomic dQ, dQ) once a key tile of Bc
+    rows, the separate dQ kernel streams K, V once a query tile of its Br rows. ``kept``: the
+    fraction of the tiles the walks visit (default: 1/2 causal, else 1; chapter 6: the mask's)."""
     tiles = tiles or default_tiles(d)
-    kept = (0.5 if causal else 1.0) if kept is None else kept
-    elems = 2 * nq * d + nq + 4 * nk * d + kept * cdiv(nk, tiles.Bc) * (2 * nq * d + 2 * nq)
-    if dq_mode == "atomic":
-        elems += nq * d + kept * cdiv(nk, tiles.Bc) * 2 * nq * d
-    else:
-        elems += 3 * nq * d + 2 * nq + kept * cdiv(nq, tiles.dq_Br) * 2 * nk * d
-    return float(elems) * B * H * itemsize
+    return io.fused_backward_bytes(B, H, nq, nk, d, Bc=tiles.Bc, Br=tiles.dq_Br, dq_mode=dq_mode, causal=causal,
+                                   itemsize=itemsize, kept=kept)
 
 
 def standard_backward_bytes(B, H, n, d, itemsize=4):
     """The standard backward (S, P, dP, dS through HBM): 7 N^2 + 10 N d + N elements a head."""
-    return float(7 * n * n + 10 * n * d + n) * B * H * itemsize
+    return io.standard_backward_bytes(B, H, n, d, itemsize=itemsize)
 
 
 # --------------------------------------------------------------------------- PTX targets
