@@ -360,8 +360,64 @@ def forward_floor_scales(q, k, v, scale=None, *, causal=None, block_mask=None):
     return f.o, f.lse
 
 
-def gradient_floor_scales(q, k, v, o, lse, do, *, causal=False, scale=None, block_mask=None):
-    """Floor scales for (dQ, dK, dV) of attention.
+def attention_gradient_floors(q, k, v, o, lse, do, *, causal=False, scale=None, block_mask=None):
+    """Element-by-element floors (``Floor``) of (dQ, dK, dV), from the backward's rounding
+    steps (the notes above ``C_EXP``), for a kernel that rebuilds P = exp(scale S - L) from
+    the saved L:
+
+    P_ij     relative error rel_ij = C_EXP + C_ARG |x_ij| + scale a_ij (x = scale S - L, the
+             exp's argument; a = |Q||K|^T, the error of S)
+    dS_ij    = P_ij (dP_ij - D_i): P's error times |dP - D|, plus the absolute errors of dP
+             = dO V^T (one U of |dO||V|^T) and of D = rowsum(dO O) (one U of rowsum|dO O|),
+             which do not shrink when dP - D cancels (large logits)
+    dV_j     = sum_i P_ij dO_i: P's errors in quadrature, plus one U of sum_i P_ij |dO_i|
+    dQ_i     = scale sum_j dS_ij K_j and dK_j = scale sum_i dS_ij Q_i: dS's errors in
+             quadrature (D's error, common to a row, adds coherently in dQ), plus one U of
+             the sum of absolute terms
+
+    Each is capped at the legacy floor (``gradient_floor_scales(..., per_element=False)``).
+    """
+    from kernels import reference as ref
+
+    q, k, v, o, lse, do = (np.asarray(x, np.float64) for x in (q, k, v, o, lse, do))
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = (1.0 / np.sqrt(d) if d > 0 else 1.0) if scale is None else float(scale)
+    zero = (Floor(np.zeros(q.shape), "empty"), Floor(np.zeros(k.shape), "empty"), Floor(np.zeros(v.shape), "empty"))
+    if nq == 0 or nk == 0:
+        return zero
+    q, k, v, o, do = (_nan0(x) for x in (q, k, v, o, do))
+    kt = np.swapaxes(k, -1, -2)
+    allowed = ref.attention_mask(nq, nk, causal=causal, block_mask=block_mask)
+    allowed = np.ones((1, 1), bool) if allowed is None else allowed
+    live = np.isfinite(lse)[..., None]
+    x = scale * (q @ kt) - np.where(live, _nan0(lse)[..., None], 0.0)
+    on = allowed & live
+    p = np.where(on, np.exp(np.minimum(np.where(on, x, 0.0), 0.0)), 0.0)
+    rel = np.where(on, C_EXP + C_ARG * np.abs(x) + scale * (np.abs(q) @ np.abs(kt)), 0.0)
+    dp = do @ np.swapaxes(v, -1, -2)
+    big_d = np.sum(do * o, axis=-1, keepdims=True)
+    abs_d = np.sum(np.abs(do * o), axis=-1, keepdims=True)
+    ds = p * (dp - big_d)
+    err_ds = p * (rel * np.abs(dp - big_d) + np.abs(do) @ np.swapaxes(np.abs(v), -1, -2))   # in U
+    t = lambda a: np.swapaxes(a, -1, -2)
+    f_dv = U * (np.sqrt(t(p * rel) ** 2 @ (do * do)) + t(p) @ np.abs(do))
+    f_dq = U * scale * (np.sqrt(err_ds ** 2 @ (k * k)) + abs_d * np.abs(p @ k) + np.abs(ds) @ np.abs(k))
+    f_dk = U * scale * (np.sqrt(t(err_ds) ** 2 @ (q * q) + t(p * abs_d) ** 2 @ (q * q)) + t(np.abs(ds)) @ np.abs(q))
+    legacy = gradient_floor_scales(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=block_mask,
+                                   per_element=False)
+    why = "gradient floor: P's, dP's and D's errors through dS, in quadrature, plus U of the sums"
+    return tuple(Floor(np.minimum(f, 8 * FLOAT32_EPS * cap), f"{name} {why}")
+                 for name, f, cap in (("dQ", f_dq, legacy[0]), ("dK", f_dk, legacy[1]), ("dV", f_dv, legacy[2])))
+
+
+def gradient_floor_scales(q, k, v, o, lse, do, *, causal=False, scale=None, block_mask=None, per_element=None):
+    """Floors for (dQ, dK, dV) of attention.
+
+    ``per_element`` (the default; WORKBOOK_GRADIENT_FLOORS=legacy turns it off): the
+    ``Floor``s of ``attention_gradient_floors``, about the size of the float32 term, so that
+    a backward whose errors grow 4x fails. ``per_element=False``: the legacy scalar floor
+    scales (for 8 ulps each), 50-80x the float32 error on typical cases, which the rest of
+    this docstring derives:
 
     dS = P (dP - D) with D = rowsum(dO O) = sum_j P_j dP_j: where a row's softmax is nearly
     one-hot (large logits), dP - D is a small difference of float32 sums of size |dP| + |D|,
@@ -375,6 +431,10 @@ def gradient_floor_scales(q, k, v, o, lse, do, *, causal=False, scale=None, bloc
     """
     from kernels import reference as ref
 
+    if per_element is None:
+        per_element = os.environ.get("WORKBOOK_GRADIENT_FLOORS", "element") != "legacy"
+    if per_element:
+        return attention_gradient_floors(q, k, v, o, lse, do, causal=causal, scale=scale, block_mask=block_mask)
     q, k, v, o, lse, do = (np.asarray(x, np.float64) for x in (q, k, v, o, lse, do))
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(max(d, 1)) if scale is None else scale
