@@ -164,6 +164,30 @@ MUTANTS = [
            T3, CH3_KERNEL, "p rounded to 21 significant bits: p's error about 4x the kernel's (median over the cases)"),
 ]
 
+MATMUL = "kernels.tiled_matmul"
+T2 = ("tests/test_tiled_matmul.py",)
+CH2_ORACLE = "test_matmul_matches_oracle or test_each_rung_matches_oracle or test_default_tiles_ragged"
+
+MUTANTS += [
+    # ---- chapter 2: the tiled matmul
+    Mutant("ch2-ragged-k-tile-skipped", 2, MATMUL,
+           (("tiles = (K + int32(BK - 1)) // int32(BK)",
+             "tiles = K // int32(BK)   # PLANTED: the ragged last k-tile is skipped"),),
+           T2, CH2_ORACLE, "rung 3: the last, partial k-tile of A and B is never multiplied"),
+    Mutant("ch2-shared-ragged-k-tile-skipped", 2, MATMUL,
+           (("for k0 in range(int32(0), K, int32(T)):",
+             "for k0 in range(int32(0), K - K % int32(T), int32(T)):   # PLANTED: the ragged last k-tile is skipped"),),
+           T2, CH2_ORACLE, "rung 2: the last, partial k-tile is never loaded"),
+    Mutant("ch2-accumulator-fp16-precision", 2, MATMUL,
+           (("                acc += a[row, k] * b[k, col]\n",
+             _veltkamp("acc + a[row, k] * b[k, col]", 11, " " * 16, "acc") + "   # PLANTED: the sum kept to 11 bits\n"),),
+           T2, CH2_ORACLE, "rung 1: the running sum rounded to fp16's precision (11 bits) at every step"),
+    Mutant("ch2-accumulator-4x-less-accurate", 2, MATMUL,
+           (("                acc += a[row, k] * b[k, col]\n",
+             _veltkamp("acc + a[row, k] * b[k, col]", 22, " " * 16, "acc") + "   # PLANTED: the sum kept to 22 bits\n"),),
+           T2, CH2_ORACLE, "rung 1: the running sum rounded to 22 bits at every step: 4x float32's rounding error"),
+]
+
 FORWARD = "kernels.flash_forward"
 SPARSE = "kernels.block_sparse"
 T4 = ("tests/test_flash_forward.py",)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kernels import reference as ref
 from kernels.base.runtime import on_simulator
-from kernels.base.testing import assert_close, random_array
+from kernels.base.testing import assert_close, matmul_floor, random_array
 from kernels.tiled_matmul import (
     RUNG3_CONFIGS,
     TileCase,
@@ -86,7 +86,8 @@ def case(m, k, n, rung, tiles=None, seed=0):
 def check(c):
     got = matmul(c.a, c.b, rung=c.rung, **c.tiles)
     assert isinstance(got, np.ndarray) and got.dtype == np.float32
-    assert_close(got, ref.matmul(c.a, c.b), ref.matmul(c.a, c.b, dtype=np.float32), name=f"C (rung {c.rung})")
+    assert_close(got, ref.matmul(c.a, c.b), ref.matmul(c.a, c.b, dtype=np.float32), name=f"C (rung {c.rung})",
+                 floor=matmul_floor(c.a, c.b))
 
 
 @given(matmul_cases())
@@ -121,10 +122,11 @@ def test_device_arrays_in_device_array_out():
     da, db = cuda.to_device(c.a), cuda.to_device(c.b)
     got = matmul(da, db)
     assert not isinstance(got, np.ndarray)
-    assert_close(got.copy_to_host(), ref.matmul(c.a, c.b), ref.matmul(c.a, c.b, dtype=np.float32))
+    floor = matmul_floor(c.a, c.b)
+    assert_close(got.copy_to_host(), ref.matmul(c.a, c.b), ref.matmul(c.a, c.b, dtype=np.float32), floor=floor)
     out = cuda.device_array((10, 12), dtype=np.float32)
     assert matmul(da, db, rung=2, out=out) is out
-    assert_close(out.copy_to_host(), ref.matmul(c.a, c.b), ref.matmul(c.a, c.b, dtype=np.float32))
+    assert_close(out.copy_to_host(), ref.matmul(c.a, c.b), ref.matmul(c.a, c.b, dtype=np.float32), floor=floor)
 
 
 A = np.ones((3, 4), np.float32)
