@@ -329,7 +329,8 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
         results.append(ctx.measure(
             CHAPTER, "block-sparse backward" + ("" if mode == "atomic" else " (separate dQ)"), config,
             lambda q, k, v, o, lse, do, mode=mode: block_sparse_attention_backward(
-                q, k, v, o, lse, do, mask, causal=causal, lists=blists, dq_mode=mode),
+                q, k, v, o, lse, do, mask, causal=causal, lists=blists if mode == "separate" else blists[0],
+                dq_mode=mode),
             grads, flops=bflops, peak_memory=False,
             model_bytes=io_model_bytes_backward(b, h, n, n, d, Br=bcfg.dq_Br, Bc=bcfg.Bc, rho=brho, dq_mode=mode),
             note=f"launcher, {bcfg}, lists built once; chapter 5's kernels walking them: " + (
