@@ -222,22 +222,11 @@ def block_sparse_forward_bytes(B: int, H: int, nq: int, nk: int, d: int, *, Br: 
 
 def block_sparse_backward_bytes(B: int, H: int, nq: int, nk: int, d: int, *, Br: int, Bc: int, rho: float,
                                 itemsize: int = 4, dq_mode: str = "atomic") -> float:
-    """HBM bytes of chapter 6's backward kernels, B x H heads; per head:
-    dK/dV kernel: K, V read, dK, dV written (4 Nk d), Q, dO, L, D read for each kept tile
-    ((2 Nq d + 2 Nq) ceil(Nk/Bc) rho);
-    atomic: the pre-pass reads O, dO, writes D and clears dQ (3 Nq d + Nq), and each kept
-    tile reads and writes its dQ rows (2 Nq d ceil(Nk/Bc) rho);
-    separate: the dQ kernel reads Q, dO, O, writes dQ (4 Nq d), reads L and writes D (2 Nq),
-    and reads K and V for each kept tile (2 Nk d ceil(Nq/Br) rho).
-    At rho = 1 with atomic dQ it is the dense ``fused_backward_bytes``."""
-    if dq_mode not in DQ_MODES:
-        raise ValueError(f"dq_mode: expected one of {DQ_MODES}, got {dq_mode!r}")
-    dkdv = 4 * nk * d + (2 * nq * d + 2 * nq) * _cdiv(nk, Bc) * rho
-    if dq_mode == "atomic":
-        dq = 3 * nq * d + nq + 2 * nq * d * _cdiv(nk, Bc) * rho
-    else:
-        dq = 4 * nq * d + 2 * nq + 2 * nk * d * _cdiv(nq, Br) * rho
-    return float(B * H * itemsize * (dq + dkdv))
+    """HBM bytes of chapter 6's backward, B x H heads: chapter 5's kernels walking the kept
+    tiles, so chapter 5's model with its streams over the kept fraction ``rho`` of the tiles
+    (``fused_backward_bytes(..., kept=rho)``; Bc the dK/dV kernel's key tile, Br the
+    separate dQ kernel's query tile). At rho = 1 it is the dense model."""
+    return fused_backward_bytes(B, H, nq, nk, d, Bc=Bc, Br=Br, dq_mode=dq_mode, itemsize=itemsize, kept=rho)
 
 
 # --------------------------------------------------------------------------- the table, bound, intensity

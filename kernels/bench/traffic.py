@@ -72,7 +72,7 @@ def _case(name, build=True):
     from kernels.bench.block_sparse import _mask
     from kernels.block_sparse import block_sparse_attention, forward_tiles, tile_lists
     from kernels.block_sparse import io_model_bytes as sparse_forward_model
-    from kernels.block_sparse_backward import backward_config, block_sparse_attention_backward
+    from kernels.block_sparse_backward import backward_tiles, block_sparse_attention_backward
     from kernels.block_sparse_backward import io_model_bytes as sparse_backward_model
 
     part, density = match.group(1), float(match.group(2))
@@ -83,14 +83,14 @@ def _case(name, build=True):
         fn = (lambda: block_sparse_attention(q, k, v, mask, lists=flists)) if build else None
         return (fn, 6, f"block-sparse forward, density {density:g}",
                 sparse_forward_model(b, h, n, n, d, Br=ftiles.Br, rho=flists.kept_fraction))
-    cfg = backward_config(d, mask)
+    cfg = backward_tiles(d, mask)                # the dK/dV kernel's lists (atomic dQ)
     lists = tile_lists(mask, n, n, Br=cfg.Br, Bc=cfg.Bc, batch=b, heads=h)
     fn = None
     if build:
         o, lse = block_sparse_attention(q, k, v, mask, lists=flists)
         fn = lambda: block_sparse_attention_backward(q, k, v, o, lse, do, mask, lists=lists)  # noqa: E731
     return (fn, 6, f"block-sparse backward (atomic dQ), density {density:g}",
-            sparse_backward_model(b, h, n, n, d, Br=cfg.Br, Bc=cfg.Bc, rho=lists.kept_fraction))
+            sparse_backward_model(b, h, n, n, d, Br=cfg.dq_Br, Bc=cfg.Bc, rho=lists.kept_fraction))
 
 
 def run_case(name):
