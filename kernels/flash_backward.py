@@ -218,14 +218,15 @@ def _copies(R: int, Dh: int, NT: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _scores(Br: int, Bc: int, Dh: int, NT: int):
+def _scores(Br: int, Bc: int, Dh: int, NT: int, store_p: bool = False, store_ds: bool = False):
     """The Br x Bc tiles S, dP, P, dS. ``where(t)``: (ty, tx), thread t's first row and
     column; it owns rows ty + RA*a, columns tx + CA*b (a warp covers a nearly square block).
     ``s_dp``: S = Q_i K_j^T, dP = dO_i V_j^T (raw dot products, 4 steps of d a vector load;
     u_*: the thread's first row of Q_i, dO_i, K_j, V_j). ``p_ds``: P = exp(scale S - L) and
     dS = P (dP - D) in place of S and dP, both exactly 0 where masked (causal: key c visible
-    to row r iff c <= r + Nk - Nq) or past Nq, Nk. ``store``: a micro-tile to the shared tile
-    at offset o (rows Bc + 4 apart). Returns (where, s_dp, p_ds, store, (AM, AN))."""
+    to row r iff c <= r + Nk - Nq) or past Nq, Nk; each also stored to its shared tile at
+    o_p (``store_p``), o_ds (``store_ds``) as it is made. ``store``: a micro-tile to the
+    shared tile at offset o (rows Bc + 4 apart). Returns (where, s_dp, p_ds, store, (AM, AN))."""
     AM, AN, RA, CA, WC = need(warp_split, Br, Bc, NT, "S tile Br x Bc")
     LD, LP = Dh + 4, Bc + 4
 
@@ -261,7 +262,7 @@ def _scores(Br: int, Bc: int, Dh: int, NT: int):
                         dp[a, b] += da[a, u] * vb[b, u]
 
     @_device
-    def p_ds(sm, o_l, o_d, ty, tx, r0, c0, nq, nk, causal, scale, s, dp):
+    def p_ds(sm, o_l, o_d, ty, tx, r0, c0, nq, nk, causal, scale, s, dp, o_p, o_ds):
         for a in range(AM):
             r = ty + int32(a * RA)
             lrow = sm[uint64(o_l + r)]
@@ -278,6 +279,10 @@ def _scores(Br: int, Bc: int, Dh: int, NT: int):
                     ds = p * (dp[a, b] - drow)
                 s[a, b] = p
                 dp[a, b] = ds
+                if store_p:
+                    sm[uint64(o_p + r * LP + tx + b * CA)] = p
+                if store_ds:
+                    sm[uint64(o_ds + r * LP + tx + b * CA)] = ds
 
     @_device
     def store(sm, o, ty, tx, x):
@@ -411,7 +416,7 @@ def make_dkdv_body(Br: int, Bc: int, Dh: int, NT: int, atomic_dq: bool = False, 
     before the barriers, its Q_i, dO_i, L_i, D_i travel into registers during the compute."""
     LD, LP = Dh + 4, Bc + 4
     (O_K, O_V, O_Q, O_DO, O_P, O_DS, O_L, O_D, O_SV, O_SK), _ = dkdv_layout(Br, Bc, Dh, merged)
-    where, s_dp, p_ds, store, (AM, AN) = _scores(Br, Bc, Dh, NT)
+    where, s_dp, p_ds, store, (AM, AN) = _scores(Br, Bc, Dh, NT, True, not merged)   # P (and dS) stored
     load_kv = _copies(Bc, Dh, NT)[0]
     _, fetch_q, put_q, LQ = _copies(Br, Dh, NT)
     gkv = Grid.of(Bc, Dh, NT, "dK/dV tile Bc x d")                 # dV_j, dK_j: runs of keys
@@ -474,10 +479,7 @@ def make_dkdv_body(Br: int, Bc: int, Dh: int, NT: int, atomic_dq: bool = False, 
                     pl, pd = row_stats(lse, delta, bh, nxt * int32(Br) + t, nq)
 
             s_dp(sm, u_q, u_do, u_k, u_v, s, dp)                    # S = Q_i K_j^T, dP = dO_i V_j^T
-            p_ds(sm, O_L, O_D, ty, tx, r0, c0, nq, nk, causal, scale, s, dp)   # P, dS = P (dP - D)
-            store(sm, O_P, ty, tx, s)
-            if not merged:
-                store(sm, O_DS, ty, tx, dp)
+            p_ds(sm, O_L, O_D, ty, tx, r0, c0, nq, nk, causal, scale, s, dp, O_P, O_DS)   # P, dS; stored
             cuda.syncthreads()
             if merged:                                              # P, then dS in the same buffer
                 sum_t(sm, u_p, u_dob, acc_dv, u_p, u_dob, acc_dv)   # dV_j += P^T dO_i
@@ -538,7 +540,7 @@ def make_dq_body(Br: int, Bc: int, Dh: int, NT: int, tile_of=every_tile):
     registers during the compute. Each dQ entry is summed by one thread in a fixed order."""
     LD, LP = Dh + 4, Bc + 4
     (O_Q, O_DO, O_K, O_V, O_DS, O_L, O_D, O_SQ), _ = dq_layout(Br, Bc, Dh)
-    where, s_dp, p_ds, store, (AM, AN) = _scores(Br, Bc, Dh, NT)
+    where, s_dp, p_ds, _, (AM, AN) = _scores(Br, Bc, Dh, NT, False, True)      # dS stored
     load_q = _copies(Br, Dh, NT)[0]
     _, fetch_kv, put_kv, LK = _copies(Bc, Dh, NT)
     gq = Grid.of(Br, Dh, NT, "dQ tile Br x d", row_runs=False)
@@ -585,8 +587,7 @@ def make_dq_body(Br: int, Bc: int, Dh: int, NT: int, tile_of=every_tile):
             if n + 1 < count:                                       # start loading the next tile
                 fetch_kv(k, v, bh, nxt * int32(Bc), nk, d, t, pk, pv)
             s_dp(sm, u_q, u_do, u_k, u_v, s, dp)                    # S = Q_i K_j^T, dP = dO_i V_j^T
-            p_ds(sm, O_L, O_D, ty, tx, r0, c0, nq, nk, causal, scale, s, dp)   # P, dS = P (dP - D)
-            store(sm, O_DS, ty, tx, dp)
+            p_ds(sm, O_L, O_D, ty, tx, r0, c0, nq, nk, causal, scale, s, dp, 0, O_DS)     # P, dS; dS stored
             cuda.syncthreads()
             ds_k(sm, u_dsq, u_kq, acc)                              # dQ_i += dS K_j
             since_flush += int32(1)
@@ -749,7 +750,8 @@ def ptx_targets():
         for atomic in (False, True):
             targets.append((f"flash bwd delta{' + clear dQ' if atomic else ''} fp32 d={Dh}",
                             make_delta(Dh, 4, atomic)[0], DELTA_SIG))
-            targets.append((f"flash bwd dkdv{' + atomic dQ' if atomic else ''} fp32 Br={t.Br} Bc={t.Bc} t={t.threads} d={Dh}",
+            targets.append((f"flash bwd dkdv{' + atomic dQ' if atomic else ''} fp32 Br={t.Br} Bc={t.Bc} "
+                            f"t={t.threads} d={Dh}",
                             make_dkdv(t.Br, t.Bc, Dh, t.threads, big[0], atomic, t.merged_at(Dh)), DKDV_SIG))
         targets.append((f"flash bwd dq fp32 Br={t.dq_Br} Bc={t.dq_Bc} t={t.dq_threads} d={Dh}",
                         make_dq(t.dq_Br, t.dq_Bc, Dh, t.dq_threads, big[1]), DQ_SIG))
