@@ -216,15 +216,18 @@ def test_device_arrays_in_device_arrays_out():
     _check_gradients(case, [g.copy_to_host() for g in got], o, lse, do)
 
 
-def test_two_level_sums_across_many_tiles():
-    # More query rows and keys than ACC_ROWS: dV_j, dK_j (and dQ_i in the separate kernel)
-    # pass through the running sums in shared memory (several flushes, and a partial left
-    # in registers at the end).
-    case = case_with((1, 1, 2 * ACC_ROWS + 7, 4), (1, 1, ACC_ROWS + 9, 4), causal=True, seed=14)
+@pytest.mark.parametrize("causal", [False, True])
+def test_two_level_sums_across_many_tiles(causal):
+    # Each key tile walks more than 2 * ACC_ROWS query rows (and each query tile as many keys):
+    # dV_j, dK_j and the separate dQ_i go through their running sums in shared memory twice
+    # (two flushes) and keep a partial in registers at the end. Causal with Nq < Nk: the last
+    # query tiles see every key, the first key tiles every query row.
+    n = 2 * ACC_ROWS + 7
+    case = case_with((1, 1, n, 4), (1, 1, n + 2, 4), causal=causal, seed=14)
     o, lse, do = _forward_and_grad(case)
-    tiles = BackwardTiles(8, 8, 16, 8, 8, 16) if SIM else None
+    tiles = BackwardTiles(8, 8, 16, 8, 8, 16) if SIM else BackwardTiles(16, 16, 64, 16, 16, 64)
     for dq_mode in DQ_MODES:
-        got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=True, tiles=tiles,
+        got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=causal, tiles=tiles,
                                        dq_mode=dq_mode)
         _check_gradients(case, got, o, lse, do)
 
