@@ -479,7 +479,7 @@ def make_dkdv_body(Br: int, Bc: int, Dh: int, NT: int, atomic_dq: bool = False, 
                     pl, pd = row_stats(lse, delta, bh, nxt * int32(Br) + t, nq)
 
             s_dp(sm, u_q, u_do, u_k, u_v, s, dp)                    # S = Q_i K_j^T, dP = dO_i V_j^T
-            p_ds(sm, O_L, O_D, ty, tx, r0, c0, nq, nk, causal, scale, s, dp, O_P, O_DS)   # P, dS; stored
+            p_ds(sm, O_L, O_D, ty, tx, r0, c0, nq, nk, causal, scale, s, dp, O_P, O_DS)   # P, dS to shared
             cuda.syncthreads()
             if merged:                                              # P, then dS in the same buffer
                 sum_t(sm, u_p, u_dob, acc_dv, u_p, u_dob, acc_dv)   # dV_j += P^T dO_i
@@ -587,7 +587,7 @@ def make_dq_body(Br: int, Bc: int, Dh: int, NT: int, tile_of=every_tile):
             if n + 1 < count:                                       # start loading the next tile
                 fetch_kv(k, v, bh, nxt * int32(Bc), nk, d, t, pk, pv)
             s_dp(sm, u_q, u_do, u_k, u_v, s, dp)                    # S = Q_i K_j^T, dP = dO_i V_j^T
-            p_ds(sm, O_L, O_D, ty, tx, r0, c0, nq, nk, causal, scale, s, dp, 0, O_DS)     # P, dS; dS stored
+            p_ds(sm, O_L, O_D, ty, tx, r0, c0, nq, nk, causal, scale, s, dp, 0, O_DS)     # P, dS; dS to shared
             cuda.syncthreads()
             ds_k(sm, u_dsq, u_kq, acc)                              # dQ_i += dS K_j
             since_flush += int32(1)
