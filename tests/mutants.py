@@ -282,11 +282,7 @@ MUTANTS += [
     Mutant("ch5-flush-overwrites", 5, BACKWARD,
            (("sm[uint64(o + (a * N + b) * NT + t)] += acc[a, b]",
              "sm[uint64(o + (a * N + b) * NT + t)] = acc[a, b]   # PLANTED: the running sum is overwritten"),),
-           T5, "test_two_level_sums_across_many_tiles", "the two-level sums: a flush overwrites the running sum instead of adding to it",
-           escapes="no test walks more than FLUSH = ACC_ROWS / Br tiles twice over: test_two_level_sums_across_"
-                   "many_tiles is causal with Nq > Nk, so each key tile walks at most ~10 query tiles of 8 (one "
-                   "flush); the same sizes without causal masking (dK, dV) and causal with Nq < Nk (separate dQ) "
-                   "catch it"),
+           T5, "test_two_level_sums_across_many_tiles", "the two-level sums: a flush overwrites the running sum instead of adding to it"),
     Mutant("ch5-single-register-sums", 5, BACKWARD,
            (("FLUSH = max(1, ACC_ROWS // Br)                                  # query tiles a partial sum holds",
              "FLUSH = 1 << 30   # PLANTED: one register sums every query tile"),
