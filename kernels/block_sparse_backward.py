@@ -36,7 +36,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, int32
 
-from kernels.backward_tiles import (BackwardTiles, check_tiles, default_tiles, dkdv_layout, dq_layout, fits,
+from kernels.base.backward_tiles import (BackwardTiles, check_tiles, default_tiles, dkdv_layout, dq_layout, fits,
                                     head_dim_bucket)
 from kernels.base.fused import ALIGN, FASTMATH
 from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_scale

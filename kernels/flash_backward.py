@@ -25,7 +25,7 @@ The kernels, in launch order:
    a second time against the streaming K_j, V_j, each dQ entry summed by one thread in a
    fixed order: bitwise identical run to run, for 14 N^2 d FLOPs a head in place of 10.
 
-How it is built. Tile sizes are compile-time constants (``kernels.backward_tiles``), so all
+How it is built. Tile sizes are compile-time constants (``kernels.base.backward_tiles``), so all
 the code comes from cached factories that close over them. The device building blocks are
 written once, here, as device functions inlined into the kernels (per-thread arrays of
 constant shape, indexed by unrolled loops, stay in registers): tile copies with a register
@@ -53,7 +53,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from kernels.backward_tiles import (GPU_TILES, BackwardTiles, Grid, check_tiles, default_tiles, dkdv_layout,
+from kernels.base.backward_tiles import (GPU_TILES, BackwardTiles, Grid, check_tiles, default_tiles, dkdv_layout,
                                     dq_layout, head_dim_bucket, need, shared_bytes, warp_split)
 from kernels.base import io_model as io
 from kernels.base.fused import ALIGN, FASTMATH, MAX_GRID_Y, MINUS_INF, run_length

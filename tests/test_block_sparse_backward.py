@@ -11,7 +11,7 @@ from hypothesis import example, given
 
 from kernels import reference as ref
 from kernels import sparsity_patterns as sp
-from kernels.backward_tiles import fits, head_dim_bucket
+from kernels.base.backward_tiles import fits, head_dim_bucket
 from kernels.base.runtime import on_simulator
 from kernels.base.testing import assert_close, case_with, gradient_floor_scales, random_array
 from kernels.block_sparse import tile_lists

@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference as ref
-from kernels.backward_tiles import check_tiles, split
+from kernels.base.backward_tiles import check_tiles, split
 from kernels.base.runtime import on_simulator
 from kernels.base.testing import assert_close, attention_cases, case_with, gradient_floor_scales, random_array
 from kernels.flash_backward import (ACC_ROWS, DQ_MODES, BackwardTiles, default_tiles, flash_attention_backward,

@@ -2,6 +2,7 @@
 
     runtime        GPU or simulator, arrays in and out, argument checks, event timing
     shared_memory  dynamic shared memory beyond 48 KB a block
+    backward_tiles the backward's tile type (BackwardTiles), thread splits, shared layouts, checks
     masks          the block mask (chapter 6's input type, shared with the oracle)
     fused          what the fused kernels of chapters 4, 5, 6 share: the tile type,
                    row reductions across a row's threads, run lengths, numeric constants

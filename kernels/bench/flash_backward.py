@@ -32,7 +32,7 @@ from numba import cuda
 
 from kernels import reference as ref
 from kernels.bench.harness import Result, torch_or_none
-from kernels.backward_tiles import check_tiles, head_dim_bucket, shared_bytes
+from kernels.base.backward_tiles import check_tiles, head_dim_bucket, shared_bytes
 from kernels.flash_backward import (
     DKDV_SIG,
     DQ_SIG,
