@@ -41,7 +41,7 @@ def check_forward(c):
     base_o, base_lse = ref.attention(q, k, v, dtype=np.float32, **kw)
     assert o.dtype == np.float32 and lse.dtype == np.float32
     # Floors: O and L are as accurate as the exponents scale * S are (kernels.base.testing.exponent_scale).
-    fs_o, fs_l = forward_floor_scales(q, k, v, c["scale"])
+    fs_o, fs_l = forward_floor_scales(q, k, v, c["scale"], causal=c["causal"], block_mask=mask)
     assert_close(o, exact_o, base_o, name="O", floor_scale=fs_o)
     assert_close(lse, exact_lse, base_lse, name="L", floor_scale=fs_l)
 
@@ -83,7 +83,7 @@ def test_dense_mask_is_chapter_4_bit_for_bit(causal, dtype):
     assert np.array_equal(o, want_o) and np.array_equal(lse, want_lse), "not chapter 4's kernel at density 1"
     exact_o, exact_lse = ref.attention(q, k, v, causal=causal)
     base_o, base_lse = ref.attention(q, k, v, causal=causal, dtype=np.float32)
-    fs_o, fs_l = forward_floor_scales(q, k, v)
+    fs_o, fs_l = forward_floor_scales(q, k, v, causal=causal, block_mask=mask)
     assert_close(o, exact_o, base_o, name="O", floor_scale=fs_o)
     assert_close(lse, exact_lse, base_lse, name="L", floor_scale=fs_l)
 
@@ -105,7 +105,8 @@ def test_nan_or_inf_in_a_query_row_reaches_that_row_only(data):
     assert np.array_equal(np.isfinite(lse), np.isfinite(exact_lse)), "L: not finite in other places than the oracle"
     rows = np.isfinite(exact_o).all(axis=-1)                                 # rows the bad value did not reach
     q[b, h, i, e] = 0.0                                                      # (for the floors: the finite inputs)
-    fs_o, fs_l = forward_floor_scales(q, k, v, c["scale"])
+    fs_o, fs_l = forward_floor_scales(q, k, v, c["scale"], causal=c["causal"], block_mask=mask)
+    fs_o, fs_l = fs_o[rows], fs_l[rows]
     assert_close(o[rows], exact_o[rows], base_o[rows], name="O", floor_scale=fs_o)
     assert_close(lse[rows], exact_lse[rows], base_lse[rows], name="L", floor_scale=fs_l)
 

@@ -44,7 +44,7 @@ def check(case, tiles=None):
                                    dtype=np.float32)
     assert o.dtype == np.float32 and lse.dtype == np.float32
     # Floors: O and L are as accurate as the exponents scale * S are (kernels.base.testing.exponent_scale).
-    fs_o, fs_l = forward_floor_scales(case.q, case.k, case.v, case.scale)
+    fs_o, fs_l = forward_floor_scales(case.q, case.k, case.v, case.scale, causal=case.causal)
     assert_close(o, exact_o, base_o, name="O", floor_scale=fs_o)
     assert_close(lse, exact_l, base_l, name="L", floor_scale=fs_l)
     return o, lse
@@ -93,7 +93,8 @@ def test_nan_or_inf_reaches_the_rows_it_touches(data):
     assert np.array_equal(np.isfinite(lse), np.isfinite(exact_l)), "L: not finite in other places than the oracle"
     rows = np.isfinite(exact_o).all(axis=-1)
     arrays[which][index] = 0.0
-    fs_o, fs_l = forward_floor_scales(arrays["q"], arrays["k"], arrays["v"], case.scale)
+    fs_o, fs_l = forward_floor_scales(arrays["q"], arrays["k"], arrays["v"], case.scale, causal=causal)
+    fs_o, fs_l = fs_o[rows], fs_l[rows]
     assert_close(o[rows], exact_o[rows], base_o[rows], name="O", floor_scale=fs_o)
     assert_close(lse[rows], exact_l[rows], base_l[rows], name="L", floor_scale=fs_l)
 
@@ -200,7 +201,7 @@ def test_prefetching_variant_gives_the_same_result(causal):
     exact_o, _ = ref.attention(case.q, case.k, case.v, causal=causal)
     base_o, _ = ref.attention(case.q, case.k, case.v, causal=causal, dtype=np.float32)
     assert_close(outs[1][0].reshape(1, 2, 19, 8), exact_o, base_o, name="O",
-                 floor_scale=forward_floor_scales(case.q, case.k, case.v)[0])
+                 floor_scale=forward_floor_scales(case.q, case.k, case.v, causal=causal)[0])
 
 
 def test_lse_rebuilds_the_probabilities():
