@@ -56,7 +56,7 @@ from numba import cuda, float32, int32, uint64
 from kernels.base.backward_tiles import (GPU_TILES, BackwardTiles, Grid, check_tiles, default_tiles, dkdv_layout,
                                     dq_layout, head_dim_bucket, need, shared_bytes, warp_split)
 from kernels.base import io_model as io
-from kernels.base.fused import ALIGN, FASTMATH, MAX_GRID_Y, MINUS_INF, run_length
+from kernels.base.fused import ALIGN, FASTMATH, MAX_GRID_Y, MINUS_INF, make_row_reductions, run_length
 from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, device_empty,
                                   on_simulator, to_device)
 from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
@@ -127,15 +127,16 @@ def flash_backward_numpy(q, k, v, o, lse, do, *, causal=False, scale=None, Br=16
 
 @functools.lru_cache(maxsize=None)
 def make_delta(Dh: int, rows: int = 4, zero_dq: bool = False):
-    """D = rowsum(dO * O), grid (ceil(Nq / rows), B*H), 32 threads a row: lanes read
-    consecutive columns (coalesced), a tree reduction in shared memory adds their partial
-    sums. ``zero_dq``: the same threads also clear dQ (atomic dQ adds into it). Returns
-    (kernel, threads)."""
+    """D = rowsum(dO * O), grid (ceil(Nq / rows), B*H), one warp a row: lanes read
+    consecutive columns (coalesced), then the warp adds their partial sums with chapter 4's
+    row reduction (``kernels.base.fused.make_row_reductions``: five shuffles, no shared
+    memory, no barrier). ``zero_dq``: the same threads also clear dQ (atomic dQ adds into
+    it). Returns (kernel, threads)."""
     LANES, NT = 32, 32 * rows
+    _, row_sum = make_row_reductions(LANES, NT)
 
     @cuda.jit(fastmath=FASTMATH)
     def delta(o, do, out, dq, nq):
-        part = cuda.shared.array(NT, float32)
         t = int32(cuda.threadIdx.x)
         lane = t % int32(LANES)
         bh = int32(cuda.blockIdx.y)
@@ -146,16 +147,9 @@ def make_delta(Dh: int, rows: int = 4, zero_dq: bool = False):
                 acc += o[bh, row, e] * do[bh, row, e]
                 if zero_dq:
                     dq[bh, row, e] = float32(0.0)
-        part[t] = acc
-        cuda.syncthreads()
-        width = LANES // 2
-        while width > 0:
-            if lane < width:
-                part[t] += part[t + width]
-            cuda.syncthreads()
-            width //= 2
+        total = row_sum(acc)                  # every lane of the warp takes part
         if lane == 0 and row < nq:
-            out[bh, row] = part[t]
+            out[bh, row] = total
 
     return delta, NT
 

@@ -256,7 +256,7 @@ CH6_BACKWARD = "test_backward_matches_oracle"
 MUTANTS += [
     # ---- chapter 5: the recomputing backward (its building blocks are chapter 6's too)
     Mutant("ch5-delta-dropped", 5, BACKWARD,
-           (("            out[bh, row] = part[t]\n",
+           (("            out[bh, row] = total\n",
              "            out[bh, row] = float32(0.0)   # PLANTED: D = rowsum(dO O) is dropped\n"),),
            T5, CH5_ORACLE, "D = rowsum(dO * O) is taken as 0: dS = P dP instead of P (dP - D)"),
     Mutant("ch5-causal-diagonal-shifted", 5, BACKWARD,

@@ -195,8 +195,9 @@ print("the tiled NumPy backward matches the oracle")
 #
 # ## 5. The kernels
 #
-# **Pre-pass, D = rowsum(dO * O).** 32 threads a row read consecutive columns (coalesced);
-# a tree reduction in shared memory adds the partial sums.
+# **Pre-pass, D = rowsum(dO * O).** One warp a row: its 32 lanes read consecutive columns
+# (coalesced), then add their partial sums with chapter 4's row reduction (five warp
+# shuffles; no shared memory, no barrier).
 
 # %%
 print(inspect.getsource(make_delta))
