@@ -139,9 +139,10 @@ def test_the_command_line():
 def test_missing_ncu_is_named_before_anything_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("NCU", raising=False)
-    monkeypatch.setattr(ncu.shutil, "which", lambda name: None)
+    monkeypatch.setattr(ncu.shutil, "which", lambda name: None)     # not on PATH, not in the toolkit
     with pytest.raises(ncu.NcuMissing, match="Nsight Compute"):
         ncu.profile("a:b", ncu.DRAM)
+    # $NCU names the only candidate: a wrong NCU is an error even where a CUDA toolkit has ncu
     proc = subprocess.run([sys.executable, "-m", "kernels.bench.ncu", "check"], capture_output=True, text=True,
                           env=dict(os.environ, PATH=str(tmp_path), NCU="no-such-ncu"), cwd=ROOT)
     assert proc.returncode == 1 and "NcuMissing" in proc.stderr and "install" in proc.stderr

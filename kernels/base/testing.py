@@ -219,6 +219,15 @@ else:
     C_EXP = 4.0     # ex2.approx: 2 ulps relative
     C_ARG = 2.0     # the exp2 argument rounded twice (x = S - m, then x log2 e), an ulp of |x| each
     C_NORM = 4.0    # l's sum and a fast reciprocal 1/l (2 ulps), the product e / l
+# Two more, measured against the H100 over the gpu profile's hundreds of drawn cases:
+# C_DOT   an output that is itself a dot product (S, C = AB, the sum of O = PV): its error
+#         is about 0.6 U a at one element, but the largest over thousands of elements is
+#         the tail of that spread, 3-4 times it (seen: 2.9 U a for a matmul, 2.5 for S).
+# C_LSE   L is computed in base 2, L = ln 2 (m2 + log2 l) with m2 = log2(e) scale max S:
+#         the product by log2 e, the sum and the product by ln 2 each round at |L| log2 e
+#         or |L| (seen: 5 U |L| at |L| = 19, row terms included).
+C_DOT = 3.0
+C_LSE = 4.0
 
 
 def _nan0(x):
@@ -259,9 +268,9 @@ def softmax_floors(x):
     with np.errstate(invalid="ignore"):
         lse = _nan0(ref.logsumexp(x)) if x.shape[-1] else np.zeros(x.shape[:-1])
     f_p = U * (pr + p * (row + C_NORM))
-    f_l = U * (np.abs(lse) + row[..., 0] + C_NORM)
+    f_l = U * (C_LSE * np.abs(lse) + row[..., 0] + C_NORM)
     return (Floor(f_p, "softmax floor: exp2 argument and approximation, normalisation"),
-            Floor(f_l, "logsumexp floor: U |L| + l's relative error"))
+            Floor(f_l, "logsumexp floor: C_LSE U |L| + l's relative error"))
 
 
 def matmul_floor(a, b, *, scale=1.0):
@@ -269,7 +278,7 @@ def matmul_floor(a, b, *, scale=1.0):
     (the sum of absolute products, what a float32 dot product's partial sums round to)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     c = scale * (a @ b)
-    return Floor(U * (np.abs(c) + scale * (np.abs(a) @ np.abs(b))), "dot-product floor: U (|C| + |A||B|)")
+    return Floor(U * (np.abs(c) + C_DOT * scale * (np.abs(a) @ np.abs(b))), "dot-product floor: U (|C| + C_DOT |A||B|)")
 
 
 @dataclass(frozen=True)
@@ -301,7 +310,7 @@ def attention_floors(q, k, v, *, causal=False, scale=None, block_mask=None) -> A
     mask = ref.attention_mask(nq, nk, causal=causal, block_mask=block_mask)
     if mask is not None:
         s = np.where(mask, s, -np.inf)
-    f_s = U * (np.abs(_nan0(s)) + _nan0(a))
+    f_s = U * (np.abs(_nan0(s)) + C_DOT * _nan0(a))
     p, pr, row = _softmax_model(s, a)
     f_p = U * (pr + p * (row + C_NORM))
     vv = _nan0(v)
@@ -309,19 +318,19 @@ def attention_floors(q, k, v, *, causal=False, scale=None, block_mask=None) -> A
     # sum_j (P_j rel_j)^2 (V_j - O)^2, without the (Nq, Nk, d) intermediate.
     w = pr * pr
     spread = w @ (vv * vv) - 2.0 * o * (w @ vv) + o * o * np.sum(w, axis=-1, keepdims=True)
-    f_o = U * (np.sqrt(np.maximum(spread, 0.0)) + C_NORM * np.abs(o) + p @ np.abs(vv))
+    f_o = U * (np.sqrt(np.maximum(spread, 0.0)) + C_NORM * np.abs(o) + C_DOT * (p @ np.abs(vv)))
     with np.errstate(invalid="ignore"):
         lse = _nan0(ref.logsumexp(s)) if nk else np.zeros(s.shape[:-1])
-    f_l = U * (np.abs(lse) + row[..., 0] + C_NORM)
+    f_l = U * (C_LSE * np.abs(lse) + row[..., 0] + C_NORM)
     # Never looser than the legacy floors.
     legacy_o, legacy_l = _legacy_forward_floor_scales(q, k, v, scale)
     f_o = np.minimum(f_o, 8 * FLOAT32_EPS * legacy_o)
     f_l = np.minimum(f_l, 8 * FLOAT32_EPS * legacy_l)
     return AttentionFloors(
-        s=Floor(f_s, "S floor: U (|S| + scale |Q||K|^T)"),
+        s=Floor(f_s, "S floor: U (|S| + C_DOT scale |Q||K|^T)"),
         p=Floor(f_p, "P floor: exp2 argument and approximation, S's error, normalisation"),
         o=Floor(f_o, "O floor: P's errors weighting V - O in quadrature, normalisation, U sum P|V|"),
-        lse=Floor(f_l, "L floor: U |L| + l's relative error"),
+        lse=Floor(f_l, "L floor: C_LSE U |L| + l's relative error"),
     )
 
 

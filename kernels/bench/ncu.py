@@ -61,9 +61,10 @@ class NcuError(RuntimeError):
 
 
 def find_ncu(ncu=None) -> str:
-    """The ncu executable: ``ncu`` if given, else ``$NCU``, else ``ncu`` on PATH, else the
-    CUDA toolkit's; ``NcuMissing`` (saying what to install) when there is none."""
-    candidates = [ncu] if ncu else [os.environ.get("NCU") or "ncu", "/usr/local/cuda/bin/ncu"]
+    """The ncu executable: ``ncu`` if given, else ``$NCU`` (that one only), else ``ncu`` on
+    PATH, else the CUDA toolkit's; ``NcuMissing`` (saying what to install) when there is none."""
+    chosen = ncu or os.environ.get("NCU")
+    candidates = [chosen] if chosen else ["ncu", "/usr/local/cuda/bin/ncu"]
     for name in candidates:
         path = shutil.which(name)
         if path:
