@@ -87,6 +87,19 @@ def main(only):
                     backward.block_sparse_attention_backward(q, k, v, o, lse, rand(rng, b, h, nq, d), mask,
                                                              causal=causal, dq_mode=dq_mode)
         ran.append("block_sparse")
+    if want("decode") and (m := have("decode")):
+        # ragged (an empty cache, a length of 1), GQA and MHA, Nq up to 16, causal, fp16 caches;
+        # both schedules, stream-K on a small grid so that blocks cross heads and merge
+        for b, hq, hkv, nq, n, d, lengths, dt in [(3, 8, 2, 4, 300, 64, [300, 0, 1], np.float32),
+                                                  (2, 4, 4, 1, 1000, 128, None, np.float16),
+                                                  (2, 32, 8, 16, 70, 128, [70, 33], np.float32)]:
+            q, k, v = rand(rng, b, hq, nq, d), rand(rng, b, hkv, n, d, dtype=dt), rand(rng, b, hkv, n, d, dtype=dt)
+            for causal in (False, True):
+                m.decode_attention(q, k, v, cache_lengths=lengths, causal=causal, schedule="split-k")
+                m.decode_attention(q, k, v, cache_lengths=lengths, causal=causal, schedule="split-k", splits=5)
+                m.decode_attention(q, k, v, cache_lengths=lengths, causal=causal, schedule="stream-k")
+                m.decode_attention(q, k, v, cache_lengths=lengths, causal=causal, schedule="stream-k", blocks=7)
+        ran.append("decode")
     print("ran:", ", ".join(ran))
 
 

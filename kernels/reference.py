@@ -19,6 +19,10 @@ Conventions, written once here:
   product touches it (here that includes masked rows: 0 * NaN is NaN in ``P @ V``).
   In softmax and logsumexp a row with a NaN or +inf is NaN throughout (x - max meets
   inf - inf); -inf is a masked entry, and a row of all -inf gives zeros and L = -inf.
+* Decode (``decode_attention``): the keys of sequence b are its first ``cache_lengths[b]``
+  cached rows (what lies beyond is not an input); query head h reads KV head
+  h // (Hq / Hkv) (grouped-query attention); causal masking is the rule above with
+  Nk = that sequence's cache length.
 * A block mask carries its own block size (``BlockMask``): flag [..., r, c] keeps the
   tile of queries [r*block_q, (r+1)*block_q) and keys [c*block_k, (c+1)*block_k).
 """
@@ -39,6 +43,7 @@ __all__ = [
     "attention_mask",
     "attention",
     "attention_backward",
+    "decode_attention",
 ]
 
 
@@ -160,3 +165,26 @@ def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, block_mask
     dq = np.asarray(scale, dtype=dtype) * (ds @ k)
     dk = np.asarray(scale, dtype=dtype) * (np.swapaxes(ds, -1, -2) @ q)
     return dq, dk, dv
+
+
+def decode_attention(q, k, v, cache_lengths=None, causal=False, scale=None, *, dtype=np.float64):
+    """Attention of a few new queries against a KV cache. Returns (O, L) like ``attention``.
+
+    q (B, Hq, Nq, d); k and v (B, Hkv, Nmax, d) with Hkv dividing Hq: query head h reads
+    KV head h // (Hq // Hkv). ``cache_lengths`` (B,): sequence b's keys are rows
+    [0, cache_lengths[b]) of its cache (None: all Nmax). Causal: query i of Nq sees key j
+    iff j <= i + cache_lengths[b] - Nq.
+    """
+    q, k, v = (np.asarray(t, dtype=dtype) for t in (q, k, v))
+    B, hq, nq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    lengths = np.full(B, k.shape[2]) if cache_lengths is None else np.asarray(cache_lengths)
+    o = np.zeros(q.shape, dtype)
+    lse = np.full((B, hq, nq), -np.inf, dtype)
+    for b in range(B):
+        n = int(lengths[b])
+        kb = np.repeat(k[b, :, :n], group, axis=0)      # KV head of each query head
+        vb = np.repeat(v[b, :, :n], group, axis=0)
+        o[b], lse[b] = attention(q[b], kb, vb, causal=causal, scale=scale, dtype=dtype)
+    return o, lse

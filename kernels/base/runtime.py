@@ -136,6 +136,23 @@ class ArrayKind:
         self.on_device = is_device_array(example)
         self.module = type(example).__module__.split(".")[0] if self.on_device else "numpy"
 
+    def empty(self, shape, dtype=np.float32):
+        """An uninitialised device array for a result, from the caller's own allocator where
+        it has one (PyTorch's and CuPy's cache freed blocks; a Numba allocation is a
+        cudaMalloc, and a later free synchronises the device), so that a launcher called in
+        a loop does not stall the GPU between calls."""
+        if self.on_device and self.module == "torch":
+            import torch
+
+            t = torch.empty(tuple(shape), dtype=getattr(torch, np.dtype(dtype).name), device="cuda")
+            return cuda.as_cuda_array(t) if t.numel() else device_empty(shape, dtype)
+        if self.on_device and self.module == "cupy":
+            import cupy
+
+            a = cupy.empty(tuple(shape), dtype=dtype)
+            return cuda.as_cuda_array(a) if a.size else device_empty(shape, dtype)
+        return device_empty(shape, dtype)
+
     def give_back(self, device_array):
         """A result device array, returned as the kind of array the caller gave."""
         if not self.on_device:

@@ -1,0 +1,802 @@
+"""Chapter 7: decode. A few new queries against a long KV cache, at the HBM limit.
+
+Every step of a served language model asks, for the Nq newest tokens of each sequence
+(Nq = 1, or up to 16 with speculative decoding): attend over everything cached so far.
+The arithmetic is tiny, 4 FLOPs per cached K and V element per query row, so the time
+is bytes. Reading K and V once is the floor:
+
+    time >= (bytes of K + bytes of V) / HBM read bandwidth
+
+Chapter 4's grid has one block per (query tile, head): at Nq = 1 that is B*H blocks, 32
+for B = 1, H = 32, on a GPU of 132 SMs, each block walking the whole cache alone. This
+chapter cuts the KEY range instead, and merges the pieces:
+
+    split-K (Flash-Decoding)  grid (splits, row tiles, B*Hkv): block s attends over its
+                              slice of the keys and writes a partial (O_s, L_s); a second
+                              kernel merges each head's partials.
+    stream-K (Lean Attention) a persistent grid of (SMs x blocks per SM) blocks; the work,
+                              every (head, key tile) pair laid end to end, is cut into equal
+                              contiguous ranges that may cross from one head into the next;
+                              the last block to finish a piece of a head merges that head,
+                              in the same launch.
+
+A partial is chapter 4 on a slice of the keys: O_s = softmax(S[:, slice]) V[slice] and
+L_s = logsumexp(S[:, slice]). Two partials merge as
+
+    L = log(exp L_1 + exp L_2),    O = exp(L_1 - L) O_1 + exp(L_2 - L) O_2
+
+which is chapter 3's (m, l) merge (``kernels.online_softmax.merge_state``) of the states
+(m, l) = (L_1, 1) and (L_2, 1), with O carried along; it is associative, so any split and
+any order give the same answer, and (O = 0, L = -inf) is the empty piece.
+
+Inside a block. At Nq = 1 a block has one query row, so chapter 4's register tiles (64
+rows of FMAs per key) would waste 63 of every 64. Decode is a matrix-VECTOR product: the
+block's 128 threads form streams of LK consecutive lanes; a stream reads one key row at a
+time (lane t holds columns t, t + LK, ...: LK lanes read LK consecutive elements, whole
+32-byte sectors), adds its dot product across the LK lanes with warp shuffles, and keeps
+its own online-softmax state (m, l, O) for the block's rows. The block's streams are
+splits too: at the end they are merged, in a fixed order, in shared memory.
+
+Real decode inputs:
+  cache_lengths   sequence b's keys are its first cache_lengths[b] rows (0 allowed; what
+                  lies beyond is never read into the result, NaN garbage included)
+  GQA / MQA       Hkv KV heads, Hq = g Hkv query heads; query heads g kv .. g kv + g - 1
+                  read KV head kv. Their g*Nq query rows are consecutive in memory, so one
+                  block takes them together as its rows: K and V are read once for the group.
+  causal          query i of Nq sees key j iff j <= i + cache_lengths[b] - Nq (the new
+                  tokens are the last Nq of the sequence)
+  fp16 caches     K and V in float16 (half the bytes); arithmetic in float32
+
+The launcher is ``decode_attention(q, k_cache, v_cache, cache_lengths=..., causal=...,
+schedule="stream-k" | "split-k")``; ``split_count`` is split-K's wave-efficiency rule and
+``stream_k_schedule`` stream-K's cut of the work (the chapter's exercises).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int32, uint64
+
+from kernels.base.fused import FASTMATH, LOG2E, MASKED, MINUS_INF, make_row_reductions, nan_max
+from kernels.base.runtime import (
+    ArrayKind,
+    cdiv,
+    check_array,
+    check_flag,
+    check_scale,
+    device_empty,
+    is_device_array,
+    on_simulator,
+    to_device,
+)
+from kernels.online_softmax import merge_state
+
+__all__ = ["decode_attention", "DecodePlan", "plan", "split_count", "wave_efficiency", "stream_k_schedule",
+           "StreamKSchedule", "check_schedule", "gpu_slots", "key_tile", "split_ranges", "merge_partials_numpy", "decode_numpy", "make_split_k",
+           "make_combine", "make_stream_k", "io_model_bytes", "ptx_targets", "MAX_QUERIES"]
+
+MAX_QUERIES = 16                  # new tokens a sequence (speculative decoding drafts up to 16)
+GPU_THREADS = 128                 # a block on the GPU: 4 warps (the simulator: one warp)
+MAX_ROWS = 16                     # query rows a block (more: several row tiles, K/V re-read from L2)
+LN2 = math.log(2.0)
+
+
+# --------------------------------------------------------------------------- the algorithm in NumPy
+
+def split_ranges(n_keys: int, splits: int) -> list[tuple[int, int]]:
+    """The key ranges [start, end) of split-K's ``splits`` slices of n_keys keys: slices of
+    ceil(n_keys / splits) keys, the last ones shorter or empty (as the kernel cuts them)."""
+    chunk = cdiv(n_keys, splits) if n_keys else 0
+    return [(min(s * chunk, n_keys), min((s + 1) * chunk, n_keys)) for s in range(splits)]
+
+
+def merge_partials_numpy(o_parts, l_parts):
+    """Merge partials (O_s, L_s), s along the first axis, into (O, L): chapter 3's merge.
+
+    o_parts (S, ..., d), l_parts (S, ...). An empty piece has L_s = -inf (its O_s is ignored)."""
+    o_parts, l_parts = np.asarray(o_parts, np.float64), np.asarray(l_parts, np.float64)
+    m = np.max(l_parts, axis=0)
+    base = np.where(np.isfinite(m), m, 0.0)
+    w = np.exp(l_parts - base)                           # exp(L_s - m): 0 for an empty piece
+    l = w.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        o = np.where(l[..., None] > 0, np.einsum("s...,s...d->...d", w, np.where(w[..., None] > 0, o_parts, 0))
+                     / np.where(l > 0, l, 1.0)[..., None], 0.0)
+        lse = np.where(l > 0, base + np.log(np.where(l > 0, l, 1.0)), -np.inf)
+    return o, lse
+
+
+def decode_numpy(q, k, v, *, cache_lengths=None, causal=False, scale=None, splits=4):
+    """Split-K in NumPy: each sequence's keys cut into ``splits`` slices, a partial (O_s, L_s)
+    from each (the oracle on the slice), then the merge. Equals ``reference.decode_attention``."""
+    from kernels import reference as ref
+
+    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+    B, hq, nq, d = q.shape
+    group = hq // k.shape[1]
+    lengths = np.full(B, k.shape[2]) if cache_lengths is None else np.asarray(cache_lengths)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    o, lse = np.zeros(q.shape), np.full((B, hq, nq), -np.inf)
+    for b in range(B):
+        n = int(lengths[b])
+        kb, vb = np.repeat(k[b, :, :n], group, axis=0), np.repeat(v[b, :, :n], group, axis=0)
+        s = scale * q[b] @ np.swapaxes(kb, -1, -2)       # (Hq, Nq, n)
+        if causal:
+            s = np.where(ref.causal_mask(nq, n), s, -np.inf)
+        parts = []
+        for start, end in split_ranges(n, splits):
+            with np.errstate(invalid="ignore"):
+                l_s = ref.logsumexp(s[..., start:end])
+                p = np.nan_to_num(ref.softmax(s[..., start:end])) if end > start else s[..., :0]
+            parts.append((p @ vb[:, start:end], l_s))
+        o[b], lse[b] = merge_partials_numpy([p[0] for p in parts], [p[1] for p in parts])
+    return o, lse
+
+
+# --------------------------------------------------------------------------- the shape of a launch
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Compile-time shape of the decode kernels for one problem.
+
+    D   the padded head dim; RT query rows a block (the group's g*Nq rows, padded to a power
+    of two, at most MAX_ROWS); LK lanes a stream (a stream reads one key row at a time, LK
+    consecutive elements a load); U key rows a stream loads before it uses them (its loads
+    in flight at once). NS = THREADS / LK streams a block walk the keys KEYS_PER_STEP at a time.
+    """
+
+    D: int
+    RT: int
+    LK: int
+    U: int
+    threads: int
+
+    @property
+    def streams(self) -> int:
+        return self.threads // self.LK
+
+    @property
+    def key(self) -> tuple:
+        """The kernel factories' arguments."""
+        return (self.D, self.RT, self.LK, self.U, self.threads)
+
+    @property
+    def keys_per_step(self) -> int:
+        return self.streams * self.U
+
+
+def plan(d: int, rows: int, itemsize: int = 4) -> DecodePlan:
+    """The decode kernels' shape for head dim d, ``rows`` = g*Nq query rows a KV head, and
+    K/V elements of ``itemsize`` bytes.
+
+    LK: at least a 32-byte sector of a key row a load (8 float32 or 16 float16 lanes), and
+    enough lanes that a thread keeps at most 64 output registers (RT * D / LK <= 64).
+    U: keys a stream loads at once, so that about 32 loads a thread are in flight."""
+    D = 1 << max(0, int(d) - 1).bit_length()
+    if not on_simulator():
+        D = max(D, 16)
+    RT = min(1 << max(0, int(rows) - 1).bit_length(), MAX_ROWS)
+    LK = max(32 // itemsize, RT * D // 64)
+    LK = min(LK, 32, D)
+    cpl = D // LK
+    U = max(1, min(4, 32 // cpl))
+    return DecodePlan(D=D, RT=RT, LK=LK, U=U, threads=32 if on_simulator() else GPU_THREADS)
+
+
+# --------------------------------------------------------------------------- the kernels
+
+@functools.lru_cache(maxsize=None)
+def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int):
+    """A partial over one key range, as a device function: everything a block does for it.
+
+    ``attend(qg, kh, vh, og, lg, row0, out0, n_q, k_start, k_end, n_keys, d, scale, causal)``:
+    qg (g*Nq, d) the query rows of a KV head's group, kh and vh (Nmax, d) its cache; the
+    block takes rows row0 .. row0 + RT - 1 of qg and keys [k_start, k_end) (n_keys: the
+    sequence's cache length, for the causal diagonal). It writes O_s (normalised) to og[out0 + r]
+    and L_s (natural log; -inf if the rows see no key) to lg[out0 + r].
+    """
+    NS = THREADS // LK            # streams a block
+    CPL = D // LK                 # columns of a key row a lane holds
+    STEP = NS * U                 # keys the block consumes a step
+    row_max, row_sum = make_row_reductions(LK, THREADS)
+
+    @cuda.jit(device=True, inline=True)
+    def attend(qg, kh, vh, og, lg, row0, out0, n_q, k_start, k_end, n_keys, d, scale, causal):
+        tid = int32(cuda.threadIdx.x)
+        st = tid // LK                            # this thread's stream
+        ln = tid % LK                             # its lane: columns ln, ln + LK, ...
+        n_rows = int32(qg.shape[0])
+        diag = n_keys - n_q                       # causal: query i sees key j iff j <= i + diag
+        # S in base 2: exp(scale (s - m)) = exp2(q' k - m') with q' = scale log2(e) q
+        scale_log2e = float32(scale * LOG2E)
+
+        q = cuda.local.array((RT, CPL), float32)      # this lane's columns of the rows' q'
+        m = cuda.local.array(RT, float32)             # running max (base 2), a stream's
+        l = cuda.local.array(RT, float32)             # running sum
+        acc = cuda.local.array((RT, CPL), float32)    # running O (unnormalised), this lane's columns
+        s = cuda.local.array((U, RT), float32)        # scores of the U keys in hand
+        kr = cuda.local.array((U, CPL), float32)      # the U key rows: this lane's columns
+        vr = cuda.local.array((U, CPL), float32)
+        for r in range(RT):
+            row = uint64(min(row0 + r, n_rows - 1))
+            for t in range(CPL):
+                c = ln + LK * t
+                x = float32(qg[row, uint64(min(c, d - 1))]) * scale_log2e
+                if row0 + r >= n_rows or c >= d:
+                    x = float32(0.0)
+                q[r, t] = x
+            m[r] = MASKED
+            l[r] = float32(0.0)
+            for t in range(CPL):
+                acc[r, t] = float32(0.0)
+
+        # ---- the keys, STEP at a time: stream st takes keys j0 .. j0 + U - 1 of each step.
+        # Every thread runs the same number of steps (the shuffles need every lane).
+        n_steps = max(k_end - k_start + STEP - 1, 0) // STEP
+        for step in range(n_steps):
+            j0 = k_start + step * STEP + st * U
+            # K_j, V_j: every load first (clamped to a valid row, zeroed past the range), so
+            # that all of them are in flight together
+            for u in range(U):
+                j = j0 + u
+                row = uint64(min(j, k_end - 1))
+                for t in range(CPL):
+                    c = ln + LK * t
+                    col = uint64(min(c, d - 1))
+                    kx = float32(kh[row, col])
+                    vx = float32(vh[row, col])
+                    if j >= k_end or c >= d:
+                        kx = float32(0.0)
+                        vx = float32(0.0)
+                    kr[u, t] = kx
+                    vr[u, t] = vx
+            # S_rj = q'_r . k_j: this lane's CPL products, then the sum across the LK lanes
+            for u in range(U):
+                j = j0 + u
+                for r in range(RT):
+                    x = float32(0.0)
+                    for t in range(CPL):
+                        x += q[r, t] * kr[u, t]
+                    x = row_sum(x)
+                    i = (row0 + r) % n_q          # the row's query: rows are (head, query) pairs
+                    if j >= k_end or (causal and j > i + diag):
+                        x = MASKED
+                    s[u, r] = x
+            # online softmax over the U keys: m' = max(m, S); l, O rescaled by 2^(m - m');
+            # P = 2^(S - m') (against 0 while the row has seen no key: 2^MASKED = 0)
+            for r in range(RT):
+                mx = m[r]
+                for u in range(U):
+                    mx = nan_max(mx, s[u, r])
+                alpha = math.exp2(m[r] - mx)
+                m[r] = mx
+                l[r] *= alpha
+                for t in range(CPL):
+                    acc[r, t] *= alpha
+                base = mx if mx > MASKED else float32(0.0)
+                for u in range(U):
+                    p = math.exp2(s[u, r] - base)
+                    l[r] += p
+                    for t in range(CPL):
+                        acc[r, t] += p * vr[u, t]
+
+        # ---- merge the block's NS streams (each a split of the range), in stream order
+        sm = cuda.shared.array((NS, RT), float32)
+        sl = cuda.shared.array((NS, RT), float32)
+        so = cuda.shared.array((NS, RT, D), float32)
+        cuda.syncthreads()                        # the last range's merge is done with these
+        for r in range(RT):
+            if ln == 0:
+                sm[st, r] = m[r]
+                sl[st, r] = l[r]
+            for t in range(CPL):
+                so[st, r, ln + LK * t] = acc[r, t]
+        cuda.syncthreads()
+        for e in range(tid, RT * D, THREADS):
+            r = e // D
+            c = e % D
+            mx = sm[0, r]
+            for z in range(1, NS):
+                mx = nan_max(mx, sm[z, r])
+            base = mx if mx > MASKED else float32(0.0)
+            total = float32(0.0)
+            o = float32(0.0)
+            for z in range(NS):                  # stream z's share, weighted 2^(m_z - m)
+                w = math.exp2(sm[z, r] - base)
+                total += sl[z, r] * w
+                o += so[z, r, c] * w
+            if row0 + r < n_rows and c < d:
+                if total == float32(0.0):         # no key visible: O = 0, L = -inf
+                    og[uint64(out0 + r), uint64(c)] = float32(0.0)
+                    if c == 0:
+                        lg[uint64(out0 + r)] = MINUS_INF
+                else:                             # (a NaN stays NaN)
+                    og[uint64(out0 + r), uint64(c)] = o / total
+                    if c == 0:
+                        lg[uint64(out0 + r)] = (mx + math.log2(total)) * float32(LN2)
+
+    return attend
+
+
+@functools.lru_cache(maxsize=None)
+def make_merge_partials(D: int, RT: int, THREADS: int):
+    """Merge a head's partials, as a device function: ``merge(o_part, l_part, first, count,
+    og, lg, row0, n_rows, d)`` folds partials first .. first + count - 1 (o_part (slots,
+    RT, d), l_part (slots, RT)) in that order with chapter 3's merge and writes O and L of
+    rows row0 .. row0 + RT - 1 of og (n_rows, d) and lg (n_rows,). The order is fixed, so
+    the result is the same bits whichever block runs it."""
+
+    @cuda.jit(device=True, inline=True)
+    def merge(o_part, l_part, first, count, og, lg, row0, n_rows, d):
+        for e in range(int32(cuda.threadIdx.x), RT * D, THREADS):
+            r = e // D
+            c = e % D
+            if row0 + r < n_rows and c < d:
+                m = MINUS_INF                     # the empty state (O = 0, L = -inf)
+                l = float32(0.0)
+                o = float32(0.0)
+                for slot in range(first, first + count):
+                    l_s = l_part[uint64(slot), uint64(r)]
+                    m_new, l = merge_state(m, l, l_s, float32(1.0))     # chapter 3
+                    if m_new != MINUS_INF:        # O carried along with the same weights
+                        o = o * math.exp(m - m_new) + o_part[uint64(slot), uint64(r), uint64(c)] * math.exp(l_s - m_new)
+                    m = m_new
+                if l == float32(0.0):
+                    og[uint64(row0 + r), uint64(c)] = float32(0.0)
+                    if c == 0:
+                        lg[uint64(row0 + r)] = MINUS_INF
+                else:
+                    og[uint64(row0 + r), uint64(c)] = o / l
+                    if c == 0:
+                        lg[uint64(row0 + r)] = m + math.log(l)
+
+    return merge
+
+
+@functools.lru_cache(maxsize=None)
+def make_split_k(D: int, RT: int, LK: int, U: int, THREADS: int):
+    """Split-K's first kernel. Grid (splits, row tiles, B*Hkv), THREADS threads.
+
+    q (B*Hkv, g*Nq, d); k and v (B*Hkv, Nmax, d); o_part (slots, RT, d) and l_part (slots,
+    RT) float32, slot = (bk * tiles + tile) * splits + s; lengths (B,) int32. With one split
+    the block writes O and L themselves (o (B*Hkv, g*Nq, d), lse (B*Hkv, g*Nq)). Split s
+    of a sequence of n keys takes keys [s c, (s+1) c), c = ceil(n / splits)."""
+    attend = make_attend_key_range(D, RT, LK, U, THREADS)
+
+    @cuda.jit(fastmath=FASTMATH)
+    def split_k(q, k, v, o_part, l_part, o, lse, lengths, n_q, d, scale, causal):
+        s = int32(cuda.blockIdx.x)
+        tile = int32(cuda.blockIdx.y)
+        bk = int32(cuda.blockIdx.z)               # (batch, KV head)
+        splits = int32(cuda.gridDim.x)
+        n_keys = int32(lengths[bk // (int32(k.shape[0]) // int32(lengths.shape[0]))])
+        chunk = (n_keys + splits - 1) // splits
+        k_start = min(s * chunk, n_keys)
+        k_end = min(k_start + chunk, n_keys)
+        if splits == 1:
+            attend(q[bk], k[bk], v[bk], o[bk], lse[bk], tile * RT, tile * RT, n_q, k_start, k_end, n_keys,
+                   d, scale, causal)
+        else:
+            slot = (bk * int32(cuda.gridDim.y) + tile) * splits + s
+            attend(q[bk], k[bk], v[bk], o_part[slot], l_part[slot], tile * RT, int32(0), n_q, k_start, k_end,
+                   n_keys, d, scale, causal)
+
+    return split_k
+
+
+@functools.lru_cache(maxsize=None)
+def make_combine(D: int, RT: int, THREADS: int):
+    """Split-K's second kernel: grid (row tiles, B*Hkv), THREADS threads; merges the splits
+    of each (head, row tile) into o and lse (the partials as ``make_split_k`` writes them)."""
+    merge = make_merge_partials(D, RT, THREADS)
+
+    @cuda.jit(fastmath=FASTMATH)
+    def combine(o_part, l_part, o, lse, splits, d):
+        tile = int32(cuda.blockIdx.x)
+        bk = int32(cuda.blockIdx.y)
+        first = (bk * int32(cuda.gridDim.x) + tile) * splits
+        merge(o_part, l_part, first, splits, o[bk], lse[bk], tile * RT, int32(o.shape[1]), d)
+
+    return combine
+
+
+@functools.lru_cache(maxsize=None)
+def make_stream_k(D: int, RT: int, LK: int, U: int, THREADS: int):
+    """Stream-K (Lean Attention): one persistent launch. Grid: the schedule's blocks, THREADS threads.
+
+    Block c runs segments cta_first[c] .. cta_first[c+1] - 1 of the schedule (see
+    ``stream_k_schedule``); segment g is keys [seg_start[g], seg_end[g]) of work item
+    seg_item[g] = (batch, KV head) * tiles + row tile. An item done in one segment is
+    written straight to o and lse. Otherwise each segment writes its partial to slot g;
+    then the block makes its writes visible (a fence), counts itself in (an atomic add on
+    the item's counter), and the block that arrives LAST merges the item's partials, in
+    segment order. No block ever waits for another: the simulator, which runs one block at
+    a time, cannot deadlock, and on the GPU no block holds an SM while it spins. The last
+    block resets the counter to 0 for the next launch."""
+    attend = make_attend_key_range(D, RT, LK, U, THREADS)
+    merge = make_merge_partials(D, RT, THREADS)
+
+    @cuda.jit(fastmath=FASTMATH)
+    def stream_k(q, k, v, o_part, l_part, o, lse, lengths, n_q, d, scale, causal, tiles,
+                 cta_first, seg_item, seg_start, seg_end, item_first, item_count, counters):
+        c = int32(cuda.blockIdx.x)
+        tid = int32(cuda.threadIdx.x)
+        last = cuda.shared.array(1, int32)
+        heads_per_batch = int32(k.shape[0]) // int32(lengths.shape[0])
+        for g in range(cta_first[c], cta_first[c + 1]):
+            item = int32(seg_item[g])
+            bk = item // tiles
+            row0 = (item % tiles) * RT
+            n_keys = int32(lengths[bk // heads_per_batch])
+            count = int32(item_count[item])
+            if count == 1:                        # the whole item in this segment
+                attend(q[bk], k[bk], v[bk], o[bk], lse[bk], row0, row0, n_q, seg_start[g], seg_end[g],
+                       n_keys, d, scale, causal)
+            else:
+                attend(q[bk], k[bk], v[bk], o_part[g], l_part[g], row0, int32(0), n_q, seg_start[g],
+                       seg_end[g], n_keys, d, scale, causal)
+                cuda.threadfence()                # this block's partial, visible to every block
+                cuda.syncthreads()                # ... from all its threads
+                if tid == 0:
+                    last[0] = int32(cuda.atomic.add(counters, item, 1) == count - 1)
+                cuda.syncthreads()
+                if last[0] == 1:                  # every other piece of the item is written
+                    cuda.threadfence()
+                    merge(o_part, l_part, item_first[item], count, o[bk], lse[bk], row0, int32(o.shape[1]), d)
+                    if tid == 0:
+                        counters[item] = 0
+                cuda.syncthreads()                # `last` is rewritten by the next segment
+
+    return stream_k
+
+
+# --------------------------------------------------------------------------- split-K: how many splits
+
+def wave_efficiency(blocks: int, slots: int) -> float:
+    """The fraction of the GPU's block slots busy over the waves of a launch of ``blocks``
+    blocks on ``slots`` slots (SMs x blocks per SM): blocks / (ceil(blocks / slots) slots)."""
+    return blocks / (cdiv(blocks, slots) * slots) if blocks else 0.0
+
+
+def split_count(items: int, n_keys: int, slots: int, *, min_keys: int = 256, max_splits: int = 128) -> int:
+    """Split-K's rule: how many slices to cut each of ``items`` (head, row tile) pieces' n_keys keys into.
+
+    More splits fill more of the GPU's ``slots`` (SMs x blocks per SM), but each adds a
+    partial to write and merge. FlashAttention's rule: take the wave efficiency of every
+    split count s (``wave_efficiency(items * s, slots)``) up to what keeps at least
+    ``min_keys`` keys a slice, and choose the smallest s within 85% of the best."""
+    limit = max(1, min(max_splits, n_keys // max(min_keys, 1)))
+    if items >= slots:                    # the heads alone fill the GPU
+        return 1
+    eff = [wave_efficiency(items * s, slots) for s in range(1, limit + 1)]
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+# --------------------------------------------------------------------------- stream-K: the schedule
+
+@dataclass(frozen=True)
+class StreamKSchedule:
+    """Which block takes which work. Work item i (a (batch, KV head) and row tile) has
+    tiles[i] key tiles; segments are (item, first tile, end tile), in the order of the
+    work laid end to end; block c runs segments cta_first[c] .. cta_first[c+1] - 1; item
+    i's segments are item_first[i] .. item_first[i] + item_count[i] - 1."""
+
+    cta_first: np.ndarray     # (blocks + 1,)
+    seg_item: np.ndarray      # (segments,)
+    seg_tile_start: np.ndarray
+    seg_tile_end: np.ndarray
+    item_first: np.ndarray    # (items,)
+    item_count: np.ndarray
+
+    @property
+    def blocks(self) -> int:
+        return len(self.cta_first) - 1
+
+
+def stream_k_schedule(tiles_per_item, blocks: int) -> StreamKSchedule:
+    """Cut the work, every item's key tiles laid end to end, into ``blocks`` equal
+    contiguous ranges (Lean Attention's schedule).
+
+    Block c takes the work units [c W / blocks, (c+1) W / blocks) of the W in all; where its
+    range covers the end of one item and the start of the next, it gets a segment of each.
+    An item with no tiles (an empty cache) gets one empty segment, from the block whose
+    range its position falls in, so that its outputs (O = 0, L = -inf) are still written."""
+    tiles = np.asarray(tiles_per_item, np.int64)
+    if blocks < 1:
+        raise ValueError(f"blocks: expected at least 1, got {blocks}")
+    total = int(tiles.sum())
+    bounds = [c * total // blocks for c in range(blocks + 1)]
+    seg_cta, seg_item, seg_a, seg_b = [], [], [], []
+    start = 0
+    for item, n in enumerate(tiles.tolist()):
+        end = start + n
+        if n == 0:
+            cta = min(int(np.searchsorted(bounds, start, side="right")) - 1, blocks - 1)
+            seg_cta.append(cta), seg_item.append(item), seg_a.append(0), seg_b.append(0)
+        else:
+            c = int(np.searchsorted(bounds, start, side="right")) - 1
+            while c < blocks and bounds[c] < end:
+                a, b = max(start, bounds[c]), min(end, bounds[c + 1])
+                if b > a:
+                    seg_cta.append(c), seg_item.append(item), seg_a.append(a - start), seg_b.append(b - start)
+                c += 1
+        start = end
+    seg_cta = np.asarray(seg_cta, np.int64)
+    seg_item = np.asarray(seg_item, np.int32)
+    cta_first = np.searchsorted(seg_cta, np.arange(blocks + 1), side="left").astype(np.int32)
+    item_count = np.bincount(seg_item, minlength=len(tiles)).astype(np.int32)
+    item_first = (np.cumsum(item_count) - item_count).astype(np.int32)
+    return StreamKSchedule(cta_first=cta_first, seg_item=seg_item, seg_tile_start=np.asarray(seg_a, np.int32),
+                           seg_tile_end=np.asarray(seg_b, np.int32), item_first=item_first, item_count=item_count)
+
+
+def check_schedule(schedule: StreamKSchedule, tiles_per_item, blocks: int):
+    """AssertionError unless ``schedule`` is a valid stream-K cut of the work: every tile of
+    every item in exactly one segment, in order; an empty item in one empty segment; blocks
+    take contiguous, balanced ranges (at most one unit more than W / blocks each)."""
+    tiles = np.asarray(tiles_per_item, np.int64)
+    s = schedule
+    assert s.blocks == blocks, f"expected {blocks} blocks, got {s.blocks}"
+    assert s.cta_first[0] == 0 and s.cta_first[-1] == len(s.seg_item), "cta_first must cover every segment"
+    assert np.all(np.diff(s.cta_first) >= 0), "cta_first must not decrease"
+    for item, n in enumerate(tiles):
+        first, count = int(s.item_first[item]), int(s.item_count[item])
+        segs = range(first, first + count)
+        assert count >= 1, f"item {item}: no segment"
+        assert all(s.seg_item[g] == item for g in segs), f"item {item}: its segments are not contiguous"
+        covered = [(int(s.seg_tile_start[g]), int(s.seg_tile_end[g])) for g in segs]
+        if n == 0:
+            assert covered == [(0, 0)], f"item {item}: an empty item needs one empty segment, got {covered}"
+        else:
+            assert covered[0][0] == 0 and covered[-1][1] == n, f"item {item}: tiles 0..{n} not covered: {covered}"
+            assert all(a < b for a, b in covered), f"item {item}: empty segment in {covered}"
+            assert all(covered[i][1] == covered[i + 1][0] for i in range(len(covered) - 1)), \
+                f"item {item}: segments not contiguous: {covered}"
+    work = np.zeros(blocks, np.int64)
+    for c in range(blocks):
+        for g in range(s.cta_first[c], s.cta_first[c + 1]):
+            work[c] += s.seg_tile_end[g] - s.seg_tile_start[g]
+    total = int(tiles.sum())
+    assert work.sum() == total
+    assert work.max(initial=0) <= cdiv(total, blocks), f"unbalanced: {work.max()} units on one block, W/blocks = {total / blocks:.2f}"
+
+
+# --------------------------------------------------------------------------- the launcher
+
+def _host_lengths(cache_lengths, B: int, n_max: int) -> np.ndarray:
+    """The cache lengths as a host int64 array, validated (naming ``cache_lengths``)."""
+    if cache_lengths is None:
+        return np.full(B, n_max, np.int64)
+    if is_device_array(cache_lengths):
+        check_array(cache_lengths, "cache_lengths", ndim=1, dtypes=None)
+        host = to_device(cache_lengths, "cache_lengths").copy_to_host()
+    else:
+        try:
+            host = np.asarray(cache_lengths)
+        except Exception as exc:  # noqa: BLE001
+            raise TypeError(f"cache_lengths: expected B integers, got {type(cache_lengths).__name__}") from exc
+    if host.ndim != 1 or host.shape[0] != B:
+        raise ValueError(f"cache_lengths: expected shape ({B},) (one length a sequence), got {host.shape}")
+    if host.dtype.kind not in "iu":
+        raise TypeError(f"cache_lengths: expected integers, got dtype {host.dtype}")
+    host = host.astype(np.int64)
+    bad = (host < 0) | (host > n_max)
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise ValueError(f"cache_lengths: expected 0 <= length <= {n_max} (the cache's rows), "
+                         f"got {int(host[b])} for sequence {b}")
+    return host
+
+
+@functools.lru_cache(maxsize=256)
+def _lengths_on_device(lengths: tuple, device_id: int):
+    """The lengths as a device int32 array, made once for each batch composition (a copy
+    to the device every call would be a synchronous transfer every decode step)."""
+    return cuda.to_device(np.asarray(lengths, np.int32))
+
+
+_workspaces: dict = {}
+
+
+def _workspace(name: str, shape: tuple, dtype=np.float32, zero: bool = False):
+    """A scratch device array kept between calls (partials, counters): one buffer a name,
+    grown when a call needs more, so that a decode step does not allocate. Launches go to
+    one stream, one after the other, so a call never finds the previous one still using
+    it. ``zero``: zeros when (re)made (stream-K's counters, which its last blocks leave at
+    zero again)."""
+    size = max(int(np.prod(shape)), 1)
+    key = (name, np.dtype(dtype).str, 0 if on_simulator() else cuda.get_current_device().id)
+    buf = _workspaces.get(key)
+    if buf is None or buf.shape[0] < size:
+        buf = cuda.to_device(np.zeros(size, dtype)) if zero else device_empty((size,), dtype)
+        _workspaces[key] = buf
+    return buf[:int(np.prod(shape))].reshape(shape)
+
+
+_slots: dict = {}
+
+
+def gpu_slots(kernel, args, threads: int = GPU_THREADS) -> int:
+    """Blocks of ``kernel`` the whole GPU holds at once (SMs x blocks an SM, from the
+    compiled kernel's occupancy) for a launch with these arguments; 4 in the simulator."""
+    if on_simulator():
+        return 4
+    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+    key = (id(kernel), argtypes, cuda.get_current_device().id)
+    if key not in _slots:
+        _slots[key] = int(kernel.compile(argtypes).max_cooperative_grid_blocks(threads))
+    return _slots[key]
+
+
+@functools.lru_cache(maxsize=64)
+def _device_schedule(tiles_key: tuple, blocks: int, key_tile: int, lengths_key: tuple, heads_per_batch: int,
+                     items_per_head: int):
+    """The stream-K schedule on the device (cached: a batch's schedule is built once)."""
+    sched = stream_k_schedule(tiles_key, blocks)
+    lengths = np.asarray(lengths_key, np.int64)
+    bk = sched.seg_item // items_per_head
+    n_keys = lengths[bk // heads_per_batch]
+    seg_start = np.minimum(sched.seg_tile_start.astype(np.int64) * key_tile, n_keys).astype(np.int32)
+    seg_end = np.minimum(sched.seg_tile_end.astype(np.int64) * key_tile, n_keys).astype(np.int32)
+    arrays = (sched.cta_first, sched.seg_item, seg_start, seg_end, sched.item_first, sched.item_count)
+    return sched, tuple(cuda.to_device(np.ascontiguousarray(a)) for a in arrays)
+
+
+def _check_int(value, name, lo, hi=None):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name}: expected {lo} <= {name}" + (f" <= {hi}" if hi else "") + f", got {value}")
+    return int(value)
+
+
+def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal=False, scale=None,
+                     schedule="stream-k", splits=None, blocks=None):
+    """Decode attention: Nq (0..16) new queries a sequence against its KV cache.
+
+    q (B, Hq, Nq, d) float32 or float16; k_cache and v_cache (B, Hkv, Nmax, d), float32 or
+    float16 (one dtype for both), Hkv dividing Hq (query head h reads KV head h // (Hq/Hkv)).
+    ``cache_lengths``: (B,) ints, sequence b's keys are its first cache_lengths[b] rows
+    (None: all Nmax; a device array is copied to the host, which synchronises). ``causal``:
+    query i sees key j iff j <= i + cache_lengths[b] - Nq. ``schedule``: "split-k" (two
+    launches; ``splits`` overrides ``split_count``) or "stream-k" (one launch; ``blocks``
+    overrides the persistent grid of SMs x blocks per SM).
+
+    Returns (o, lse): o (B, Hq, Nq, d) and lse (B, Hq, Nq), float32, like ``flash_attention``.
+    """
+    qs, q_dtype = check_array(q, "q", ndim=4, dtypes=(np.float32, np.float16))
+    ks, kv_dtype = check_array(k_cache, "k_cache", ndim=4, dtypes=(np.float32, np.float16))
+    vs, v_dtype = check_array(v_cache, "v_cache", ndim=4, dtypes=(np.float32, np.float16))
+    if v_dtype != kv_dtype:
+        raise TypeError(f"v_cache: expected the dtype of k_cache ({kv_dtype}), got {v_dtype}")
+    if vs != ks:
+        raise ValueError(f"v_cache: expected the shape of k_cache {ks}, got {vs}")
+    B, hq, n_q, d = qs
+    _, hkv, n_max, dk = ks
+    if ks[0] != B:
+        raise ValueError(f"k_cache: expected batch B = {B} like q, got {ks[0]}")
+    if dk != d:
+        raise ValueError(f"k_cache: expected head dim d = {d} like q, got {dk}")
+    if not 1 <= d <= 128:
+        raise ValueError(f"q: expected head dim d in 1..128, got {d}")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"k_cache: expected KV heads dividing the {hq} query heads, got {hkv}")
+    if n_q > MAX_QUERIES:
+        raise ValueError(f"q: expected at most {MAX_QUERIES} new queries a sequence (decode), got Nq = {n_q}; "
+                         f"use flash_attention for prefill")
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    if schedule not in ("split-k", "stream-k"):
+        raise ValueError(f"schedule: expected 'split-k' or 'stream-k', got {schedule!r}")
+    splits = _check_int(splits, "splits", 1, 1024)
+    blocks = _check_int(blocks, "blocks", 1, 1 << 20)
+    if splits is not None and schedule != "split-k":
+        raise ValueError("splits: only for schedule='split-k'")
+    if blocks is not None and schedule != "stream-k":
+        raise ValueError("blocks: only for schedule='stream-k'")
+    lengths_host = _host_lengths(cache_lengths, B, n_max)
+    lengths = _lengths_on_device(tuple(lengths_host.tolist()), 0 if on_simulator() else cuda.get_current_device().id)
+    kind = ArrayKind(q)
+
+    group = hq // hkv
+    rows = group * n_q                            # a KV head's query rows: (head of the group, query)
+    BK = B * hkv
+    o = kind.empty((BK, rows, d), np.float32)
+    lse = kind.empty((BK, rows), np.float32)
+    if BK > 0 and rows > 0:
+        p = plan(d, rows, np.dtype(kv_dtype).itemsize)
+        tiles = cdiv(rows, p.RT)
+        qd = to_device(q, "q").reshape(BK, rows, d)
+        kd = to_device(k_cache, "k_cache").reshape(BK, n_max, d)
+        vd = to_device(v_cache, "v_cache").reshape(BK, n_max, d)
+        common = (np.int32(n_q), np.int32(d), np.float32(scale), np.int32(causal))
+        if schedule == "split-k":
+            _split_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, common, splits)
+        else:
+            _stream_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, hkv, common, blocks)
+    return (kind.give_back(o.reshape(B, hq, n_q, d)), kind.give_back(lse.reshape(B, hq, n_q)))
+
+
+def _split_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, common, splits):
+    BK = kd.shape[0]
+    kernel = make_split_k(*p.key)
+    dummy = _workspace("one-partial", (1, p.RT, o.shape[2]))
+    args = (qd, kd, vd, dummy, dummy[:, :, 0], o, lse, lengths, *common)
+    if splits is None:
+        splits = split_count(BK * tiles, int(lengths_host.max(initial=0)), gpu_slots(kernel, args, p.threads))
+    if splits == 1:
+        kernel[(1, tiles, BK), p.threads](*args)
+        return
+    o_part = _workspace("o_part", (BK * tiles * splits, p.RT, o.shape[2]))
+    l_part = _workspace("l_part", (BK * tiles * splits, p.RT))
+    kernel[(splits, tiles, BK), p.threads](qd, kd, vd, o_part, l_part, o, lse, lengths, *common)
+    make_combine(p.D, p.RT, p.threads)[(tiles, BK), p.threads](o_part, l_part, o, lse, np.int32(splits), common[1])
+
+
+def key_tile(p: DecodePlan) -> int:
+    """Keys a stream-K work unit: two of the block's steps (fine enough to balance, long
+    enough that a segment's fixed costs stay small)."""
+    return 2 * p.keys_per_step
+
+
+def _stream_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, hkv, common, blocks):
+    BK = kd.shape[0]
+    kernel = make_stream_k(*p.key)
+    unit = key_tile(p)
+    # work items: (batch, KV head, row tile), in that order; each has ceil(length / unit) tiles
+    n_keys = np.repeat(lengths_host, hkv)                         # per (batch, KV head)
+    tiles_per_item = np.repeat(-(-n_keys // unit), tiles)
+    if blocks is None:
+        probe = _workspace("probe", (2,), np.int32)
+        blocks = gpu_slots(kernel, (qd, kd, vd, o, lse, o, lse, lengths, *common, np.int32(tiles),
+                                    probe, probe, probe, probe, probe, probe, probe), p.threads)
+        blocks = max(1, min(blocks, int(tiles_per_item.sum()) or 1))
+    sched, dev = _device_schedule(tuple(tiles_per_item.tolist()), blocks, unit, tuple(lengths_host.tolist()),
+                                  hkv, tiles)
+    n_seg = len(sched.seg_item)
+    o_part = _workspace("o_part", (max(n_seg, 1), p.RT, o.shape[2]))
+    l_part = _workspace("l_part", (max(n_seg, 1), p.RT))
+    counters = _workspace("counters", (max(len(tiles_per_item), 1),), np.int32, zero=True)
+    kernel[blocks, p.threads](qd, kd, vd, o_part, l_part, o, lse, lengths, *common, np.int32(tiles), *dev, counters)
+
+
+# --------------------------------------------------------------------------- the IO model
+
+def io_model_bytes(B: int, hq: int, hkv: int, n_q: int, n_keys, d: int, *, kv_itemsize: int = 4,
+                   q_itemsize: int = 4) -> int:
+    """Compulsory HBM bytes of decode: K and V once (each cached key of each KV head), Q
+    read and O and L written once. ``n_keys``: an int or the B cache lengths."""
+    keys = int(np.sum(np.broadcast_to(np.asarray(n_keys, np.int64), (B,))))
+    return 2 * keys * hkv * d * kv_itemsize + B * hq * n_q * (d * q_itemsize + 4 * d + 4)
+
+
+# --------------------------------------------------------------------------- sm_90 PTX check
+
+def ptx_targets():
+    """(kernel, signature) pairs for ``kernels.base.ptx_check``: fp32 and fp16 caches, MHA
+    and grouped rows, split-K, combine and stream-K."""
+    from numba import types
+
+    f32_3, f16_3 = types.float32[:, :, ::1], types.float16[:, :, ::1]
+    f32_2, i32_1 = types.float32[:, ::1], types.int32[::1]
+    scalars = (types.int32, types.int32, types.float32, types.int32)
+    out = []
+    for kv in (f32_3, f16_3):
+        for d, rows in ((128, 1), (128, 16), (64, 4)):
+            p = plan(d, rows, 2 if kv is f16_3 else 4)
+            label = f"{'fp16' if kv is f16_3 else 'fp32'} KV, d={d}, {rows} rows ({p})"
+            out.append((f"split_k {label}", make_split_k(*p.key),
+                        (f32_3, kv, kv, f32_3, f32_2, f32_3, f32_2, i32_1, *scalars)))
+            out.append((f"stream_k {label}", make_stream_k(*p.key),
+                        (f32_3, kv, kv, f32_3, f32_2, f32_3, f32_2, i32_1, *scalars, types.int32,
+                         i32_1, i32_1, i32_1, i32_1, i32_1, i32_1, i32_1)))
+    p = plan(128, 1)
+    out.append(("combine", make_combine(p.D, p.RT, p.threads), (f32_3, f32_2, f32_3, f32_2, types.int32, types.int32)))
+    return out
