@@ -171,19 +171,20 @@ class DecodePlan:
 
 def plan(d: int, rows: int, itemsize: int = 4) -> DecodePlan:
     """The decode kernels' shape for head dim d, ``rows`` = g*Nq query rows a KV head, and
-    K/V elements of ``itemsize`` bytes.
+    K/V elements of ``itemsize`` bytes (measured on the H100 at d = 128; see the chapter).
 
-    LK: at least a 32-byte sector of a key row a load (8 float32 or 16 float16 lanes), and
+    LK: 8 lanes a stream (a load of a key row reads 8 consecutive elements), 16 for float32
+    keys with one query row (fewer shuffles a key than loads a lane: measured best), and
     enough lanes that a thread keeps at most 64 output registers (RT * D / LK <= 64).
-    U: keys a stream loads at once, so that about 32 loads a thread are in flight."""
+    U: keys a stream loads before it uses them (its loads in flight at once): 4 for
+    float16 keys with one query row, else 2."""
     D = 1 << max(0, int(d) - 1).bit_length()
     if not on_simulator():
         D = max(D, 16)
     RT = min(1 << max(0, int(rows) - 1).bit_length(), MAX_ROWS)
-    LK = max(32 // itemsize, RT * D // 64)
-    LK = min(LK, 32, D)
-    cpl = D // LK
-    U = max(1, min(4, 32 // cpl))
+    LK = 16 if (itemsize == 4 and RT == 1) else 8
+    LK = min(max(LK, RT * D // 64), 32, D)
+    U = 4 if (itemsize == 2 and RT == 1) else 2
     return DecodePlan(D=D, RT=RT, LK=LK, U=U, threads=32 if on_simulator() else GPU_THREADS)
 
 
