@@ -308,6 +308,37 @@ MUTANTS += [
            T6B, CH6_BACKWARD, "per-head masks: dK/dV of every head walk the first head's lists"),
 ]
 
+# ---- chapter 7: decode (split-K, stream-K)
+DECODE = "kernels.decode"
+T7 = ("tests/test_decode.py",)
+CH7 = "test_matches_oracle or test_many_partials or test_bitwise_reproducible"
+MUTANTS += [
+    Mutant("ch7-no-rescale", 7, DECODE,
+           (("""                for t in range(CPL):
+                    acc[r, t] *= alpha
+""", ""),),
+           T7, CH7, "a stream's running O is not rescaled when its maximum grows"),
+    Mutant("ch7-causal-diagonal-shifted", 7, DECODE,
+           (("if j >= k_end or (causal and j > i + diag):", "if j >= k_end or (causal and j > i + diag + 1):"),),
+           T7, CH7, "causal: each new query also sees the key after its own"),
+    Mutant("ch7-grouped-rows-one-query", 7, DECODE,
+           (("i = (row0 + r) % n_q", "i = row0 + r"),),
+           T7, CH7, "GQA rows: the causal diagonal counts a group's rows as queries of one head"),
+    Mutant("ch7-split-drops-a-key", 7, DECODE,
+           (("k_end = min(k_start + chunk, n_keys)", "k_end = min(k_start + chunk, n_keys - 1)"),),
+           T7, CH7, "split-K: the last split stops one key short of the cache's end"),
+    Mutant("ch7-merge-unweighted", 7, DECODE,
+           (("o = o * math.exp(m - m_new) + o_part[uint64(slot), uint64(r), uint64(c)] * math.exp(l_s - m_new)",
+             "o = o + o_part[uint64(slot), uint64(r), uint64(c)]"),),
+           T7, CH7, "the merge of partials adds the O_s without their weights exp(L_s - L)"),
+    Mutant("ch7-streams-merged-unweighted", 7, DECODE,
+           (("                o += so[z, r, c] * w", "                o += so[z, r, c]"),),
+           T7, CH7, "a block's streams merged without their weights 2^(m_z - m)"),
+    Mutant("ch7-counter-not-reset", 7, DECODE,
+           (("                        counters[item] = 0", "                        counters[item] = counters[item]"),),
+           T7, CH7, "stream-K: the merging block leaves its counter set, so the next launch never merges"),
+]
+
 BY_ID = {m.id: m for m in MUTANTS}
 assert len(BY_ID) == len(MUTANTS), "mutant ids must be unique"
 

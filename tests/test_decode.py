@@ -1,0 +1,347 @@
+"""Chapter 7: decode (split-K and stream-K) against the float64 oracle.
+
+O and L for drawn decode batches: ragged cache lengths (0 and 1 included), grouped-query
+and multi-query heads, Nq up to 16 with causal masking relative to the end of each cache,
+float32 and float16 caches, any split count and any stream-K grid; large logits; NaN
+beyond the cache lengths (never read into the result) and in a query row (that row only);
+bitwise reproducibility; the stream-K schedule and the split-K rule; the merge in NumPy;
+the launcher's validation.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kernels import reference as ref
+from kernels.base.runtime import is_device_array, on_simulator
+from kernels.base.testing import U, Floor, assert_close, attention_floors, magnitude_for_logits, random_array
+from kernels.decode import (
+    MAX_QUERIES,
+    StreamKSchedule,
+    check_schedule,
+    decode_attention,
+    decode_numpy,
+    io_model_bytes,
+    merge_partials_numpy,
+    plan,
+    split_count,
+    split_ranges,
+    stream_k_schedule,
+    wave_efficiency,
+)
+
+SIM = on_simulator()
+MAX_N = 40 if SIM else 600
+MAX_D = 16 if SIM else 128
+MAX_NQ = 3 if SIM else MAX_QUERIES
+LOGIT_STDS = (0.5, 3.0, 30.0)
+
+
+class DecodeCase:
+    def __init__(self, q, k, v, lengths, causal, scale, schedule, splits, blocks):
+        self.q, self.k, self.v, self.lengths = q, k, v, lengths
+        self.causal, self.scale, self.schedule, self.splits, self.blocks = causal, scale, schedule, splits, blocks
+
+    @property
+    def options(self):
+        extra = {"splits": self.splits} if self.schedule == "split-k" else {"blocks": self.blocks}
+        return dict(cache_lengths=self.lengths, causal=self.causal, scale=self.scale, schedule=self.schedule,
+                    **extra)
+
+    def __repr__(self):
+        b, hq, nq, d = self.q.shape
+        return (f"DecodeCase(B={b}, Hq={hq}, Hkv={self.k.shape[1]}, Nq={nq}, Nmax={self.k.shape[2]}, d={d}, "
+                f"lengths={self.lengths}, causal={self.causal}, scale={self.scale}, kv={self.k.dtype}, "
+                f"{self.schedule}, splits={self.splits}, blocks={self.blocks})")
+
+
+def make_case(b=1, hkv=1, group=1, nq=1, n_max=8, d=4, lengths=None, causal=False, scale=None,
+              schedule="stream-k", splits=None, blocks=None, logit_std=3.0, kv_dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    mag = magnitude_for_logits(logit_std, d, scale)
+    q = random_array(rng, (b, hkv * group, nq, d), mag)
+    k = random_array(rng, (b, hkv, n_max, d), mag, kv_dtype)
+    v = random_array(rng, (b, hkv, n_max, d), 1.0, kv_dtype)
+    return DecodeCase(q, k, v, lengths, causal, scale, schedule, splits, blocks)
+
+
+@st.composite
+def decode_cases(draw, schedules=("split-k", "stream-k")):
+    b = draw(st.integers(1, 3))
+    hkv = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 4] if SIM else [1, 2, 4, 8, 32]))
+    nq = draw(st.integers(0, MAX_NQ))
+    n_max = draw(st.integers(0, MAX_N))
+    lengths = draw(st.one_of(st.none(), st.lists(st.sampled_from([0, 1, n_max, n_max // 2])
+                                                 | st.integers(0, n_max), min_size=b, max_size=b)))
+    d = draw(st.integers(1, MAX_D))
+    schedule = draw(st.sampled_from(schedules))
+    return make_case(b=b, hkv=hkv, group=group, nq=nq, n_max=n_max, d=d, lengths=lengths,
+                     causal=draw(st.booleans()), scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
+                     schedule=schedule,
+                     splits=draw(st.one_of(st.none(), st.integers(1, 6))) if schedule == "split-k" else None,
+                     blocks=draw(st.one_of(st.none(), st.integers(1, 7))) if schedule == "stream-k" else None,
+                     logit_std=draw(st.sampled_from(LOGIT_STDS)),
+                     kv_dtype=draw(st.sampled_from([np.float32, np.float16])), seed=draw(st.integers(0, 2**31)))
+
+
+def decode_floors(case):
+    """Element-by-element floors of O and L: chapter 4's (``attention_floors``) for each
+    sequence's query heads against its own keys, plus, for O, the merge of the partials:
+    each partial's weight exp(L_s - L) errs by L_s's floor, which moves O by that much of
+    |O_s - O| <= 2 max|V| (bounded by L's floor times 2 max|V| over the row's keys)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (case.q, case.k, case.v))
+    B, hq, nq, d = q.shape
+    group = hq // k.shape[1]
+    lengths = np.full(B, k.shape[2]) if case.lengths is None else np.asarray(case.lengths)
+    f_o, f_l = np.zeros(q.shape), np.zeros((B, hq, nq))
+    for b in range(B):
+        n = int(lengths[b])
+        kb, vb = np.repeat(k[b, :, :n], group, axis=0), np.repeat(v[b, :, :n], group, axis=0)
+        f = attention_floors(q[b], kb, vb, causal=case.causal, scale=case.scale)
+        vmax = np.abs(vb).max(axis=(-1, -2), initial=0.0)[:, None, None]
+        f_l[b] = f.lse.value
+        f_o[b] = f.o.value + 2.0 * f.lse.value[..., None] * vmax
+    return (Floor(f_o, "O floor: chapter 4's, plus the partials' weights erring by L's floor"),
+            Floor(f_l, "L floor: chapter 4's"))
+
+
+def check(case):
+    o, lse = decode_attention(case.q, case.k, case.v, **case.options)
+    exact_o, exact_l = ref.decode_attention(case.q, case.k, case.v, case.lengths, case.causal, case.scale)
+    base_o, base_l = ref.decode_attention(case.q, case.k, case.v, case.lengths, case.causal, case.scale,
+                                          dtype=np.float32)
+    assert o.dtype == np.float32 and lse.dtype == np.float32
+    assert o.shape == case.q.shape and lse.shape == case.q.shape[:3]
+    f_o, f_l = decode_floors(case)
+    assert_close(o, exact_o, base_o, name="O", floor=f_o)
+    assert_close(lse, exact_l, base_l, name="L", floor=f_l)
+    return o, lse
+
+
+# --------------------------------------------------------------------------- against the oracle
+
+@given(decode_cases())
+@example(make_case())                                                              # one key... of 8
+@example(make_case(n_max=1, lengths=[1]))                                          # a cache of one key
+@example(make_case(b=3, lengths=[8, 0, 1], schedule="split-k", splits=3))          # empty and one-key caches
+@example(make_case(b=2, hkv=2, group=2, nq=3, n_max=13, lengths=[13, 2], causal=True, schedule="stream-k",
+                   blocks=3))                                                      # GQA, causal, len < Nq
+@example(make_case(b=2, hkv=1, group=4, nq=2, n_max=11, d=5, causal=True, kv_dtype=np.float16,
+                   schedule="split-k", splits=4))                                  # MQA, fp16 cache
+@example(make_case(b=1, hkv=2, nq=2, n_max=9, d=3, logit_std=1e4, lengths=[9], schedule="stream-k",
+                   blocks=5))                                                      # logits ~ 1e4
+@example(make_case(b=1, hkv=1, nq=0, n_max=5))                                     # Nq = 0
+def test_matches_oracle(case):
+    check(case)
+
+
+@pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
+def test_many_partials_of_a_long_cache(schedule):
+    """Many splits (or many blocks crossing heads) over one long cache each: the merge of a
+    dozen partials, with large logits so that the weights exp(L_s - L) span decades."""
+    n = 64 if SIM else 5000
+    case = make_case(b=2, hkv=2, group=2, nq=2, n_max=n, d=8 if SIM else 128, lengths=[n, n // 3 + 1],
+                     causal=True, logit_std=30.0, schedule=schedule,
+                     splits=12 if schedule == "split-k" else None, blocks=9 if schedule == "stream-k" else None)
+    check(case)
+
+
+def test_split_k_and_stream_k_agree_with_chapter_4():
+    """With one query head a KV head and full caches, decode is chapter 4's forward."""
+    from kernels.flash_forward import flash_attention
+
+    case = make_case(b=2, hkv=2, nq=2, n_max=19, d=8, causal=True)
+    o4, l4 = flash_attention(case.q, case.k, case.v, causal=True)
+    for schedule in ("split-k", "stream-k"):
+        o, lse = decode_attention(case.q, case.k, case.v, causal=True, schedule=schedule)
+        np.testing.assert_allclose(o, o4, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(lse, l4, rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- hard input
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
+def test_what_lies_beyond_a_cache_is_never_read_into_the_result(schedule):
+    """Rows past a sequence's length are not its keys: NaN there changes nothing, bit for bit."""
+    case = make_case(b=3, hkv=2, group=2, nq=2, n_max=21, d=6, lengths=[21, 7, 0], causal=True,
+                     schedule=schedule, splits=3 if schedule == "split-k" else None,
+                     blocks=4 if schedule == "stream-k" else None)
+    o, lse = check(case)
+    k, v = case.k.copy(), case.v.copy()
+    for b, n in enumerate(case.lengths):
+        k[b, :, n:] = np.nan
+        v[b, :, n:] = np.inf
+    o2, l2 = decode_attention(case.q, k, v, **case.options)
+    assert np.array_equal(o, o2) and np.array_equal(lse, l2)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
+def test_nan_in_a_query_row_reaches_that_row_only(schedule):
+    case = make_case(b=2, hkv=2, group=2, nq=2, n_max=12, d=4, schedule=schedule,
+                     splits=3 if schedule == "split-k" else None, blocks=3 if schedule == "stream-k" else None)
+    case.q[1, 2, 1, 3] = np.nan
+    o, lse = decode_attention(case.q, case.k, case.v, **case.options)
+    exact_o, exact_l = ref.decode_attention(case.q, case.k, case.v)
+    assert np.array_equal(np.isnan(o), np.isnan(exact_o)) and np.isnan(o[1, 2, 1]).all()
+    assert np.array_equal(np.isnan(lse), np.isnan(exact_l)) and np.isnan(lse[1, 2, 1])
+
+
+@pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
+def test_bitwise_reproducible(schedule):
+    """The merge order is fixed (split order; stream-K: segment order, whichever block
+    arrives last): the same call gives the same bits, also after other calls."""
+    case = make_case(b=2, hkv=2, group=2, nq=2, n_max=30, d=8, lengths=[30, 11], causal=True,
+                     schedule=schedule, splits=4 if schedule == "split-k" else None,
+                     blocks=5 if schedule == "stream-k" else None)
+    first = decode_attention(case.q, case.k, case.v, **case.options)
+    other = make_case(b=1, hkv=1, n_max=9, schedule=schedule, seed=3)
+    decode_attention(other.q, other.k, other.v, **other.options)
+    again = decode_attention(case.q, case.k, case.v, **case.options)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+
+
+# --------------------------------------------------------------------------- the pieces in NumPy
+
+@given(n=st.integers(0, 200), splits=st.integers(1, 40))
+def test_split_ranges_cover_the_keys_in_order(n, splits):
+    ranges = split_ranges(n, splits)
+    assert len(ranges) == splits
+    assert ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a <= b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(splits - 1))
+
+
+@given(st.data())
+@settings(max_examples=60)
+def test_merge_of_partials_is_attention_over_the_whole(data):
+    """merge_partials_numpy of any cut of the keys is the oracle over all of them (and the
+    NumPy split-K, decode_numpy, is the oracle)."""
+    n = data.draw(st.integers(0, 30), label="n")
+    splits = data.draw(st.integers(1, 8), label="splits")
+    causal = data.draw(st.booleans(), label="causal")
+    case = make_case(b=2, hkv=2, group=2, nq=3, n_max=n, d=5, causal=causal, logit_std=30.0,
+                     lengths=[n, data.draw(st.integers(0, n), label="len1")], seed=data.draw(st.integers(0, 99)))
+    o, lse = decode_numpy(case.q, case.k, case.v, cache_lengths=case.lengths, causal=causal, splits=splits)
+    exact_o, exact_l = ref.decode_attention(case.q, case.k, case.v, case.lengths, causal)
+    np.testing.assert_allclose(o, exact_o, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(lse, exact_l, rtol=1e-10, atol=1e-12)
+
+
+def test_merge_identity_and_nan():
+    o = np.arange(6.0).reshape(1, 2, 3)
+    l = np.array([[0.5, -1.0]])
+    mo, ml = merge_partials_numpy(np.concatenate([o, np.full_like(o, 7.0)]), np.concatenate([l, [[-np.inf] * 2]]))
+    np.testing.assert_array_equal(mo, o[0]) and np.testing.assert_array_equal(ml, l[0])
+    mo, ml = merge_partials_numpy(np.zeros((2, 1, 3)), np.full((2, 1), -np.inf))
+    assert np.all(mo == 0) and np.all(ml == -np.inf)
+
+
+@st.composite
+def schedule_cases(draw):
+    tiles = draw(st.lists(st.integers(0, 12), min_size=1, max_size=12))
+    return tiles, draw(st.integers(1, 20))
+
+
+@given(schedule_cases())
+@example(([10, 10, 10, 10], 6))          # uniform: blocks cross heads
+@example(([40, 3, 3, 3], 6))             # ragged: one long sequence split over blocks
+@example(([0, 0, 5], 2))                 # empty caches first
+@example(([0], 3))                       # nothing to do but write O = 0, L = -inf
+@example(([3], 7))                       # more blocks than work
+def test_stream_k_schedule_is_a_balanced_cut(case):
+    tiles, blocks = case
+    check_schedule(stream_k_schedule(tiles, blocks), tiles, blocks)
+
+
+def test_check_schedule_catches_a_bad_schedule():
+    """The exercise's checker bites: a schedule that drops a tile, or is unbalanced, fails."""
+    tiles, blocks = [4, 4], 2
+    good = stream_k_schedule(tiles, blocks)
+    dropped = StreamKSchedule(good.cta_first, good.seg_item, good.seg_tile_start,
+                              np.where(np.arange(len(good.seg_tile_end)) == 0, good.seg_tile_end - 1,
+                                       good.seg_tile_end).astype(np.int32), good.item_first, good.item_count)
+    with pytest.raises(AssertionError):
+        check_schedule(dropped, tiles, blocks)
+    one_block = stream_k_schedule(tiles, 1)
+    lopsided = StreamKSchedule(np.array([0, 2, 2], np.int32), one_block.seg_item, one_block.seg_tile_start,
+                               one_block.seg_tile_end, one_block.item_first, one_block.item_count)
+    with pytest.raises(AssertionError, match="unbalanced"):
+        check_schedule(lopsided, tiles, blocks)
+
+
+@given(items=st.integers(1, 300), n_keys=st.integers(0, 1 << 20), slots=st.integers(1, 2000))
+def test_split_count_is_the_wave_efficiency_rule(items, n_keys, slots):
+    s = split_count(items, n_keys, slots)
+    limit = max(1, min(128, n_keys // 256))
+    assert 1 <= s <= limit
+    if items >= slots:
+        assert s == 1
+    else:
+        best = max(wave_efficiency(items * t, slots) for t in range(1, limit + 1))
+        assert wave_efficiency(items * s, slots) >= 0.85 * best
+        assert all(wave_efficiency(items * t, slots) < 0.85 * best for t in range(1, s))
+
+
+def test_plan_keeps_output_registers_bounded():
+    for d in (1, 16, 64, 100, 128):
+        for rows in (1, 2, 4, 8, 16, 64, 512):
+            for itemsize in (2, 4):
+                p = plan(d, rows, itemsize)
+                assert p.RT <= 16 and p.D >= d and p.D % p.LK == 0 and p.threads % p.LK == 0
+                assert p.RT * p.D // p.LK <= 64 or p.LK == min(32, p.D)
+
+
+def test_io_model_counts_k_and_v_once():
+    assert io_model_bytes(1, 32, 32, 1, 4096, 128, kv_itemsize=2) == 2 * 4096 * 32 * 128 * 2 + 32 * (128 * 4 * 2 + 4)
+    assert io_model_bytes(2, 8, 2, 1, [10, 0], 4) == 2 * 10 * 2 * 4 * 4 + 2 * 8 * (4 * 4 * 2 + 4)
+
+
+# --------------------------------------------------------------------------- the launcher
+
+def test_device_arrays_in_device_arrays_out():
+    from numba import cuda
+
+    case = make_case(b=1, hkv=1, group=2, n_max=6)
+    o, lse = decode_attention(*(cuda.to_device(x) for x in (case.q, case.k, case.v)),
+                              cache_lengths=cuda.to_device(np.array([4], np.int32)))
+    assert is_device_array(o) and is_device_array(lse)
+    exact_o, _ = ref.decode_attention(case.q, case.k, case.v, [4])
+    np.testing.assert_allclose(o.copy_to_host(), exact_o, atol=1e-5)
+
+
+def bad(**changes):
+    case = make_case(b=2, hkv=2, group=2, nq=1, n_max=5, d=4)
+    args = dict(q=case.q, k_cache=case.k, v_cache=case.v)
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (bad(q=np.zeros((2, 4, 1), np.float32)), ValueError, "q: expected 4 dimensions"),
+    (bad(q=np.zeros((2, 4, 1, 4), np.float64)), TypeError, "q: expected dtype"),
+    (bad(k_cache=np.zeros((2, 3, 5, 4), np.float32), v_cache=np.zeros((2, 3, 5, 4), np.float32)), ValueError,
+     "k_cache: expected KV heads dividing"),
+    (bad(v_cache=np.zeros((2, 2, 5, 4), np.float16)), TypeError, "v_cache: expected the dtype of k_cache"),
+    (bad(v_cache=np.zeros((2, 2, 6, 4), np.float32)), ValueError, "v_cache: expected the shape of k_cache"),
+    (bad(k_cache=np.zeros((3, 2, 5, 4), np.float32), v_cache=np.zeros((3, 2, 5, 4), np.float32)), ValueError,
+     "k_cache: expected batch"),
+    (bad(q=np.zeros((2, 4, 17, 4), np.float32)), ValueError, "at most 16 new queries"),
+    (bad(q=np.zeros((2, 4, 1, 129), np.float32), k_cache=np.zeros((2, 2, 5, 129), np.float32),
+         v_cache=np.zeros((2, 2, 5, 129), np.float32)), ValueError, "head dim d in 1..128"),
+    (bad(cache_lengths=[5]), ValueError, r"cache_lengths: expected shape \(2,\)"),
+    (bad(cache_lengths=[5, 6]), ValueError, "cache_lengths: expected 0 <= length <= 5"),
+    (bad(cache_lengths=[-1, 2]), ValueError, "cache_lengths: expected 0 <= length"),
+    (bad(cache_lengths=[1.0, 2.0]), TypeError, "cache_lengths: expected integers"),
+    (bad(schedule="ring"), ValueError, "schedule: expected"),
+    (bad(schedule="stream-k", splits=2), ValueError, "splits: only for schedule='split-k'"),
+    (bad(schedule="split-k", blocks=2), ValueError, "blocks: only for schedule='stream-k'"),
+    (bad(schedule="split-k", splits=0), ValueError, "splits: expected 1 <= splits"),
+    (bad(causal=1), TypeError, "causal: expected True or False"),
+    (bad(scale=-1.0), ValueError, "scale: expected a finite positive number"),
+])
+def test_bad_input_is_named_before_any_launch(args, error, match):
+    with pytest.raises(error, match=match):
+        decode_attention(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
