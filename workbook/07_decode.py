@@ -1,0 +1,844 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 7. Decode: split-K and stream-K (Lean Attention)
+#
+# Chapters 4 to 6 attended N queries against N keys: lots of arithmetic for every byte.
+# A served language model spends most of its life doing something else. Every step of
+# generation asks, for the $N_q$ newest tokens of each sequence ($N_q = 1$, or up to 16 when
+# speculative decoding drafts several tokens at once): attend over **everything cached so
+# far**, a KV cache of thousands to hundreds of thousands of keys.
+#
+# ```
+#   Q  (Nq = 1 row)        K^T  (d x N, the cache)                    O = softmax(Q K^T / sqrt(d)) V
+#   [ q ]  x  [ k_0 k_1 k_2 ..................................... k_{N-1} ]   ->   [ o ]
+#               each cached key and value read once, used once for this query
+# ```
+#
+# The arithmetic per cached element is tiny, so the running time is **bytes**: reading K
+# and V once is the floor. This chapter builds two kernels that get there by cutting the
+# **key** range instead of the query range, and merging the pieces:
+#
+# 1. **split-K** (Flash-Decoding, Dao, Haziza, Massa and Sizov 2023): each head's keys cut
+#    into slices, one block a slice, a second kernel merges the partial results;
+# 2. **stream-K** (Lean Attention, Sanovar et al. 2024, after Stream-K for GEMM, Osama et
+#    al. 2023): a persistent grid, the whole batch's work laid end to end and cut into
+#    equal ranges, the last block to finish a head merges it, in one launch.
+#
+# The merge is chapter 3's. The inside of a block is new: at $N_q = 1$ there is no matrix
+# to tile, only a matrix-**vector** product. And real decode inputs bring their own
+# details: cache lengths that differ per sequence, grouped KV heads (GQA/MQA), a causal
+# diagonal at the end of the cache, and fp16 caches.
+
+# %%
+import functools
+import inspect
+import sys
+from dataclasses import replace
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
+from kernels import reference as ref
+from kernels.decode import (
+    DecodePlan,
+    StreamKSchedule,
+    check_schedule,
+    decode_attention,
+    decode_numpy,
+    io_model_bytes,
+    key_tile,
+    make_attend_key_range,
+    make_combine,
+    merge_partials_numpy,
+    plan,
+    split_count,
+    split_ranges,
+    stream_k_schedule,
+    wave_efficiency,
+)
+from kernels.online_softmax import logsumexp_of, merge
+from kernels.base.runtime import device_name, on_simulator
+from kernels.base.testing import assert_close, check_exercise
+
+if on_simulator():
+    sys.setswitchinterval(1e-4)  # simulated threads are Python threads: switch often, barriers go faster
+print("running on:", device_name())
+
+# %% tags=["parameters"]
+# Tiny sizes in the simulator (every GPU thread is a Python thread there), real ones on a GPU.
+if on_simulator():
+    B, HQ, HKV, NQ, N_MAX, D_HEAD = 4, 4, 2, 2, 40, 8   # the kernel checks
+    BLOCKS = 3                                          # stream-K's persistent grid, forced small
+else:
+    B, HQ, HKV, NQ, N_MAX, D_HEAD = 4, 32, 8, 4, 4096, 128
+    BLOCKS = None                                       # the launcher's choice: SMs x blocks an SM
+LENGTHS = np.array([N_MAX - 3, 0, 1, N_MAX // 2])      # ragged caches: an empty one, one key
+
+# The H100 numbers the arithmetic below uses: 132 SMs, about 2.95 TB/s for a device copy
+# (cudaMemcpy, measured in chapter 0) and about 51 TFLOP/s of fp32 FMAs (cuBLAS, chapter 0).
+SMS, HBM_TBS, FP32_TFLOPS = 132, 2.95, 51.0
+
+# %% [markdown]
+# ## 1. The idea: decode is bytes, and chapter 4's grid starves
+#
+# Per sequence and head, decode reads the K and V cache once: $2 N d$ elements for a cache
+# of $N$ keys. The floor is
+#
+# $$t \;\ge\; \frac{\text{bytes of } K + \text{bytes of } V}{\text{HBM read bandwidth}}$$
+#
+# `io_model_bytes(B, Hq, Hkv, Nq, n_keys, d, kv_itemsize=...)` counts the compulsory bytes:
+# K and V once per KV head, plus Q read and O, L written once (negligible at small $N_q$).
+# A model with 32 heads of d = 128 (B = 1, MHA), one new token, a cache of 32768 keys:
+
+# %%
+n_ctx = 32768
+for name, itemsize in (("fp32", 4), ("fp16", 2)):
+    nbytes = io_model_bytes(1, 32, 32, 1, n_ctx, 128, kv_itemsize=itemsize)
+    print(f"{name} KV cache: {nbytes / 1e6:7.1f} MB -> t >= {nbytes / (HBM_TBS * 1e12) * 1e6:6.1f} us "
+          f"at {HBM_TBS} TB/s")
+
+# %% [markdown]
+# Reaching that floor needs **every SM** pulling bytes. Chapter 4's grid has one block per
+# (query tile, head). At $N_q = 1$ there is one query tile, so the grid is $B \cdot H$
+# blocks: 32 here, on a GPU of 132 SMs. 100 SMs sit idle, and each of the 32 busy ones
+# walks a whole 32768-key cache alone. One SM cannot pull anywhere near 1/32 of the GPU's
+# bandwidth, so this is far slower than the floor.
+#
+# Split-K fixes it by cutting each head's keys into $s$ slices, one block each: $32 s$
+# blocks. Below, each SM is a column of 4 block slots (a decode block is small: 4 blocks
+# fit on an SM at once), the blocks are dealt out to the SMs in order, and a colour is a
+# head. Top: chapter 4's grid; bottom: split-K with the split count this chapter's rule
+# picks (section 4), 15.
+
+# %%
+def occupancy(n_heads, splits, sms=SMS, slots_per_sm=4):
+    """The first wave of a launch of n_heads * splits blocks (split fastest), dealt to SMs
+    round-robin: a (slots, SMs) grid holding each slot's head, NaN where idle."""
+    grid = np.full((slots_per_sm, sms), np.nan)
+    for b in range(min(n_heads * splits, sms * slots_per_sm)):
+        grid[b // sms, b % sms] = b // splits
+    return grid
+
+
+fig, axes = plt.subplots(2, 1, figsize=(13, 3.2), sharex=True)
+cmap = plt.get_cmap("hsv").copy()
+cmap.set_bad("0.92")
+for ax, splits, title in ((axes[0], 1, "chapter 4's grid at Nq = 1: one block per head, 32 blocks"),
+                          (axes[1], 15, "split-K: 15 slices per head, 480 blocks")):
+    grid = occupancy(32, splits)
+    ax.pcolormesh(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=32, edgecolors="white", linewidth=0.3)
+    busy = np.isfinite(grid).sum()
+    ax.set_title(f"{title}: {busy} of {grid.size} block slots busy", fontsize=10)
+    ax.set_yticks([])
+    ax.set_ylabel("slots", fontsize=8)
+axes[1].set_xlabel("SM (132 on an H100); colour = head, grey = idle")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# More slices are not free: every slice writes a partial result, $(O_s, L_s)$, $d + 1$
+# floats a query row, and the merge reads them back. At $N_q = 1$ that is a few hundred
+# KB against hundreds of MB of cache, which is why a long cache wants many slices and a
+# short one few.
+#
+# ## 2. The decode roofline in numbers
+#
+# For each cached key $j$ and each query row, decode computes $S_j = q \cdot k_j$ ($d$
+# multiply-adds, $2d$ FLOPs) and adds $P_j v_j$ to the output ($2d$ FLOPs): $4d$ FLOPs
+# for the $2d$ elements of $k_j$ and $v_j$, 4 FLOPs per (K, V) element pair and query
+# row. With $r$ query rows sharing a KV head ($r = g N_q$, section 7) and elements of
+# $b$ bytes, the arithmetic intensity is
+#
+# $$I = \frac{4 r d N}{2 N d\, b} = \frac{2r}{b} \text{ FLOP per byte}$$
+#
+# against the H100's fp32 ridge of about 51 TFLOP/s / 2.95 TB/s = 17 FLOP per byte:
+
+# %%
+ridge = FP32_TFLOPS / HBM_TBS
+print(f"ridge: {ridge:.1f} FLOP/byte")
+print(f"{'rows r':>7}{'fp32 KV I':>11}{'fp16 KV I':>11}   (FLOP per byte)")
+for r in (1, 2, 4, 8, 16):
+    print(f"{r:>7}{2 * r / 4:>11.1f}{2 * r / 2:>11.1f}   {'memory-bound' if 2 * r / 2 < ridge else 'near the ridge'}")
+
+# %% [markdown]
+# At one query row, fp32 decode does 0.5 FLOP per byte: 34 times below the ridge. Every
+# decode configuration of this chapter (at most 16 rows a block) is bound by memory. So the
+# time floor is simply bytes over bandwidth, and it grows linearly with the context:
+
+# %%
+ctx = 2 ** np.arange(10, 18)
+fig, ax = plt.subplots(figsize=(7, 3.8))
+for name, itemsize in (("fp32 KV", 4), ("fp16 KV", 2)):
+    floor_us = [io_model_bytes(1, 32, 32, 1, int(n), 128, kv_itemsize=itemsize) / (HBM_TBS * 1e12) * 1e6
+                for n in ctx]
+    ax.plot(ctx, floor_us, "o-", label=f"{name}: bytes / {HBM_TBS} TB/s")
+flops_us = 4 * 32 * ctx * 128 / (FP32_TFLOPS * 1e12) * 1e6
+ax.plot(ctx, flops_us, "k--", label=f"FLOPs / {FP32_TFLOPS:.0f} TFLOP/s (fp32)")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("context length N (keys in the cache)")
+ax.set_ylabel("time floor (us)")
+ax.set_title("B = 1, H = 32, d = 128, Nq = 1", fontsize=10)
+ax.grid(True, which="both", alpha=0.3)
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# ## 3. The merge as a reduction
+#
+# Cut a head's keys into slices. A **partial** is chapter 4 on one slice of the keys:
+#
+# $$O_s = \mathrm{softmax}(S_{:,\,\text{slice } s})\, V_{\text{slice } s}, \qquad
+#   L_s = \mathrm{logsumexp}(S_{:,\,\text{slice } s})$$
+#
+# Two partials merge into the partial of both slices:
+#
+# $$L = \log\left(e^{L_1} + e^{L_2}\right), \qquad O = e^{L_1 - L} O_1 + e^{L_2 - L} O_2$$
+#
+# ($e^{L_s - L}$ is the share of the softmax's mass that lies in slice $s$.) The empty
+# slice is $(O = 0, L = -\infty)$, and it changes nothing. `merge_partials_numpy` merges
+# any number of partials at once, subtracting the largest $L_s$ first so that no `exp`
+# overflows:
+
+# %%
+print(inspect.getsource(merge_partials_numpy))
+
+# %% [markdown]
+# `decode_numpy(..., splits=s)` is split-K in NumPy: each sequence's keys cut by
+# `split_ranges` into $s$ slices, a partial from each (the oracle on the slice), then the
+# merge. However the keys are cut, it must equal the oracle, `ref.decode_attention`. With
+# ragged caches (one empty, one of a single key), GQA and the causal diagonal, and more
+# slices than keys (empty slices):
+
+# %%
+rng = np.random.default_rng(0)
+q = rng.standard_normal((B, HQ, NQ, D_HEAD))
+k = rng.standard_normal((B, HKV, N_MAX, D_HEAD))
+v = rng.standard_normal((B, HKV, N_MAX, D_HEAD))
+o_ref, lse_ref = ref.decode_attention(q, k, v, LENGTHS, causal=True)
+for s in (1, 2, 3, 7, 64):
+    o_s, lse_s = decode_numpy(q, k, v, cache_lengths=LENGTHS, causal=True, splits=s)
+    np.testing.assert_allclose(o_s, o_ref, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse_s, lse_ref, rtol=0, atol=1e-12)
+    print(f"splits = {s:3d}: equals the oracle (max |dO| = {np.abs(o_s - o_ref).max():.1e})")
+
+# %% [markdown]
+# ### It is chapter 3's merge
+#
+# Chapter 3 merged the softmax states $(m, l)$ of two pieces of a row:
+# $m = \max(m_1, m_2)$, $l = l_1 e^{m_1 - m} + l_2 e^{m_2 - m}$. A partial's $L_s$ is the
+# state $(m, l) = (L_s, 1)$: its whole mass is $e^{L_s} = 1 \cdot e^{L_s}$. Folding those
+# states with chapter 3's `merge` gives the merged $L$ (`logsumexp_of`), and $O$ rides
+# along with the same weights $e^{L_s - m}$ that the merge gives to the $l$'s. The kernels
+# use the device twin of `merge`, `merge_state`, exactly this way (`make_merge_partials`).
+
+# %%
+S_, rows_, d_ = 4, 3, 5
+l_parts = rng.standard_normal((S_, rows_)) * 3
+l_parts[1, 0] = -np.inf                    # an empty piece for row 0
+o_parts = rng.standard_normal((S_, rows_, d_))
+o_parts[1, 0] = 0.0
+
+m, l = functools.reduce(merge, [(l_parts[s], np.ones(rows_)) for s in range(S_)])
+L3 = logsumexp_of((m, l))
+w = np.exp(l_parts - m)                    # each piece's weight relative to the merged max
+O3 = np.einsum("sr,srd->rd", w, o_parts) / l[:, None]
+o_m, lse_m = merge_partials_numpy(o_parts, l_parts)
+print("L, chapter 3's merge:      ", L3)
+print("L, merge_partials_numpy:   ", lse_m)
+np.testing.assert_allclose(L3, lse_m, rtol=1e-14)
+np.testing.assert_allclose(O3, o_m, rtol=1e-12, atol=1e-14)
+print("O agrees too")
+
+# %% [markdown]
+# Because the merge is associative (chapter 3), **any** cut of the keys and **any** merge
+# order give the same answer, up to float rounding. The kernels exploit both freedoms:
+# split-K cuts each head into equal slices, stream-K cuts the batch's work wherever a
+# block's share ends, and inside a block the threads' own partials are merged too.
+#
+# ## 4. Split-K
+#
+# Grid `(splits, row tiles, B*Hkv)`. Block $s$ takes keys $[s c, (s + 1) c)$ with
+# $c = \lceil n / \text{splits} \rceil$ for a cache of $n$ keys, writes its partial
+# $(O_s, L_s)$ to a scratch slot, and a second kernel (`make_combine`, grid `(row tiles,
+# B*Hkv)`) merges each head's partials in order. The last slices may be short or empty
+# (an empty slice writes $O = 0$, $L = -\infty$):
+
+# %%
+print("n = 10, 4 splits:", split_ranges(10, 4))
+print("n = 10, 8 splits:", split_ranges(10, 8))
+print("n = 0,  3 splits:", split_ranges(0, 3))
+
+# %% [markdown]
+# ### How many splits: the wave-efficiency rule
+#
+# A GPU runs a launch in **waves**: `slots` = SMs x blocks per SM run at once, then the
+# next `slots`, and so on. A launch of `blocks` blocks keeps a fraction
+#
+# $$\text{wave efficiency} = \frac{\text{blocks}}{\lceil \text{blocks} / \text{slots} \rceil \cdot \text{slots}}$$
+#
+# of the slots busy over its waves: 1 when the last wave is full, low when a last wave
+# holds a few stragglers. `split_count(items, n_keys, slots)` is FlashAttention's rule
+# (`num_splits_heuristic`): compute the efficiency of every split count up to what leaves
+# at least `min_keys` = 256 keys a slice, and take the **smallest** count within 85% of
+# the best (fewer splits: fewer partials to write and merge).
+
+# %%
+print(inspect.getsource(wave_efficiency))
+print(inspect.getsource(split_count))
+
+# %% [markdown]
+# For 32 heads (B = 1, H = 32, $N_q = 1$: `items` = 32) on an H100 with 4 decode blocks an
+# SM (`slots` = 132 x 4 = 528) and a cache of 32768 keys (up to 128 splits):
+
+# %%
+items, slots = 32, SMS * 4
+chosen = split_count(items, 32768, slots)
+counts = np.arange(1, 129)
+eff = [wave_efficiency(items * s, slots) for s in counts]
+fig, ax = plt.subplots(figsize=(9, 3.4))
+ax.plot(counts, eff, ".-", lw=0.8)
+ax.axhline(0.85 * max(eff), color="0.5", ls=":", label="85% of the best")
+ax.plot([chosen], [wave_efficiency(items * chosen, slots)], "ro", ms=9,
+        label=f"split_count = {chosen}: {items * chosen} blocks")
+ax.set_xlabel("splits per head")
+ax.set_ylabel("wave efficiency")
+ax.set_title(f"items = {items}, slots = {slots}", fontsize=10)
+ax.legend(fontsize=8)
+ax.grid(alpha=0.3)
+plt.show()
+print("short caches get fewer splits (256 keys a slice at least):",
+      {n: split_count(items, n, slots) for n in (256, 1024, 4096, 32768)})
+
+# %% [markdown]
+# The saw-tooth: 16 splits are 512 blocks, 97% of one wave; 17 splits are 544, one full
+# wave and 16 blocks in a second one (52%). At 33 splits the two waves are exactly full;
+# the rule still takes 15 (480 blocks, 91%), the fewest within 85% of that.
+#
+# ### Check against the oracle
+#
+# In the simulator the rule would pick 1 split here (the caches are shorter than 2 x 256
+# keys), so the call asks for 3 (`splits=3`) to run both kernels. The tolerance rule of
+# the course: the error against the float64 oracle within twice that of float32 NumPy,
+# plus a small floor.
+
+# %%
+q32 = q.astype(np.float32)
+k16, v16 = k.astype(np.float16), v.astype(np.float16)
+exact = ref.decode_attention(q32, k16, v16, LENGTHS, causal=True)
+baseline = ref.decode_attention(q32, k16, v16, LENGTHS, causal=True, dtype=np.float32)
+o_split, lse_split = decode_attention(q32, k16, v16, cache_lengths=LENGTHS, causal=True, schedule="split-k",
+                                      splits=3 if on_simulator() else None)
+assert_close(o_split, exact[0], baseline[0], name="O")
+assert_close(lse_split, exact[1], baseline[1], name="L")
+print("split-K: O and L agree with the oracle;", int(np.isinf(lse_split).sum()), "rows see no key (L = -inf)")
+
+# %% [markdown]
+# ## 5. Inside a block: streams, one key row at a time
+#
+# At $N_q = 1$ a block has one query row. Chapter 4's register tiles (a thread computes a
+# small block of $S$ from rows of $Q$ and $K$) would do 1 useful FMA in 64: decode is a
+# matrix-vector product, $S = K q$. So the block is organised around **key rows**:
+#
+# ```
+#   block of THREADS threads = NS streams of LK consecutive lanes     (GPU: 128 threads)
+#
+#   stream st = 0:  lanes 0 .. LK-1     reads key rows j0, j0+1, ... j0+U-1
+#   stream st = 1:  lanes LK .. 2LK-1   reads the next U key rows
+#   ...
+#   one key row k_j (d = D columns): lane ln holds columns ln, ln + LK, ln + 2 LK, ...
+#                                    (CPL = D / LK columns a lane, LK consecutive elements a load)
+#
+#   S_rj = q_r . k_j:   each lane: its CPL products   ->  summed across the LK lanes
+#                       (a butterfly of log2(LK) warp shuffles, shfl_xor; no shared memory)
+#   then every lane of the stream holds S_rj, updates the stream's own (m, l) and its
+#   CPL columns of O with P V_j (chapter 3's online softmax, U keys at a time)
+#
+#   a step: the block consumes NS * U keys; at the end of the range the NS streams'
+#   (m, l, O), each a split of the range, are merged in a fixed order in shared memory
+# ```
+#
+# The **U** key rows a stream loads before it uses any of them are its loads in flight:
+# in a memory-bound kernel, the bytes requested at once are what keeps HBM busy. The
+# scores are kept in base 2 (`exp2`, $q' = q \cdot \text{scale} \cdot \log_2 e$), as in
+# chapter 4. The loop over the keys, from `make_attend_key_range`:
+
+# %%
+def show(fn, first, last, more=0):
+    """Print the lines of ``fn``'s source from the one containing ``first`` to the one
+    containing ``last`` (and ``more`` lines after it)."""
+    lines = inspect.getsource(fn).splitlines()
+    i = next(n for n, line in enumerate(lines) if first in line)
+    j = next(n for n, line in enumerate(lines[i:], i) if last in line)
+    print("\n".join(lines[i:j + 1 + more]))
+
+
+show(make_attend_key_range, "# ---- the keys, STEP at a time", "s[u, r] = x")
+
+# %% [markdown]
+# ### The plan
+#
+# `plan(d, rows, itemsize)` fixes these shapes at compile time, as a `DecodePlan`:
+#
+# * `D`: the head dim padded to a power of two (at least 16 on a GPU);
+# * `RT`: query rows a block, the group's $g N_q$ rows padded to a power of two, at most 16
+#   (more rows: several row tiles, each re-reading K and V, from L2);
+# * `LK`: lanes a stream. 8, so that a load of a key row reads 8 consecutive elements; 16
+#   for fp32 keys and one query row (measured best on the H100: fewer loads a lane); and at
+#   least $RT \cdot D / 64$, so that a thread's share of O, $RT \cdot D / LK$ registers,
+#   stays at most 64;
+# * `U`: key rows in flight a stream: 4 for fp16 keys with one query row, else 2.
+#
+# The values printed below are the simulator's (a block of 32 threads there, one warp);
+# next to each, the same plan with the GPU's 128 threads, and its number of streams.
+
+# %%
+print(inspect.getsource(DecodePlan.streams.fget).strip().splitlines()[-1].strip(), "  (streams)")
+for args, what in (((128, 1), "fp32 KV, Nq = 1, MHA"), ((128, 1, 2), "fp16 KV, Nq = 1, MHA"),
+                   ((128, 4, 2), "fp16 KV, 4 rows (e.g. GQA g = 4)"), ((128, 16), "fp32 KV, 16 rows")):
+    p = plan(*args)
+    gpu = replace(p, threads=128)
+    print(f"plan{args}: {p}  | {what}")
+    print(f"{'':>16}128 threads: {gpu.streams} streams of {gpu.LK} lanes, {gpu.keys_per_step} keys a step, "
+          f"{p.RT * p.D // p.LK} O registers a thread")
+
+# %% [markdown]
+# ## 6. Stream-K (Lean Attention)
+#
+# Split-K cuts every head into the same number of slices. That is right when the heads
+# are alike, and wasteful when they are not: in a batch with caches of very different
+# lengths (the usual case when serving), a long sequence's slices take longer than a short
+# one's, and the short ones' blocks finish early and idle.
+#
+# Stream-K starts from the **work**: every (item, key tile) pair, where an item is a
+# (batch, KV head, row tile) and a key tile is `key_tile(plan)` keys, is laid end to end:
+# $W$ units in all. A **persistent** grid of `blocks` = SMs x blocks an SM (one wave, no
+# more) cuts them into equal contiguous ranges: block $c$ takes units
+# $[\lfloor cW/\text{blocks} \rfloor, \lfloor (c+1)W/\text{blocks} \rfloor)$. A range may
+# end inside one item and continue into the next: the block then gets a **segment** of
+# each. `stream_k_schedule(tiles_per_item, blocks)` makes that cut:
+
+# %%
+sched = stream_k_schedule([10, 10, 10, 10], 6)
+print(sched)
+
+
+# %%
+def draw_schedule(ax, tiles, blocks, title):
+    """The work laid end to end (colour = item), the blocks' ranges (vertical lines, ids above)."""
+    sched = stream_k_schedule(tiles, blocks)
+    starts = np.concatenate([[0], np.cumsum(tiles)])
+    for g in range(len(sched.seg_item)):
+        item = int(sched.seg_item[g])
+        a, b = starts[item] + sched.seg_tile_start[g], starts[item] + sched.seg_tile_end[g]
+        ax.barh(0, b - a, left=a, height=0.6, color=f"C{item % 10}", edgecolor="white")
+    for item, n in enumerate(tiles):
+        if n:
+            ax.text(starts[item] + n / 2, -0.45, f"head {item}", ha="center", va="top", fontsize=8)
+    for c in range(blocks):
+        segs = range(sched.cta_first[c], sched.cta_first[c + 1])
+        if not len(segs):
+            continue
+        lo = starts[sched.seg_item[segs[0]]] + sched.seg_tile_start[segs[0]]
+        hi = starts[sched.seg_item[segs[-1]]] + sched.seg_tile_end[segs[-1]]
+        ax.axvline(lo, color="k", lw=1.2)
+        ax.text((lo + hi) / 2, 0.42, f"block {c}\n{hi - lo} units, {len(segs)} seg.", ha="center",
+                va="bottom", fontsize=8)
+    ax.axvline(starts[-1], color="k", lw=1.2)
+    ax.set_ylim(-0.9, 1.1)
+    ax.set_yticks([])
+    ax.set_xlim(0, starts[-1])
+    ax.set_title(title, fontsize=10)
+
+
+fig, axes = plt.subplots(2, 1, figsize=(11, 4.2))
+draw_schedule(axes[0], [10, 10, 10, 10], 6, "uniform: 4 heads x 10 tiles on 6 blocks")
+draw_schedule(axes[1], [40, 3, 3, 3], 6, "ragged: tiles [40, 3, 3, 3] on 6 blocks")
+axes[1].set_xlabel("work units (key tiles), every head's laid end to end")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Uniform: 40 units on 6 blocks, 6 or 7 each; heads 1 and 2 are each split between two
+# blocks, head 0's first block also starts head 1. Ragged: with one block per head (chapter
+# 4's grid), head 0's block would walk 40 tiles while three others walk 3 and idle; split-K
+# would cut every head into the same number of slices. Stream-K gives every block
+# $\lceil 49 / 6 \rceil = 9$ units at most: head 0's 40 tiles go to blocks 0 to 4, and
+# block 5 takes the three short heads whole.
+#
+# `check_schedule(schedule, tiles, blocks)` states what a valid cut is (every tile of
+# every item in exactly one segment, in order; an empty item in one empty segment; blocks
+# balanced to within one unit of $W$ / blocks): the checker of exercise 2.
+#
+# ### Who merges? The last one to arrive
+#
+# An item done in one segment is written straight to O and L. An item cut into several
+# segments needs a merge, and its segments run on different blocks at unknown times. A
+# block that has written its partial does this:
+#
+# ```
+#   write partial (O_g, L_g) to slot g
+#   threadfence()                              the partial is visible to every block
+#   old = atomic.add(counters[item], 1)        count myself in
+#   if old == count - 1:                       I am the LAST of the item's segments
+#       threadfence()
+#       merge slots item_first .. item_first + count - 1, in that order; write O, L
+#       counters[item] = 0                     ready for the next launch
+#   (otherwise: go on to my next segment, or exit)
+# ```
+#
+# **No block ever waits for another.** The one that completes the count does the merge;
+# the others simply move on. A design where the item's first block spins until the others
+# are done would be fragile: on a GPU it holds an SM while it spins, and it deadlocks
+# whenever the blocks it waits for cannot be resident at the same time. The simulator runs
+# one block at a time, so a spinning block would wait forever there. And because the merge
+# folds the partials **in segment order**, not in order of arrival, the result is the same
+# bits whichever block happens to be last: stream-K is **bitwise reproducible**.
+
+# %%
+show(make_attend_key_range.__wrapped__.__globals__["make_stream_k"], "for g in range(cta_first[c]", "cuda.syncthreads()                # `last`")
+
+# %% [markdown]
+# ### Check against the oracle
+#
+# Ragged caches (lengths including 0 and 1), GQA (4 query heads on 2 KV heads), two new
+# queries a sequence, causal, fp16 caches, on a persistent grid of 3 blocks in the
+# simulator. The schedule the launcher builds: the items are (sequence, KV head), each
+# with $\lceil n / \text{key tile} \rceil$ tiles:
+
+# %%
+p = plan(D_HEAD, (HQ // HKV) * NQ, 2)
+unit = key_tile(p)
+tiles = np.repeat(-(-LENGTHS // unit), HKV)
+print(f"{p}; key tile = {unit} keys; tiles per item = {tiles.tolist()}")
+if BLOCKS is not None:
+    s7 = stream_k_schedule(tiles, BLOCKS)
+    for c in range(BLOCKS):
+        segs = range(s7.cta_first[c], s7.cta_first[c + 1])
+        print(f"block {c}: " + ", ".join(f"item {s7.seg_item[g]} tiles [{s7.seg_tile_start[g]}, "
+                                         f"{s7.seg_tile_end[g]})" for g in segs))
+
+# %%
+o_stream, lse_stream = decode_attention(q32, k16, v16, cache_lengths=LENGTHS, causal=True, schedule="stream-k",
+                                        blocks=BLOCKS)
+assert_close(o_stream, exact[0], baseline[0], name="O")
+assert_close(lse_stream, exact[1], baseline[1], name="L")
+print("stream-K: O and L agree with the oracle")
+
+again = decode_attention(q32, k16, v16, cache_lengths=LENGTHS, causal=True, schedule="stream-k", blocks=BLOCKS)
+print("a second call, bit for bit the same:", np.array_equal(o_stream, again[0]) and np.array_equal(lse_stream, again[1]))
+print("split-K vs stream-K: max |dO| =", float(np.abs(o_split - o_stream).max()),
+      "| same -inf rows:", np.array_equal(np.isinf(lse_split), np.isinf(lse_stream)))
+
+# %% [markdown]
+# Split-K and stream-K cut the keys differently, so they agree to float32 rounding, not
+# bit for bit; each is reproducible on its own.
+#
+# ## 7. Real decode inputs
+#
+# ### GQA and MQA
+#
+# Grouped-query attention keeps $H_{kv}$ KV heads for $H_q = g H_{kv}$ query heads: query
+# heads $g\,kv, \dots, g\,kv + g - 1$ all read KV head $kv$ (MQA is $H_{kv} = 1$). The
+# cache is $g$ times smaller, and, better for a kernel, those $g$ heads' $N_q$ rows each
+# are **consecutive in memory**: `q.reshape(B * Hkv, g * Nq, d)` makes them the rows of one
+# KV head, and one block takes them together. K and V are read once for the whole group,
+# and the block has $g N_q$ query rows to share each key row among (section 5's `RT`).
+
+# %%
+g, nq_demo, hkv_demo = 4, 2, 2
+print(f"Hq = {g * hkv_demo}, Hkv = {hkv_demo}, Nq = {nq_demo}: row r of KV head kv is (query head, query)")
+for kv in range(hkv_demo):
+    print(f"  KV head {kv}:", [(kv * g + r // nq_demo, r % nq_demo) for r in range(g * nq_demo)])
+
+# %% [markdown]
+# MQA (every query head on one KV head), through the stream-K launcher, against the oracle:
+
+# %%
+k_mqa, v_mqa = k16[:, :1], v16[:, :1]
+o_mqa, lse_mqa = decode_attention(q32, k_mqa, v_mqa, cache_lengths=LENGTHS, blocks=BLOCKS)
+exact_mqa = ref.decode_attention(q32, k_mqa, v_mqa, LENGTHS)
+base_mqa = ref.decode_attention(q32, k_mqa, v_mqa, LENGTHS, dtype=np.float32)
+assert_close(o_mqa, exact_mqa[0], base_mqa[0], name="O")
+assert_close(lse_mqa, exact_mqa[1], base_mqa[1], name="L")
+print(f"MQA: {HQ} query heads on 1 KV head agree with the oracle")
+
+# %% [markdown]
+# ### Cache lengths
+#
+# A batch's sequences have different lengths; the cache is allocated at `Nmax` rows, and
+# sequence $b$'s keys are its first `cache_lengths[b]` rows. What lies beyond is whatever
+# the allocator left there, so it must **never be read into the result**: not even
+# multiplied by 0, since $0 \cdot \text{NaN} = \text{NaN}$. The kernel clamps every key
+# index into the range and zeroes what lies past it. Fill everything beyond the lengths
+# with NaN:
+
+# %%
+k_nan, v_nan = k16.copy(), v16.copy()
+for b_, n_ in enumerate(LENGTHS):
+    k_nan[b_, :, n_:] = np.nan
+    v_nan[b_, :, n_:] = np.nan
+o_nan, lse_nan = decode_attention(q32, k_nan, v_nan, cache_lengths=LENGTHS, causal=True, blocks=BLOCKS)
+print("NaN in the cache beyond the lengths; any NaN in O?", bool(np.isnan(o_nan).any()),
+      "| same as without the garbage:", np.array_equal(o_nan, o_stream) and np.array_equal(lse_nan, lse_stream))
+
+# %% [markdown]
+# (A cache length of 0 is allowed: the sequence's rows see no key, O = 0 and L = $-\infty$.)
+#
+# ### Causal, relative to the end of the cache
+#
+# The $N_q$ new tokens are the **last** $N_q$ of their sequence, already written into the
+# cache at rows $n - N_q, \dots, n - 1$ (for a cache length $n$). Query $i$ of $N_q$ sees key
+# $j$ iff $j \le i + n - N_q$: the bottom-right aligned diagonal of chapter 1's
+# `causal_mask`. With $N_q = 3$ and $n = 6$:
+
+# %%
+print(ref.causal_mask(3, 6).astype(int))
+print("with n = 1 and Nq = 2 (sequence 2 above), query 0 sees no key:", ref.causal_mask(2, 1).astype(int).tolist())
+
+# %% [markdown]
+# ### fp16 caches
+#
+# K and V stored in float16 halve the bytes and so the floor; the kernel converts each
+# element to float32 as it loads it, and computes in float32. The launcher takes fp32 or
+# fp16 caches (one dtype for both); Q may be either.
+
+# %%
+for itemsize, name in ((4, "fp32"), (2, "fp16")):
+    nbytes = io_model_bytes(8, 32, 8, 1, [32768] * 8, 128, kv_itemsize=itemsize)
+    print(f"B=8, Hq=32, Hkv=8, d=128, 32768 keys each, {name} KV: {nbytes / 1e9:.3f} GB -> "
+          f">= {nbytes / (HBM_TBS * 1e12) * 1e3:.3f} ms")
+
+# %% [markdown]
+# ## 8. Results from the GPU
+#
+# `python -m kernels --chapters 7` measures the decode kernels on the GPU and writes
+# `workbook/results/decode.csv` (and a plot, `decode.png`). When they are committed, the
+# table and the plot appear here:
+
+# %%
+import csv
+from pathlib import Path
+
+results_dir = Path("results") if Path("results").is_dir() else Path("workbook/results")
+csv_path, png_path = results_dir / "decode.csv", results_dir / "decode.png"
+if csv_path.exists():
+    with open(csv_path) as fh:
+        lines = fh.read().splitlines()
+    env = [line[2:] for line in lines if line.startswith("# ")]
+    table = list(csv.reader(line for line in lines if line and not line.startswith("#")))
+    print("\n".join(env))
+    if table:
+        header, body = table[0], table[1:]
+        print(" | ".join(header))
+        for row in body:
+            print(" | ".join(row))
+    if png_path.exists():
+        from IPython.display import Image, display
+
+        display(Image(str(png_path)))
+else:
+    print("GPU results are not committed yet (workbook/results/decode.csv): "
+          "`python -m kernels --chapters 7` on a GPU produces them.")
+
+# %% [markdown]
+# ## 9. Exercises
+#
+# ### Exercise 1: the combine, in NumPy
+#
+# Write `my_merge_partials(o_parts, l_parts)`: `o_parts` (S, rows, d) and `l_parts`
+# (S, rows) are S partials; return `(O, L)`, O (rows, d) and L (rows,), the partial of all
+# S slices together. Empty pieces have $L_s = -\infty$ (and $O_s = 0$); a row whose pieces
+# are all empty gives $O = 0$, $L = -\infty$; no `exp` may overflow.
+#
+# The checker draws rows of scores (with $-\infty$ entries) and values, cuts the keys into
+# S slices (some empty), makes each slice's partial with the oracle, and compares your merge
+# with the oracle on the **whole** row. The starter below returns the first partial: right
+# for S = 1 only.
+
+# %%
+def my_merge_partials(o_parts, l_parts):
+    # your code here: return (O, L)
+    return o_parts[0], l_parts[0]
+
+
+# %%
+from hypothesis import strategies as st
+
+
+@st.composite
+def partial_cases(draw, max_slices=5, max_rows=4, max_d=6, max_keys=12):
+    """(o_parts, l_parts, o_want, l_want): a row block's keys cut into S slices, each
+    slice's partial from the oracle, and the oracle's (O, L) over all the keys."""
+    S = draw(st.integers(1, max_slices))
+    rows, d, n = draw(st.integers(1, max_rows)), draw(st.integers(1, max_d)), draw(st.integers(0, max_keys))
+    cuts = sorted(draw(st.lists(st.integers(0, n), min_size=S - 1, max_size=S - 1)))
+    masked = draw(st.sampled_from([0.0, 0.3, 1.0]))
+    magnitude = draw(st.sampled_from([1.0, 10.0, 300.0]))
+    gen = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = gen.standard_normal((rows, n)) * magnitude
+    x[gen.random((rows, n)) < masked] = -np.inf
+    vals = gen.standard_normal((n, d))
+    bounds = [0, *cuts, n]
+    o_parts, l_parts = np.zeros((S, rows, d)), np.zeros((S, rows))
+    for s in range(S):
+        a, b = bounds[s], bounds[s + 1]
+        o_parts[s] = ref.softmax(x[:, a:b]) @ vals[a:b] if b > a else 0.0
+        l_parts[s] = ref.logsumexp(x[:, a:b])
+    return o_parts, l_parts, ref.softmax(x) @ vals if n else np.zeros((rows, d)), ref.logsumexp(x)
+
+
+def merge_prop(solution, rtol=1e-10, atol=1e-12):
+    def prop(case):
+        o_parts, l_parts, o_want, l_want = case
+        with np.errstate(over="raise"):
+            o, lse = solution(o_parts.copy(), l_parts.copy())
+        o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+        assert o.shape == o_want.shape and lse.shape == l_want.shape, \
+            f"shapes {o.shape}, {lse.shape}; expected {o_want.shape}, {l_want.shape}"
+        np.testing.assert_allclose(lse, l_want, rtol=rtol, atol=atol, err_msg="L")
+        np.testing.assert_allclose(o, o_want, rtol=rtol, atol=atol, err_msg="O")
+    return prop
+
+
+_ = check_exercise(merge_prop(my_merge_partials), partial_cases())
+
+# %% [markdown]
+# The checker on the module's `merge_partials_numpy`:
+
+# %%
+_ = check_exercise(merge_prop(merge_partials_numpy), partial_cases())
+
+# %% [markdown]
+# ### Exercise 2: the stream-K schedule
+#
+# Write `my_stream_k_schedule(tiles_per_item, blocks)` returning a `StreamKSchedule`:
+#
+# * `cta_first` (blocks + 1,): block c runs segments `cta_first[c] .. cta_first[c+1] - 1`;
+# * `seg_item`, `seg_tile_start`, `seg_tile_end` (segments,): segment g is tiles
+#   `[seg_tile_start[g], seg_tile_end[g])` of item `seg_item[g]`, segments in the order of
+#   the work laid end to end;
+# * `item_first`, `item_count` (items,): item i's segments are
+#   `item_first[i] .. item_first[i] + item_count[i] - 1`.
+#
+# Blocks take contiguous ranges of the work, at most $\lceil W / \text{blocks} \rceil$ units
+# each; an item with no tiles still gets one empty segment `[0, 0)` (so that its O = 0,
+# L = $-\infty$ are written). The checker draws tile lists (with zeros) and block counts
+# (more blocks than units too) and runs `check_schedule` on your result.
+#
+# Hint: block c's range is $[\lfloor cW/\text{blocks} \rfloor, \lfloor (c+1)W/\text{blocks} \rfloor)$;
+# walk the items, and for each, the blocks whose range overlaps it. `np.searchsorted`
+# finds a block from a position.
+
+# %%
+def my_stream_k_schedule(tiles_per_item, blocks):
+    # your code here: return StreamKSchedule(cta_first=..., seg_item=..., seg_tile_start=...,
+    #                                        seg_tile_end=..., item_first=..., item_count=...)
+    raise NotImplementedError
+
+
+# %%
+schedule_cases = st.tuples(st.lists(st.integers(0, 12), min_size=0, max_size=8), st.integers(1, 10))
+
+
+def schedule_prop(solution):
+    def prop(case):
+        tiles, blocks = case
+        sched = solution(list(tiles), blocks)
+        assert isinstance(sched, StreamKSchedule), f"expected a StreamKSchedule, got {type(sched).__name__}"
+        check_schedule(sched, tiles, blocks)
+    return prop
+
+
+_ = check_exercise(schedule_prop(my_stream_k_schedule), schedule_cases)
+
+# %% [markdown]
+# The checker on the module's `stream_k_schedule`:
+
+# %%
+_ = check_exercise(schedule_prop(stream_k_schedule), schedule_cases)
+
+# %% [markdown]
+# ### Exercise 3 (a kernel): the combine on the GPU
+#
+# Write split-K's second kernel as a Numba CUDA kernel `my_combine(o_part, l_part, o, lse)`:
+# `o_part` (S, rows, d) and `l_part` (S, rows) float32 partials in, `o` (rows, d) and `lse`
+# (rows,) float32 out. Launch: **one block a row, one thread a column**,
+# `my_combine[rows, d](...)`. Same contract as exercise 1: an empty piece is
+# $(O_s = 0, L_s = -\infty)$, an all-empty row gives $O = 0$, $L = -\infty$.
+#
+# The starter compiles and runs, but merges nothing: it copies the first partial. The
+# checker launches your kernel on drawn partials (tiny, for the simulator) and compares it
+# with the float64 oracle; its report names the smallest case it gets wrong.
+#
+# **Hint 1.** Every thread of a row can compute the row's merged $L$ on its own: S is
+# small, so a loop over the S values of `l_part[:, row]` is cheaper than sharing it through
+# shared memory. Start from $m = -\infty$, $l = 0$ and fold the states $(L_s, 1)$ with
+# chapter 3's merge.
+#
+# **Hint 2.** Carry $O$ (this thread's column) along in the same loop: when the running
+# max moves from $m$ to $m'$, multiply $O$ by $e^{m - m'}$ and add $O_s e^{L_s - m'}$.
+# Guard the case $m' = -\infty$ (nothing seen yet: no `exp(-inf - (-inf))`). At the end
+# $O / l$ and $L = m + \log l$, or $(0, -\infty)$ when $l = 0$. Thread 0 writes `lse`.
+# `merge_state` (from `kernels.online_softmax`) is the device merge of chapter 3; the
+# module's own version of this loop is `make_merge_partials` in `kernels/decode.py`.
+
+# %%
+from numba import cuda
+
+
+@cuda.jit
+def my_combine(o_part, l_part, o, lse):
+    row = cuda.blockIdx.x
+    c = cuda.threadIdx.x
+    # your code here: merge the S partials of this row, column c
+    o[row, c] = o_part[0, row, c]
+    if c == 0:
+        lse[row] = l_part[0, row]
+
+
+# %%
+def launch_my_combine(o_parts, l_parts):
+    """my_combine on device copies of the partials: (O, L) as float32 NumPy arrays."""
+    S, rows, d = o_parts.shape
+    o = cuda.device_array((rows, d), np.float32)
+    lse = cuda.device_array(rows, np.float32)
+    my_combine[rows, d](cuda.to_device(o_parts.astype(np.float32)), cuda.to_device(l_parts.astype(np.float32)),
+                        o, lse)
+    return o.copy_to_host(), lse.copy_to_host()
+
+
+kernel_cases = partial_cases(max_slices=4, max_rows=4, max_d=8, max_keys=10)
+_ = check_exercise(merge_prop(launch_my_combine, rtol=1e-4, atol=1e-5), kernel_cases, max_examples=8)
+
+# %% [markdown]
+# The same checker on the module's split-K combine kernel (`make_combine`, launched for
+# one (KV head, row tile) whose slots are the S partials):
+
+# %%
+def launch_module_combine(o_parts, l_parts):
+    S, rows, d = o_parts.shape
+    o = cuda.device_array((1, rows, d), np.float32)
+    lse = cuda.device_array((1, rows), np.float32)
+    make_combine(d, rows, 32)[(1, 1), 32](cuda.to_device(o_parts.astype(np.float32)),
+                                           cuda.to_device(l_parts.astype(np.float32)), o, lse, np.int32(S),
+                                           np.int32(d))
+    return o.copy_to_host()[0], lse.copy_to_host()[0]
+
+
+_ = check_exercise(merge_prop(launch_module_combine, rtol=1e-4, atol=1e-5), kernel_cases, max_examples=8)
