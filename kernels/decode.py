@@ -75,7 +75,7 @@ from kernels.base.runtime import (
 )
 from kernels.online_softmax import merge_state
 
-__all__ = ["decode_attention", "DecodePlan", "plan", "split_count", "wave_efficiency", "stream_k_schedule",
+__all__ = ["decode_attention", "prepare_decode", "PreparedDecode", "DecodePlan", "plan", "split_count", "wave_efficiency", "stream_k_schedule",
            "StreamKSchedule", "check_schedule", "gpu_slots", "key_tile", "split_ranges", "merge_partials_numpy", "decode_numpy", "make_split_k",
            "make_combine", "make_stream_k", "io_model_bytes", "ptx_targets", "MAX_QUERIES"]
 
@@ -612,11 +612,14 @@ def _workspace(name: str, shape: tuple, dtype=np.float32, zero: bool = False):
     zero again)."""
     size = max(int(np.prod(shape)), 1)
     key = (name, np.dtype(dtype).str, 0 if on_simulator() else cuda.get_current_device().id)
-    buf = _workspaces.get(key)
+    buf, views = _workspaces.get(key, (None, {}))
     if buf is None or buf.shape[0] < size:
         buf = cuda.to_device(np.zeros(size, dtype)) if zero else device_empty((size,), dtype)
-        _workspaces[key] = buf
-    return buf[:int(np.prod(shape))].reshape(shape)
+        views = {}
+        _workspaces[key] = (buf, views)
+    if shape not in views:                        # (a view is a Python object: made once)
+        views[shape] = buf[:int(np.prod(shape))].reshape(shape)
+    return views[shape]
 
 
 _slots: dict = {}
@@ -672,6 +675,33 @@ def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal=False, s
 
     Returns (o, lse): o (B, Hq, Nq, d) and lse (B, Hq, Nq), float32, like ``flash_attention``.
     """
+    return prepare_decode(q, k_cache, v_cache, cache_lengths=cache_lengths, causal=causal, scale=scale,
+                          schedule=schedule, splits=splits, blocks=blocks)()
+
+
+class PreparedDecode:
+    """A decode call planned once and run many times (``prepare_decode``).
+
+    Planned: the tile shapes, the split count or the stream-K schedule, the workspaces and
+    the outputs. Each call launches the kernels again on the same q, k_cache and v_cache
+    (a serving loop writes the new queries and keys into those buffers in place between
+    steps) and returns (o, lse): on the device, the same two arrays every call.
+    ``splits`` / ``blocks``: what the plan chose (None where it does not apply)."""
+
+    def __init__(self, launches, give_back, splits=None, blocks=None):
+        self.launches, self._give_back = launches, give_back
+        self.splits, self.blocks = splits, blocks
+
+    def __call__(self):
+        for launch in self.launches:
+            launch()
+        return self._give_back()
+
+
+def prepare_decode(q, k_cache, v_cache, *, cache_lengths=None, causal=False, scale=None,
+                   schedule="stream-k", splits=None, blocks=None) -> PreparedDecode:
+    """``decode_attention``'s plan, made once: the arguments are the same; call the result
+    to run it (as FlashInfer's plan/run: the per-call host work is then only the launches)."""
     qs, q_dtype = check_array(q, "q", ndim=4, dtypes=(np.float32, np.float16))
     ks, kv_dtype = check_array(k_cache, "k_cache", ndim=4, dtypes=(np.float32, np.float16))
     vs, v_dtype = check_array(v_cache, "v_cache", ndim=4, dtypes=(np.float32, np.float16))
@@ -711,6 +741,7 @@ def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal=False, s
     BK = B * hkv
     o = kind.empty((BK, rows, d), np.float32)
     lse = kind.empty((BK, rows), np.float32)
+    launches, chosen = [], {}
     if BK > 0 and rows > 0:
         p = plan(d, rows, np.dtype(kv_dtype).itemsize)
         tiles = cdiv(rows, p.RT)
@@ -719,10 +750,18 @@ def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal=False, s
         vd = to_device(v_cache, "v_cache").reshape(BK, n_max, d)
         common = (np.int32(n_q), np.int32(d), np.float32(scale), np.int32(causal))
         if schedule == "split-k":
-            _split_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, common, splits)
+            launches, chosen["splits"] = _split_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, common,
+                                                  splits)
         else:
-            _stream_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, hkv, common, blocks)
-    return (kind.give_back(o.reshape(B, hq, n_q, d)), kind.give_back(lse.reshape(B, hq, n_q)))
+            launches, chosen["blocks"] = _stream_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, hkv,
+                                                   common, blocks)
+    o4, l3 = o.reshape(B, hq, n_q, d), lse.reshape(B, hq, n_q)
+    if kind.on_device:                            # the same device arrays every call
+        out = (kind.give_back(o4), kind.give_back(l3))
+        give_back = lambda: out                   # noqa: E731
+    else:                                         # NumPy in: a fresh host copy every call
+        give_back = lambda: (kind.give_back(o4), kind.give_back(l3))  # noqa: E731
+    return PreparedDecode(launches, give_back, **chosen)
 
 
 def _split_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, common, splits):
@@ -733,12 +772,18 @@ def _split_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, common, splits
     if splits is None:
         splits = split_count(BK * tiles, int(lengths_host.max(initial=0)), gpu_slots(kernel, args, p.threads))
     if splits == 1:
-        kernel[(1, tiles, BK), p.threads](*args)
-        return
+        return [_launch(kernel, (1, tiles, BK), p.threads, args)], 1
     o_part = _workspace("o_part", (BK * tiles * splits, p.RT, o.shape[2]))
     l_part = _workspace("l_part", (BK * tiles * splits, p.RT))
-    kernel[(splits, tiles, BK), p.threads](qd, kd, vd, o_part, l_part, o, lse, lengths, *common)
-    make_combine(p.D, p.RT, p.threads)[(tiles, BK), p.threads](o_part, l_part, o, lse, np.int32(splits), common[1])
+    return [_launch(kernel, (splits, tiles, BK), p.threads, (qd, kd, vd, o_part, l_part, o, lse, lengths, *common)),
+            _launch(make_combine(p.D, p.RT, p.threads), (tiles, BK), p.threads,
+                    (o_part, l_part, o, lse, np.int32(splits), common[1]))], splits
+
+
+def _launch(kernel, grid, threads, args):
+    """A launch with its configuration and arguments bound (nothing left to do but launch)."""
+    configured = kernel[grid, threads]
+    return lambda: configured(*args)
 
 
 def key_tile(p: DecodePlan) -> int:
@@ -765,7 +810,8 @@ def _stream_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, hkv, common, 
     o_part = _workspace("o_part", (max(n_seg, 1), p.RT, o.shape[2]))
     l_part = _workspace("l_part", (max(n_seg, 1), p.RT))
     counters = _workspace("counters", (max(len(tiles_per_item), 1),), np.int32, zero=True)
-    kernel[blocks, p.threads](qd, kd, vd, o_part, l_part, o, lse, lengths, *common, np.int32(tiles), *dev, counters)
+    return [_launch(kernel, blocks, p.threads,
+                    (qd, kd, vd, o_part, l_part, o, lse, lengths, *common, np.int32(tiles), *dev, counters))], blocks
 
 
 # --------------------------------------------------------------------------- the IO model

@@ -29,7 +29,7 @@ import kernels  # noqa: F401  (GPU or simulator first)
 from kernels import reference as ref
 from kernels.base.runtime import cdiv
 from kernels.bench.harness import Result, torch_or_none
-from kernels.decode import decode_attention, io_model_bytes
+from kernels.decode import decode_attention, io_model_bytes, prepare_decode
 
 CHAPTER = 7
 TITLE = "decode: split-K and stream-K"
@@ -123,13 +123,21 @@ def run(ctx) -> list[Result]:
             opts = {} if label == "uniform" else {"cache_lengths": lengths.astype(np.int32)}
             sets = [(q, k, v)]
             for schedule in ("split-k", "stream-k"):
-                fn = lambda q, k, v, s=schedule: decode_attention(q, k, v, schedule=s, **opts)  # noqa: E731
-                o, lse = fn(q, k, v)
-                _check(o, lse, q, k, v, lengths, hq)
-                res = ctx.measure(CHAPTER, f"decode_attention {schedule}", config, fn, sets, flops=flops,
-                                  model_bytes=model, extra=dict(extra), peak_memory=False)
-                res.extra["pct_read_bw"] = 100.0 * res.gbps / 1e3 / read_tbps if read_tbps == read_tbps else float("nan")
-                results.append(res)
+                # one call as a user makes it (plan and launches), and a plan made once and run
+                # again (prepare_decode: the launches alone, as a serving loop runs a step)
+                prepared = prepare_decode(q, k, v, schedule=schedule, **opts)
+                chosen = dict(splits=prepared.splits) if schedule == "split-k" else dict(blocks=prepared.blocks)
+                for label_, fn in ((f"decode_attention {schedule}",
+                                    lambda q, k, v, s=schedule: decode_attention(q, k, v, schedule=s, **opts)),
+                                   (f"prepare_decode {schedule} (run)", lambda q, k, v, r=prepared: r())):
+                    o, lse = fn(q, k, v)
+                    _check(o, lse, q, k, v, lengths, hq)
+                    res = ctx.measure(CHAPTER, label_, config, fn, sets, flops=flops, model_bytes=model,
+                                      extra=dict(extra, **chosen), peak_memory=False)
+                    res.extra["pct_read_bw"] = (100.0 * res.gbps / 1e3 / read_tbps if read_tbps == read_tbps
+                                                else float("nan"))
+                    results.append(res)
+                del prepared
             if torch is not None:
                 _torch_peers(ctx, results, torch, q, k, v, lengths, hq, hkv, d, dtype, config, flops, model,
                              extra, label)
