@@ -2,8 +2,8 @@
 
 Every step of a served language model asks, for the Nq newest tokens of each sequence
 (Nq = 1, or up to 16 with speculative decoding): attend over everything cached so far.
-The arithmetic is tiny, 4 FLOPs per cached K and V element per query row, so the time
-is bytes. Reading K and V once is the floor:
+The arithmetic is tiny, 4d FLOPs per cached key and query row (2 per K or V element
+read), so the time is bytes. Reading K and V once is the floor:
 
     time >= (bytes of K + bytes of V) / HBM read bandwidth
 
@@ -29,11 +29,11 @@ which is chapter 3's (m, l) merge (``kernels.online_softmax.merge_state``) of th
 (m, l) = (L_1, 1) and (L_2, 1), with O carried along; it is associative, so any split and
 any order give the same answer, and (O = 0, L = -inf) is the empty piece.
 
-Inside a block. At Nq = 1 a block has one query row, so chapter 4's register tiles (64
-rows of FMAs per key) would waste 63 of every 64. Decode is a matrix-VECTOR product: the
+Inside a block. At Nq = 1 a block has one query row, so chapter 4's register tiles (Br =
+128 or 256 rows of FMAs per key) would waste all but one. Decode is a matrix-VECTOR product: the
 block's 128 threads form streams of LK consecutive lanes; a stream reads one key row at a
-time (lane t holds columns t, t + LK, ...: LK lanes read LK consecutive elements, whole
-32-byte sectors), adds its dot product across the LK lanes with warp shuffles, and keeps
+time (lane t holds columns t, t + LK, ...: LK lanes read LK consecutive elements, 64
+bytes of a float32 row at LK = 16, 16 bytes of a float16 row at LK = 8), adds its dot product across the LK lanes with warp shuffles, and keeps
 its own online-softmax state (m, l, O) for the block's rows. The block's streams are
 splits too: at the end they are merged, in a fixed order, in shared memory.
 
@@ -174,8 +174,8 @@ def plan(d: int, rows: int, itemsize: int = 4) -> DecodePlan:
     K/V elements of ``itemsize`` bytes (measured on the H100 at d = 128; see the chapter).
 
     LK: 8 lanes a stream (a load of a key row reads 8 consecutive elements), 16 for float32
-    keys with one query row (fewer shuffles a key than loads a lane: measured best), and
-    enough lanes that a thread keeps at most 64 output registers (RT * D / LK <= 64).
+    keys with one query row (the fastest of LK = 8, 16, 32 there), and enough lanes that a
+    thread keeps at most 64 output registers (RT * D / LK <= 64).
     U: keys a stream loads before it uses them (its loads in flight at once): 4 for
     float16 keys with one query row, else 2."""
     D = 1 << max(0, int(d) - 1).bit_length()
@@ -327,7 +327,8 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int):
 def make_merge_partials(D: int, RT: int, THREADS: int):
     """Merge a head's partials, as a device function: ``merge(o_part, l_part, first, count,
     og, lg, row0, n_rows, d)`` folds partials first .. first + count - 1 (o_part (slots,
-    RT, d), l_part (slots, RT)) in that order with chapter 3's merge and writes O and L of
+    RT, d), l_part (slots, RT)) in that order with chapter 3's merge (an empty partial holds
+    O_s = 0, L_s = -inf, as the kernels write it) and writes O and L of
     rows row0 .. row0 + RT - 1 of og (n_rows, d) and lg (n_rows,). The order is fixed, so
     the result is the same bits whichever block runs it."""
 
@@ -417,7 +418,8 @@ def make_stream_k(D: int, RT: int, LK: int, U: int, THREADS: int):
     the item's counter), and the block that arrives LAST merges the item's partials, in
     segment order. No block ever waits for another: the simulator, which runs one block at
     a time, cannot deadlock, and on the GPU no block holds an SM while it spins. The last
-    block resets the counter to 0 for the next launch."""
+    block resets the counter to 0 for the next launch (a launch that dies part way leaves
+    counters set; so does the CUDA context, which then refuses every later launch)."""
     attend = make_attend_key_range(D, RT, LK, U, THREADS)
     merge = make_merge_partials(D, RT, THREADS)
 
@@ -469,7 +471,9 @@ def split_count(items: int, n_keys: int, slots: int, *, min_keys: int = 256, max
     More splits fill more of the GPU's ``slots`` (SMs x blocks per SM), but each adds a
     partial to write and merge. FlashAttention's rule: take the wave efficiency of every
     split count s (``wave_efficiency(items * s, slots)``) up to what keeps at least
-    ``min_keys`` keys a slice, and choose the smallest s within 85% of the best."""
+    ``min_keys`` keys a slice, and choose the smallest s within 85% of the best (the core
+    of FlashAttention's ``num_splits_heuristic``, which also caps s at the SM count and
+    skips counts that leave the slices unchanged)."""
     limit = max(1, min(max_splits, n_keys // max(min_keys, 1)))
     if items >= slots:                    # the heads alone fill the GPU
         return 1
@@ -539,7 +543,7 @@ def stream_k_schedule(tiles_per_item, blocks: int) -> StreamKSchedule:
 def check_schedule(schedule: StreamKSchedule, tiles_per_item, blocks: int):
     """AssertionError unless ``schedule`` is a valid stream-K cut of the work: every tile of
     every item in exactly one segment, in order; an empty item in one empty segment; blocks
-    take contiguous, balanced ranges (at most one unit more than W / blocks each)."""
+    take contiguous, balanced ranges (at most ceil(W / blocks) units each)."""
     tiles = np.asarray(tiles_per_item, np.int64)
     s = schedule
     assert s.blocks == blocks, f"expected {blocks} blocks, got {s.blocks}"
@@ -639,7 +643,7 @@ def gpu_slots(kernel, args, threads: int = GPU_THREADS) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _device_schedule(tiles_key: tuple, blocks: int, key_tile: int, lengths_key: tuple, heads_per_batch: int,
-                     items_per_head: int):
+                     items_per_head: int, device_id: int = 0):
     """The stream-K schedule on the device (cached: a batch's schedule is built once)."""
     sched = stream_k_schedule(tiles_key, blocks)
     lengths = np.asarray(lengths_key, np.int64)
@@ -805,7 +809,7 @@ def _stream_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, hkv, common, 
                                     probe, probe, probe, probe, probe, probe, probe), p.threads)
         blocks = max(1, min(blocks, int(tiles_per_item.sum()) or 1))
     sched, dev = _device_schedule(tuple(tiles_per_item.tolist()), blocks, unit, tuple(lengths_host.tolist()),
-                                  hkv, tiles)
+                                  hkv, tiles, 0 if on_simulator() else cuda.get_current_device().id)
     n_seg = len(sched.seg_item)
     o_part = _workspace("o_part", (max(n_seg, 1), p.RT, o.shape[2]))
     l_part = _workspace("l_part", (max(n_seg, 1), p.RT))
