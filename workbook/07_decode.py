@@ -731,9 +731,8 @@ else:
 # %% [markdown]
 # The same rows as a picture: TB/s against the context length at B = 1 (MHA, 32 heads),
 # peers dashed, the measured read bandwidth dotted. Below it, the bench's own plot
-# (`decode.png`): the harness draws every chapter in TFLOP/s against the fp32 FMA ceiling,
-# where decode, at 0.5 to 1 FLOP a byte, sits near zero; the TB/s table and plot are the
-# ones to read.
+# (`decode.png`): every configuration in GB/s (decode is judged by bandwidth, not FLOPs),
+# one panel per configuration family.
 
 # %%
 if csv_path.exists():

@@ -33,6 +33,7 @@ from kernels.decode import decode_attention, io_model_bytes, prepare_decode
 
 CHAPTER = 7
 TITLE = "decode: split-K and stream-K"
+JUDGED_BY = "GB/s"        # decode is bound by bandwidth: its plots show bytes a second, not FLOPs
 
 K = 1024
 

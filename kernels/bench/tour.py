@@ -87,8 +87,11 @@ def discover(bench_dir: Path | None = None) -> tuple[list[Chapter], list[tuple[s
 
 # --------------------------------------------------------------------------- plots
 
-def _metric(r):
-    """What a result is best judged by: FLOP rate, byte rate, or plain time."""
+def _metric(r, judged_by=None):
+    """What a result is best judged by: FLOP rate, byte rate, or plain time. A chapter
+    whose kernels are bound by bandwidth (decode) says ``JUDGED_BY = "GB/s"``."""
+    if judged_by == "GB/s" and r.model_bytes and float(r.model_bytes) > 0:
+        return "GB/s", r.gbps
     if r.flops and r.flops > 0:
         return "TFLOP/s", r.tflops
     if r.model_bytes and r.model_bytes > 0:
@@ -98,6 +101,14 @@ def _metric(r):
 
 def _without_n(config: str) -> str:
     return re.sub(r"\s*\bN=\S+", "", config).strip()
+
+
+def _judged_by(name):
+    """The bench module's ``JUDGED_BY`` (None if it has none)."""
+    try:
+        return getattr(importlib.import_module(f"kernels.bench.{name}"), "JUDGED_BY", None)
+    except ImportError:
+        return None
 
 
 def replot(folder):
@@ -116,21 +127,24 @@ def replot(folder):
                         if math.isfinite(r.pct_fma_ceiling) and r.pct_fma_ceiling > 0), math.nan)
         title = f"chapter {results[0].chapter}: {env.get('chapter', csv_path.stem).split(' ', 1)[-1]} ({env.get('device', '')})"
         plot_results(results, csv_path.with_suffix(".png"), title=title, simulator="simulator" in env.get("device", "").lower(),
-                     ceiling=ceiling)
+                     ceiling=ceiling, judged_by=_judged_by(csv_path.stem))
         print("redrew", csv_path.with_suffix(".png"))
 
 
-def plot_results(results, path, *, title, simulator, ceiling=math.nan):
+def plot_results(results, path, *, title, simulator, ceiling=math.nan, judged_by=None):
     """One PNG: per metric a line plot over N (results with N in ``extra``) and/or a bar
     chart per kernel and config; peers dashed/hatched, the course's kernels solid."""
     import matplotlib
+
+    _metric_of = _metric
+    metric_of = lambda r: _metric_of(r, judged_by)  # noqa: E731
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = []  # (metric, "line" | "bar", [results], panel title)
     for metric in ("TFLOP/s", "GB/s", "median time (µs)"):
-        group = [r for r in results if _metric(r)[0] == metric and math.isfinite(_metric(r)[1])]
+        group = [r for r in results if metric_of(r)[0] == metric and math.isfinite(metric_of(r)[1])]
         # One line panel per configuration family (the config without N: dtype, d, causal...),
         # so that like is plotted with like; a family seen at a single N goes to the bars.
         families = {}
@@ -159,7 +173,7 @@ def plot_results(results, path, *, title, simulator, ceiling=math.nan):
             for (is_peer, label), pts in sorted(series.items()):
                 pts.sort(key=lambda r: float(r.extra["N"]))
                 xs = [float(r.extra["N"]) for r in pts]
-                ys = [_metric(r)[1] for r in pts]
+                ys = [metric_of(r)[1] for r in pts]
                 if is_peer:
                     color, style, marker = peer_colors[n_peer % len(peer_colors)], "--", "s"
                     n_peer += 1
@@ -175,7 +189,7 @@ def plot_results(results, path, *, title, simulator, ceiling=math.nan):
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         else:
             labels = [f"{r.kernel} | {r.config}" for r in rs]
-            values = [_metric(r)[1] for r in rs]
+            values = [metric_of(r)[1] for r in rs]
             ys = range(len(rs))
             colors = [peer_colors[0] if r.is_peer else ours_colors[0] for r in rs]
             bars = ax.barh(list(ys), values, color=colors, edgecolor="black", linewidth=0.5)
@@ -303,7 +317,7 @@ def main(argv=None) -> int:
         try:
             harness.write_csv(csv_path, results, chapter_env)
             plot_results(results, png_path, title=f"chapter {c.chapter}: {c.title} ({env['device']})",
-                         simulator=simulator, ceiling=ceiling)
+                         simulator=simulator, ceiling=ceiling, judged_by=getattr(c.module, "JUDGED_BY", None))
             print(f"wrote {csv_path} and {png_path}  ({time.perf_counter() - t0:.1f} s)", flush=True)
         except Exception:
             traceback.print_exc()
