@@ -311,7 +311,7 @@ MUTANTS += [
 # ---- chapter 7: decode (split-K, stream-K)
 DECODE = "kernels.decode"
 T7 = ("tests/test_decode.py",)
-CH7 = "test_matches_oracle or test_many_partials or test_bitwise_reproducible"
+CH7 = "test_matches_oracle or test_many_partials or test_bitwise_reproducible or test_prepared"
 MUTANTS += [
     Mutant("ch7-no-rescale", 7, DECODE,
            (("""                for t in range(CPL):
