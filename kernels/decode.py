@@ -67,6 +67,7 @@ from kernels.base.runtime import (
     cdiv,
     check_array,
     check_flag,
+    check_int,
     check_scale,
     device_empty,
     is_device_array,
@@ -655,16 +656,6 @@ def _device_schedule(tiles_key: tuple, blocks: int, key_tile: int, lengths_key: 
     return sched, tuple(cuda.to_device(np.ascontiguousarray(a)) for a in arrays)
 
 
-def _check_int(value, name, lo, hi=None):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
-    if value < lo or (hi is not None and value > hi):
-        raise ValueError(f"{name}: expected {lo} <= {name}" + (f" <= {hi}" if hi else "") + f", got {value}")
-    return int(value)
-
-
 def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal=False, scale=None,
                      schedule="stream-k", splits=None, blocks=None):
     """Decode attention: Nq (0..16) new queries a sequence against its KV cache.
@@ -730,8 +721,8 @@ def prepare_decode(q, k_cache, v_cache, *, cache_lengths=None, causal=False, sca
     scale = check_scale(scale, d)
     if schedule not in ("split-k", "stream-k"):
         raise ValueError(f"schedule: expected 'split-k' or 'stream-k', got {schedule!r}")
-    splits = _check_int(splits, "splits", 1, 1024)
-    blocks = _check_int(blocks, "blocks", 1, 1 << 20)
+    splits = None if splits is None else check_int(splits, "splits", 1, 1024)
+    blocks = None if blocks is None else check_int(blocks, "blocks", 1, 1 << 20)
     if splits is not None and schedule != "split-k":
         raise ValueError("splits: only for schedule='split-k'")
     if blocks is not None and schedule != "stream-k":

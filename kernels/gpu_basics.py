@@ -30,7 +30,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, int32
 
-from kernels.base.runtime import ArrayKind, cdiv, check_array, device_empty, on_simulator, to_device
+from kernels.base.runtime import ArrayKind, cdiv, check_array, check_int, device_empty, on_simulator, to_device
 
 # Production launch shapes on a GPU; small ones in the simulator (each simulated thread is
 # a Python thread).
@@ -88,10 +88,10 @@ def copy(x, *, out=None, items: int = 1, threads: int | None = None, blocks: int
     is; with ``out`` given nothing is allocated (what the bench times).
     """
     shape, _ = check_array(x, "x", ndim=1)
-    items = _check_positive_int(items, "items", 1, 16)
+    items = check_int(items, "items", 1, 16)
     threads = _check_threads(COPY_THREADS if threads is None else threads, "threads")
     if blocks is not None:
-        blocks = _check_positive_int(blocks, "blocks", 1, 2**31 - 1)
+        blocks = check_int(blocks, "blocks", 1, 2**31 - 1)
     kind = ArrayKind(x)
     if out is not None:
         out_shape, _ = check_array(out, "out", ndim=1)
@@ -210,16 +210,8 @@ def arithmetic_intensity(flops: float, nbytes: float) -> float:
 
 # --------------------------------------------------------------------------- helpers
 
-def _check_positive_int(value, name, lo, hi):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name}: expected an int in {lo}..{hi}, got {value}")
-    return int(value)
-
-
 def _check_threads(value, name):
-    return _check_positive_int(value, name, 1, 1024)
+    return check_int(value, name, 1, 1024)
 
 
 def ptx_targets():

@@ -48,7 +48,8 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from kernels.base.fused import FASTMATH, nan_max
-from kernels.base.runtime import ArrayKind, cdiv, check_array, check_flag, device_empty, on_simulator, to_device
+from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_int, device_empty, on_simulator,
+                                   to_device)
 
 __all__ = [
     "softmax",
@@ -293,17 +294,6 @@ def default_tiles(n: int) -> tuple[int, int, int]:
     return _gpu_tiles(n)
 
 
-def _check_int(value, name, lo, hi, *, choices=None):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    value = int(value)
-    if choices is not None and value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name}: expected an int in {lo}..{hi}, got {value}")
-    return value
-
-
 def softmax(x, *, return_lse=False, threads_per_row=None, rows_per_block=None, per_thread=None):
     """Softmax over the last axis of a float32 array of any rank >= 1, on the GPU.
 
@@ -324,13 +314,13 @@ def softmax(x, *, return_lse=False, threads_per_row=None, rows_per_block=None, p
     rows = int(np.prod(shape[:-1], dtype=np.int64))
     tpr, rpb, k = default_tiles(n)
     if threads_per_row is not None:
-        tpr = _check_int(threads_per_row, "threads_per_row", 32, 1024, choices=_POW2_THREADS)
+        tpr = check_int(threads_per_row, "threads_per_row", 32, 1024, choices=_POW2_THREADS)
         if rows_per_block is None:
             rpb = max(1, 128 // tpr)
     if rows_per_block is not None:
-        rpb = _check_int(rows_per_block, "rows_per_block", 1, 32)
+        rpb = check_int(rows_per_block, "rows_per_block", 1, 32)
     if per_thread is not None:
-        k = _check_int(per_thread, "per_thread", 1, 32)
+        k = check_int(per_thread, "per_thread", 1, 32)
     if tpr * rpb > 1024:
         raise ValueError(f"rows_per_block: threads_per_row * rows_per_block must be <= 1024, got {tpr} * {rpb}")
 

@@ -240,6 +240,18 @@ def check_scale(scale, d: int) -> float:
     return scale
 
 
+def check_int(value, name: str, lo: int, hi: int, *, choices=None) -> int:
+    """An int in lo..hi (and in ``choices`` if given); TypeError/ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    value = int(value)
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: expected an int in {lo}..{hi}, got {value}")
+    return value
+
+
 def check_flag(value, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected True or False, got {value!r}")
