@@ -55,6 +55,7 @@ from kernels.block_sparse import (block_sparse_attention, forward_tiles, io_mode
                                   make_block_sparse_forward, tile_lists)
 from kernels.block_sparse_backward import block_sparse_attention_backward, make_listed_dkdv
 from kernels.base.runtime import device_name, on_simulator
+from kernels.base.notebook import show_source
 from kernels.base.testing import assert_close, check_exercise
 
 print("running on:", device_name())
@@ -205,17 +206,8 @@ print("Br=2:", tile_lists(m, 16, 16, Br=2, Bc=4).row_ptr)
 # kept K/V tiles, and hands both to chapter 4's `attend`:
 
 # %%
-def show(fn, first, last, more=0):
-    """Print the lines of ``fn``'s source from the one containing ``first`` to the one
-    containing ``last`` (and ``more`` lines after it)."""
-    lines = inspect.getsource(fn).splitlines()
-    i = next(n for n, line in enumerate(lines) if first in line)
-    j = next(n for n, line in enumerate(lines[i:], i) if last in line)
-    print("\n".join(lines[i:j + 1 + more]))
-
-
 print(inspect.getsource(listed_tile))
-show(make_block_sparse_forward, "attend = make_attend_query_tile", "return block_sparse_forward")
+show_source(make_block_sparse_forward, "attend = make_attend_query_tile", "return block_sparse_forward")
 
 # %% [markdown]
 # With every tile kept and the same tiles, the result is chapter 4's bit for bit (a test

@@ -73,6 +73,7 @@ from kernels.decode import (
 )
 from kernels.online_softmax import logsumexp_of, merge
 from kernels.base.runtime import device_name, on_simulator
+from kernels.base.notebook import show_source
 from kernels.base.testing import assert_close, check_exercise
 
 if on_simulator():
@@ -388,16 +389,7 @@ print("split-K: O and L agree with the oracle;", int(np.isinf(lse_split).sum()),
 # chapter 4. The loop over the keys, from `make_attend_key_range`:
 
 # %%
-def show(fn, first, last, more=0):
-    """Print the lines of ``fn``'s source from the one containing ``first`` to the one
-    containing ``last`` (and ``more`` lines after it)."""
-    lines = inspect.getsource(fn).splitlines()
-    i = next(n for n, line in enumerate(lines) if first in line)
-    j = next(n for n, line in enumerate(lines[i:], i) if last in line)
-    print("\n".join(lines[i:j + 1 + more]))
-
-
-show(make_attend_key_range, "# ---- the keys, STEP at a time", "s[u, r] = x")
+show_source(make_attend_key_range, "# ---- the keys, STEP at a time", "s[u, r] = x")
 
 # %% [markdown]
 # ### The plan
@@ -520,7 +512,7 @@ plt.show()
 # kernel's loop over its block's segments (`make_stream_k`):
 
 # %%
-show(make_stream_k, "for g in range(cta_first[c]", "`last` is rewritten")
+show_source(make_stream_k, "for g in range(cta_first[c]", "`last` is rewritten")
 
 # %% [markdown]
 # ### Check against the oracle
