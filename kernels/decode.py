@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from kernels.base.fused import FASTMATH, LOG2E, MASKED, MINUS_INF, make_row_reductions, nan_max
+from kernels.base.fused import FASTMATH, LOG2E, MASKED, MINUS_INF, make_row_reductions, nan_max, padded_head_dim
 from kernels.base.runtime import (
     ArrayKind,
     cdiv,
@@ -179,9 +179,7 @@ def plan(d: int, rows: int, itemsize: int = 4) -> DecodePlan:
     thread keeps at most 64 output registers (RT * D / LK <= 64).
     U: keys a stream loads before it uses them (its loads in flight at once): 4 for
     float16 keys with one query row, else 2."""
-    D = 1 << max(0, int(d) - 1).bit_length()
-    if not on_simulator():
-        D = max(D, 16)
+    D = padded_head_dim(d)
     RT = min(1 << max(0, int(rows) - 1).bit_length(), MAX_ROWS)
     LK = 16 if (itemsize == 4 and RT == 1) else 8
     LK = min(max(LK, RT * D // 64), 32, D)
