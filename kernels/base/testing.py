@@ -374,8 +374,11 @@ def attention_gradient_floors(q, k, v, o, lse, do, *, causal=False, scale=None, 
     steps (the notes above ``C_EXP``), for a kernel that rebuilds P = exp(scale S - L) from
     the saved L:
 
-    P_ij     relative error rel_ij = C_EXP + C_ARG |x_ij| + scale a_ij (x = scale S - L, the
-             exp's argument; a = |Q||K|^T, the error of S)
+    P_ij     relative error rel_ij = C_EXP + C_ARG |x_ij| + C_DOT scale a_ij (x = scale S - L,
+             the exp's argument; a = |Q||K|^T, the error of S). In the forward, S's error
+             moves P_j and the row's max and sum together and largely cancels; here L comes
+             from outside, so S's error reaches P whole, with the tail of a dot product's
+             spread over the N^2 elements (C_DOT; measured on the H100: 2.2 U scale a)
     dS_ij    = P_ij (dP_ij - D_i): P's error times |dP - D|, plus the absolute errors of dP
              = dO V^T (one U of |dO||V|^T) and of D = rowsum(dO O) (one U of rowsum|dO O|),
              which do not shrink when dP - D cancels (large logits)
@@ -402,7 +405,7 @@ def attention_gradient_floors(q, k, v, o, lse, do, *, causal=False, scale=None, 
     x = scale * (q @ kt) - np.where(live, _nan0(lse)[..., None], 0.0)
     on = allowed & live
     p = np.where(on, np.exp(np.minimum(np.where(on, x, 0.0), 0.0)), 0.0)
-    rel = np.where(on, C_EXP + C_ARG * np.abs(x) + scale * (np.abs(q) @ np.abs(kt)), 0.0)
+    rel = np.where(on, C_EXP + C_ARG * np.abs(x) + C_DOT * scale * (np.abs(q) @ np.abs(kt)), 0.0)
     dp = do @ np.swapaxes(v, -1, -2)
     big_d = np.sum(do * o, axis=-1, keepdims=True)
     abs_d = np.sum(np.abs(do * o), axis=-1, keepdims=True)
