@@ -228,6 +228,24 @@ else:
 #         or |L| (seen: 5 U |L| at |L| = 19, row terms included).
 C_DOT = 3.0
 C_LSE = 4.0
+# C_SERIAL  the largest error of a float32 dot product summed term after term, in units of
+#           its spread ``serial_sum_spread``: 4.0 over 3e5 sums of 64 terms, coherent or not.
+C_SERIAL = 4.5
+
+
+def serial_sum_spread(x, y):
+    """The spread (one sigma, in U) of the rounding error of x y^T (last axes summed) when
+    each element is one float32 sum, term after term, as a thread computes S = Q K^T: each
+    addition rounds at the partial sum so far (by up to U of it, uniformly: U^2/3 each).
+    The partial sums drift towards the result (sum of squares S^2 d/3) and spread by the
+    terms (d sum_e (x_e y_e)^2 / 2). When x and y are unrelated this is about 0.6 U |x||y|^T;
+    when they are aligned (a dominant key) it grows with sqrt(d) times |S| instead."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    d = x.shape[-1]
+    yt = np.swapaxes(y, -1, -2)
+    drift = (x @ yt) ** 2 * d / 3.0
+    spread = d * ((x * x) @ (yt * yt)) / 2.0
+    return np.sqrt((drift + spread) / 3.0)
 
 
 def _nan0(x):
@@ -374,14 +392,18 @@ def attention_gradient_floors(q, k, v, o, lse, do, *, causal=False, scale=None, 
     steps (the notes above ``C_EXP``), for a kernel that rebuilds P = exp(scale S - L) from
     the saved L:
 
-    P_ij     relative error rel_ij = C_EXP + C_ARG |x_ij| + C_DOT scale a_ij (x = scale S - L,
-             the exp's argument; a = |Q||K|^T, the error of S). In the forward, S's error
-             moves P_j and the row's max and sum together and largely cancels; here L comes
-             from outside, so S's error reaches P whole, with the tail of a dot product's
-             spread over the N^2 elements (C_DOT; measured on the H100: 2.2 U scale a)
+    P_ij     relative error rel_ij = C_EXP + C_ARG |x_ij| + C_SERIAL scale sigma_ij (x = scale
+             S - L, the exp's argument; sigma = ``serial_sum_spread(Q, K)``, the spread of
+             S's error). In the forward, S's error moves P_j and the row's max and sum
+             together and largely cancels; here L comes from outside, so S's error reaches
+             P whole, and it is largest where P is: a key aligned with its query makes the
+             partial sums of S grow steadily, each rounding at their size (measured on the
+             H100: 5 U scale |Q||K|^T at d = 125, where the one-U-of-a model said 1)
     dS_ij    = P_ij (dP_ij - D_i): P's error times |dP - D|, plus the absolute errors of dP
-             = dO V^T (one U of |dO||V|^T) and of D = rowsum(dO O) (one U of rowsum|dO O|),
-             which do not shrink when dP - D cancels (large logits)
+             = dO V^T (C_DOT U of |dO||V|^T) and of D = rowsum(dO O) (C_DOT U of
+             rowsum|dO O|), dot products both, whose errors do not shrink when dP - D
+             cancels (large logits; a row that sees one key has dS = 0 exactly, and gets
+             their difference)
     dV_j     = sum_i P_ij dO_i: P's errors in quadrature, plus one U of sum_i P_ij |dO_i|
     dQ_i     = scale sum_j dS_ij K_j and dK_j = scale sum_i dS_ij Q_i: dS's errors in
              quadrature (D's error, common to a row, adds coherently in dQ), plus one U of
@@ -405,12 +427,12 @@ def attention_gradient_floors(q, k, v, o, lse, do, *, causal=False, scale=None, 
     x = scale * (q @ kt) - np.where(live, _nan0(lse)[..., None], 0.0)
     on = allowed & live
     p = np.where(on, np.exp(np.minimum(np.where(on, x, 0.0), 0.0)), 0.0)
-    rel = np.where(on, C_EXP + C_ARG * np.abs(x) + C_DOT * scale * (np.abs(q) @ np.abs(kt)), 0.0)
+    rel = np.where(on, C_EXP + C_ARG * np.abs(x) + C_SERIAL * scale * serial_sum_spread(q, k), 0.0)
     dp = do @ np.swapaxes(v, -1, -2)
     big_d = np.sum(do * o, axis=-1, keepdims=True)
-    abs_d = np.sum(np.abs(do * o), axis=-1, keepdims=True)
+    abs_d = C_DOT * np.sum(np.abs(do * o), axis=-1, keepdims=True)
     ds = p * (dp - big_d)
-    err_ds = p * (rel * np.abs(dp - big_d) + np.abs(do) @ np.swapaxes(np.abs(v), -1, -2))   # in U
+    err_ds = p * (rel * np.abs(dp - big_d) + C_DOT * (np.abs(do) @ np.swapaxes(np.abs(v), -1, -2)))   # in U
     t = lambda a: np.swapaxes(a, -1, -2)
     f_dv = U * (np.sqrt(t(p * rel) ** 2 @ (do * do)) + t(p) @ np.abs(do))
     f_dq = U * scale * (np.sqrt(err_ds ** 2 @ (k * k)) + abs_d * np.abs(p @ k) + np.abs(ds) @ np.abs(k))
