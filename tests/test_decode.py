@@ -74,7 +74,7 @@ def decode_cases(draw, schedules=("split-k", "stream-k")):
     group = draw(st.sampled_from([1, 2, 4] if SIM else [1, 2, 4, 8, 32]))
     nq = draw(st.integers(0, MAX_NQ))
     n_max = draw(st.integers(0, MAX_N))
-    lengths = draw(st.one_of(st.none(), st.lists(st.sampled_from([0, 1, n_max, n_max // 2])
+    lengths = draw(st.one_of(st.none(), st.lists(st.sampled_from([0, min(1, n_max), n_max, n_max // 2])
                                                  | st.integers(0, n_max), min_size=b, max_size=b)))
     d = draw(st.integers(1, MAX_D))
     schedule = draw(st.sampled_from(schedules))

@@ -329,7 +329,11 @@ def attention_floors(q, k, v, *, causal=False, scale=None, block_mask=None) -> A
     if mask is not None:
         s = np.where(mask, s, -np.inf)
     f_s = U * (np.abs(_nan0(s)) + C_DOT * _nan0(a))
-    p, pr, row = _softmax_model(s, a)
+    # S's error as it reaches P: one U of a, or, where a key is aligned with its query
+    # (large logits), the larger spread of a sum whose partial sums grow towards S
+    with np.errstate(invalid="ignore", over="ignore"):
+        s_err = np.maximum(_nan0(a), scale * _nan0(serial_sum_spread(q, k)))
+    p, pr, row = _softmax_model(s, s_err)
     f_p = U * (pr + p * (row + C_NORM))
     vv = _nan0(v)
     o = p @ vv
