@@ -496,11 +496,11 @@ rows_ = show_results("flash_backward", ("kernel", "config", "median_ms", "tflops
 # and the elementwise work (P rebuilt from L, dS).
 #
 # So the goal this chapter measures itself against, SDPA's memory-efficient backward at
-# 19.6 to 20.1 ms against our 22.9 ms at the reference size, is set by a kernel whose
+# 19.6 to 20.1 ms against our 22.9 to 23.5 ms at the reference size, is set by a kernel whose
 # products run on the tensor cores, while ours runs every product on the fp32 FMA units
 # (Numba exposes no tensor-core instruction). The FMA-only peer is plain PyTorch's autograd
 # with TF32 off (`torch.backends.cuda.matmul.allow_tf32` is False there): our backward
-# beats it at the reference size (22.9 against 24.5 ms), as chapter 4's forward beats its
+# beats it at the reference size (23.5 against 24.6 ms in the run of 2026-11-24), as chapter 4's forward beats its
 # forward. The counters, per kernel (`ms` is the one profiled call):
 
 # %%

@@ -592,22 +592,23 @@ else:
 
 # %% [markdown]
 # What the H100 says about the forward (rounded; the causal sliding window is compared
-# with the causal dense forward):
+# with the causal dense forward; run of 2026-11-24):
 #
 # * **Time tracks the kept fraction, at both sizes.** At N = 4096 (B=4, H=16) densities
-#   1, 1/2, 1/4, 1/8 and 1/16 take 9.11, 4.60, 2.41, 1.42 and 0.83 ms; chapter 4's dense
-#   kernel takes 7.94 ms, so 1/8 of the tiles is 5.6x faster than dense attention and 1/16
-#   is 9.6x. At N = 16384 (B=1, H=8): 18.1, 9.21, 4.70, 2.57 and 1.47 ms against 15.6 ms
-#   dense, 6.1x at 1/8 and 10.6x at 1/16. SDPA memory-efficient, dense, takes 8.13 and
-#   16.6 ms. The causal sliding window (1.6% to 6% of the tiles kept) takes 0.76 ms against
-#   4.73 ms for causal dense attention at N = 4096, and 0.56 against 9.68 ms at N = 16384.
-# * **Every tile kept costs 15 to 16% more than the dense kernel** (9.11 against 7.94 ms,
-#   18.1 against 15.6): the sparse kernel uses Br = 128 tiles where the dense one uses
-#   Br = 256, and walks a list. At density 1/2 it is already 1.7x faster than dense.
+#   1, 1/2, 1/4, 1/8 and 1/16 take 8.58, 4.58, 2.32, 1.51 and 0.92 ms; chapter 4's dense
+#   kernel takes 8.20 ms, so 1/8 of the tiles is 5.4x faster than dense attention and 1/16
+#   is 8.9x. At N = 16384 (B=1, H=8): 16.6, 8.52, 4.70, 2.69 and 1.54 ms against 16.1 ms
+#   dense, 6.0x at 1/8 and 10.4x at 1/16. SDPA memory-efficient, dense, takes 8.16 and
+#   16.8 ms. The causal sliding window (1.6% to 6% of the tiles kept) takes 0.84 ms against
+#   4.96 ms for causal dense attention at N = 4096, and 0.55 against 9.91 ms at N = 16384.
+# * **Every tile kept costs 3 to 5% more than the dense kernel** (8.58 against 8.20 ms,
+#   16.6 against 16.1): it is chapter 4's kernel, walking a list, at Br = 128 (a tile
+#   must not straddle two 128-row mask blocks) where the dense one uses Br = 256. At
+#   density 1/2 it is already 1.8x faster than dense.
 # * **FlexAttention** (PyTorch, fp32, the same block mask) tracks the kept fraction too,
-#   1.4x to 1.7x slower than this kernel at every random density (1.6x and 1.1x on the
-#   sliding window at N = 4096 and 16384): 14.9, 7.40, 3.88, 2.22 and 1.16 ms at N = 4096,
-#   29.5, 15.2, 7.83, 4.22 and 2.36 ms at N = 16384. It runs through `torch.compile`: the
+#   1.3x to 1.9x slower than this kernel at every random density (1.7x and 1.4x on the
+#   sliding window at N = 4096 and 16384): 15.0, 7.63, 3.94, 2.27 and 1.24 ms at N = 4096,
+#   29.6, 15.7, 8.19, 4.56 and 2.49 ms at N = 16384. It runs through `torch.compile`: the
 #   bench makes one `torch.compile(flex_attention, dynamic=False)` for the whole run, with
 #   dynamo's recompile limit raised so that every shape gets its own static compilation
 #   (`_compiled_flex` in `kernels/bench/block_sparse.py`). Compiled per configuration with
@@ -656,50 +657,38 @@ else:
     print("GPU results are not committed yet (workbook/results/block_sparse.csv).")
 
 # %% [markdown]
-# What the H100 says about the backward (rounded):
+# What the H100 says about the backward (rounded; run of 2026-11-24):
 #
 # * **Time tracks the kept fraction.** At N = 4096 densities 1, 1/2, 1/4, 1/8 and 1/16 take
-#   32.7, 15.9, 8.5, 5.1 and 3.5 ms (atomic dQ); chapter 5's dense backward takes 24.4 ms,
-#   so half the tiles is already 1.5x faster than dense, 1/8 is 4.8x and 1/16 is 6.9x. At
-#   N = 16384: 62.8, 31.1, 15.8, 8.8 and 5.2 ms against 46.6 ms dense (5.3x at 1/8, 9x at
-#   1/16). The causal sliding window takes 2.97 ms against 14.0 ms for chapter 5's causal
-#   backward at N = 4096, and 2.35 against 24.2 ms at N = 16384.
-# * **Per kept tile it costs about 1.3x chapter 5's dense backward**, more than the
-#   forward's 1.15-1.16x: 32.7 against 24.4 ms and 62.8 against 46.6 ms with every tile
-#   kept, and SDPA's memory-efficient backward (dense) is faster still at 19.9 and 40.1 ms.
-#   The block-sparse dK/dV kernel runs at 21-22 TFLOP/s where chapter 5's runs at 28-29:
-#   chapter 5's kernel keeps its long float32 sums in two levels, reads shared memory with
-#   128-bit loads and uses larger tiles, none of which this kernel has yet. At low density
-#   the ratio grows (to 1.7x at 1/8 and 2.2x at 1/16 for N = 4096, 1.5x and 1.7x at
-#   N = 16384): each column then holds only a few kept tiles, so the per-block work that does
-#   not shrink with rho (loading K_j and V_j, writing dK_j and dV_j) and columns of uneven
-#   length weigh more (an expectation from the counts, not a measurement).
+#   26.1, 14.0, 8.2, 5.6 and 4.2 ms (atomic dQ; the launcher with the lists built once);
+#   chapter 5's dense backward takes 25.6 ms, so half the tiles is 1.8x faster than dense,
+#   1/8 is 4.6x and 1/16 is 6.1x. At N = 16384: 48.1, 24.7, 13.8, 8.1 and 5.5 ms against
+#   47.1 ms dense (5.8x at 1/8, 8.6x at 1/16). The causal sliding window takes 3.88 ms
+#   against 15.0 ms for chapter 5's causal backward at N = 4096, and 2.95 against 25.0 ms at
+#   N = 16384.
+# * **With every tile kept it is chapter 5's backward**: 26.1 against 25.6 ms and 48.1
+#   against 47.1 ms (2%), the same kernels walking a list (two-level sums, 128-bit shared
+#   loads and chapter 5's tiles included). SDPA's memory-efficient backward (dense) is
+#   faster still at 20.1 and 39.9 ms (tensor-core TF32, see chapter 4). At low density the
+#   time per kept tile grows (1.7x the dense figure at 1/8 and 2.6x at 1/16 for N = 4096):
+#   each key column then holds only a few kept tiles, so the per-block work that does not
+#   shrink with rho (loading K_j and V_j, writing dK_j and dV_j) and columns of uneven length
+#   weigh more.
 # * **Atomic or separate dQ.** The one-pass atomic path is 1.3x faster than the
-#   deterministic two-kernel path with every tile kept (32.7 against 43.1 ms at N = 4096,
-#   62.8 against 83.8 at N = 16384) and 1.15-1.2x on the sliding window (2.97 against 3.58,
-#   2.35 against 2.71 ms): the separate path computes P and dP twice per kept tile. Its dK
+#   deterministic two-kernel path with every tile kept (26.1 against 33.8 ms at N = 4096,
+#   48.1 against 63.1 at N = 16384) and 1.2x on the sliding window (3.88 against 4.75,
+#   2.95 against 3.48 ms): the separate path computes P and dP twice per kept tile. Its dK
 #   and dV are bitwise reproducible; dQ varies in its last bits from run to run and meets
 #   the tolerance rule every run. Pass `dq_mode="separate"` when reproducible gradients
 #   matter, as in chapter 5.
 # * **FlexAttention's fp32 backward** runs at about 4 TFLOP/s at every size and density, as
-#   measured: 171 ms at N = 4096 with every tile kept (5.2x this backward), 11.8 ms at 1/16
-#   (3.4x), 11.1 ms on the sliding window.
+#   measured: 169 ms at N = 4096 with every tile kept (6.5x this backward), 21.6 ms at 1/8
+#   (3.9x), 12.0 ms at 1/16 (2.9x), 11.4 ms on the sliding window (2.9x).
 #
-# The tiles were swept for the atomic backward at density 1, N = 4096 (Br, Bc, R, TC and
-# the dK/dV kernel's register cap); the default is the first row:
-#
-# | Br, Bc, R, TC | cap 128 registers | no cap |
-# |---|---|---|
-# | 64, 64, 4, 16 (default) | **32.6 ms** | 37.5 ms |
-# | 128, 64, 4, 16 | 46.5 | 34.8 |
-# | 64, 128, 8, 16 | 71.2 | 30.5 |
-# | 32, 64, 4, 16 | | 34.5 |
-# | 64, 64, 2, 16 | | 39.4 |
-# | 64, 32, 2, 16 | | 38.9 |
-# | 128, 32, 4, 16 | | 94.7 |
-#
-# (64, 128, 8, 16) without a cap is 6% faster; it is not the default because the same
-# tiles also set the separate path's dQ kernel, which has not been tested or timed at them.
+# The backward takes chapter 5's tiles, shrunk where they would straddle a mask block
+# (`backward_tiles`). On the sliding window, few kept tiles a key column, smaller dK/dV
+# tiles were faster in a separate sweep (Br = 32, Bc = 64, 128 threads: 2.89 against
+# 3.03 ms), and slower at every random density; the default stays chapter 5's.
 
 # %% [markdown]
 # ## 9. Exercises
