@@ -192,11 +192,16 @@ def assert_close(got, exact, baseline, *, name="output", factor=2.0, floor_ulps=
 #
 #   S = scale Q K^T       a float32 dot product errs by about one U of the sum of its
 #                         absolute products, a = scale |Q| |K|^T (random signs: partial
-#                         sums grow like sqrt(d), their roundings add up to ~0.6 U a)
+#                         sums grow like sqrt(d), their roundings add up to ~0.6 U a); a
+#                         key aligned with its query (large logits, the keys that carry P)
+#                         makes the partial sums grow steadily towards S, and the error
+#                         with them: ``serial_sum_spread`` models both, sigma_j
 #   exp(x), x = S - m     the argument is rounded to an ulp of |x| (the subtraction; on a
 #                         GPU also the product with log2 e that feeds ex2.approx, which
 #                         errs by 2 ulps itself): P_j's relative error is about
-#                         rel_j = C_EXP + C_ARG |x_j| + a_j
+#                         rel_j = C_EXP + C_ARG |x_j| + C_SERIAL scale sigma_j (S's error
+#                         at its tail: measured on the H100, one U of a fell 5-10% short
+#                         on rows carried by two aligned keys)
 #   l = sum e_j, P = e/l  P_j errs by rel_j - sum_k P_k rel_k (the normalisation moves the
 #                         whole row) plus C_NORM for l's sum, 1/l and the product
 #   O = P V               O = sum_j e_j V_j / sum_j e_j moves by sum_j P_j rel_j (V_j - O),
@@ -329,10 +334,10 @@ def attention_floors(q, k, v, *, causal=False, scale=None, block_mask=None) -> A
     if mask is not None:
         s = np.where(mask, s, -np.inf)
     f_s = U * (np.abs(_nan0(s)) + C_DOT * _nan0(a))
-    # S's error as it reaches P: one U of a, or, where a key is aligned with its query
-    # (large logits), the larger spread of a sum whose partial sums grow towards S
+    # S's error as it reaches P: the tail (C_SERIAL) of a float32 sum taken term after term,
+    # whose partial sums grow towards S where a key is aligned with its query (large logits)
     with np.errstate(invalid="ignore", over="ignore"):
-        s_err = np.maximum(_nan0(a), scale * _nan0(serial_sum_spread(q, k)))
+        s_err = C_SERIAL * scale * _nan0(serial_sum_spread(q, k))
     p, pr, row = _softmax_model(s, s_err)
     f_p = U * (pr + p * (row + C_NORM))
     vv = _nan0(v)
