@@ -36,14 +36,14 @@ import functools
 import numpy as np
 from numba import cuda, float32, int32
 
+from kernels.base.backward_args import DQ_MODES, allocate_outputs, check_backward_args, device_views, zero_gradients
 from kernels.base.backward_tiles import (BackwardTiles, check_tiles, default_tiles, dkdv_layout, dq_layout, fits,
                                     head_dim_bucket)
 from kernels.base.fused import ALIGN, FASTMATH
 from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_scale
+from kernels.base.shared_memory import launch_with_shared
 from kernels.block_sparse import TileLists, check_tiles_fit_mask, fit_to_mask, listed_tile, lists_for
-from kernels.flash_backward import (DKDV_SIG, DQ_SIG, DQ_MODES, GPU_TILES, allocate_outputs, check_backward_args,
-                                    device_views, launch_delta, launch_with_shared, make_dkdv_body, make_dq_body,
-                                    shared_bytes, zero_gradients)
+from kernels.flash_backward import DKDV_SIG, DQ_SIG, GPU_TILES, launch_delta, make_dkdv_body, make_dq_body, shared_bytes
 from kernels.flash_backward import io_model_bytes as dense_io_model_bytes
 
 __all__ = ["block_sparse_attention_backward", "backward_tiles", "backward_lists", "make_listed_dkdv",

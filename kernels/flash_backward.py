@@ -53,20 +53,19 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
+from kernels.base.backward_args import DQ_MODES, allocate_outputs, check_backward_args, device_views, zero_gradients
 from kernels.base.backward_tiles import (GPU_TILES, BackwardTiles, Grid, check_tiles, default_tiles, dkdv_layout,
                                     dq_layout, head_dim_bucket, need, shared_bytes, warp_split)
 from kernels.base import io_model as io
-from kernels.base.fused import ALIGN, FASTMATH, MAX_GRID_Y, MINUS_INF, make_row_reductions, run_length
-from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_qkv, check_scale, device_empty,
-                                  on_simulator, to_device)
-from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
+from kernels.base.fused import ALIGN, FASTMATH, MINUS_INF, make_row_reductions, run_length
+from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_scale, on_simulator
+from kernels.base.shared_memory import STATIC_LIMIT_BYTES, launch_with_shared
 from kernels.flash_forward import every_tile
 
 __all__ = ["flash_attention_backward", "flash_backward_numpy", "recompute_p", "ds_tile", "BackwardTiles",
            "default_tiles", "make_delta", "make_dkdv_body", "make_dq_body", "make_dkdv", "make_dq",
            "launch", "ptx_targets", "DQ_MODES", "allocate_outputs", "io_model_bytes", "standard_backward_bytes"]
 
-DQ_MODES = ("atomic", "separate")
 # Two-level sums: a thread sums about ACC_ROWS rows of dV_j += P^T dO_i and dK_j += dS^T Q_i in
 # registers, then adds that partial to a running sum of its own in shared memory. One float32
 # register summing all N rows rounds at each of N additions: at N = 4096, causal (the first
@@ -648,55 +647,10 @@ def flash_attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, t
     return tuple(kind.give_back(x.reshape(B, H, x.shape[1], d)) for x in grads)
 
 
-def check_backward_args(q, k, v, o, lse, do, dq_mode):
-    """(B, H, Nq, Nk, d) after checking the arrays and dq_mode (errors name the argument)."""
-    B, H, nq, nk, d, _ = check_qkv(q, k, v)
-    for x, name, shape, what in ((o, "o", (B, H, nq, d), "the forward output, like q"),
-                                 (lse, "lse", (B, H, nq), "the forward logsumexp, (B, H, Nq)"),
-                                 (do, "do", (B, H, nq, d), "the gradient of o, like q")):
-        got, _ = check_array(x, name, ndim=len(shape), dtypes=(np.float32,))
-        if tuple(got) != shape:
-            raise ValueError(f"{name}: expected shape {shape} ({what}), got {tuple(got)}")
-    if not isinstance(dq_mode, str) or dq_mode not in DQ_MODES:
-        raise ValueError(f"dq_mode: expected one of {DQ_MODES}, got {dq_mode!r}")
-    if B * H > MAX_GRID_Y:
-        raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
-    return B, H, nq, nk, d
-
-
-def device_views(*arrays):
-    """q, k, v, o, lse, do as device arrays of (B*H, N, ...) views."""
-    names = ("q", "k", "v", "o", "lse", "do")
-    return [to_device(x, n).reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x, n in zip(arrays, names)]
-
-
-def zero_gradients(kind, q_shape, k_shape):
-    """(dq, dk, dv) of zeros (nothing attends to anything), as ``kind`` wants them."""
-    shapes = (q_shape, k_shape, k_shape)
-    if not kind.on_device:
-        return tuple(np.zeros(s, np.float32) for s in shapes)
-    return tuple(kind.give_back(cuda.to_device(np.zeros(s, np.float32)) if np.prod(s) else device_empty(s))
-                 for s in shapes)
-
-
-def allocate_outputs(bh: int, nq: int, nk: int, d: int):
-    """Device buffers (delta, dq, dk, dv) for ``launch`` on (B*H, N, d) views."""
-    return device_empty((bh, nq)), device_empty((bh, nq, d)), device_empty((bh, nk, d)), device_empty((bh, nk, d))
-
-
 def launch_delta(o, do, delta, dq, nq, Dh, atomic):
     """The pre-pass D = rowsum(dO * O) (and dQ = 0 before atomic adds) on (B*H, Nq, d) views."""
     kernel, threads = make_delta(Dh, 4, atomic)
     kernel[(cdiv(nq, threads // 32), o.shape[0]), threads](o, do, delta, dq, np.int32(nq))
-
-
-def launch_with_shared(make, nbytes, grid, threads, args):
-    """``make(dynamic)``, launched with ``nbytes`` of shared memory: static up to 48 KB,
-    dynamic (the kernel's limit raised) above."""
-    dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kernel = make(dynamic)
-    allow_dynamic_shared_memory(kernel, args, nbytes)
-    kernel[grid, threads, 0, nbytes if dynamic else 0](*args)
 
 
 def launch(q, k, v, o, lse, do, nq, nk, Dh, causal, scale, tiles, dq_mode, out=None):

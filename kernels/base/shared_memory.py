@@ -60,3 +60,12 @@ def allow_dynamic_shared_memory(dispatcher, args, nbytes: int) -> None:
     attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     driver.cuKernelSetAttribute(attribute, nbytes, cufunc.handle, device_id)
     _raised[key] = nbytes
+
+
+def launch_with_shared(make, nbytes, grid, threads, args):
+    """``make(dynamic)``, launched with ``nbytes`` of shared memory: static up to 48 KB,
+    dynamic (the kernel's limit raised) above."""
+    dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
+    kernel = make(dynamic)
+    allow_dynamic_shared_memory(kernel, args, nbytes)
+    kernel[grid, threads, 0, nbytes if dynamic else 0](*args)

@@ -1,0 +1,57 @@
+"""The backward's arguments and buffers, shared by chapters 5 and 6 (plumbing, not kernels).
+
+    check_backward_args  q, k, v, o, lse, do and dq_mode checked before any launch (errors
+                         name the argument); returns (B, H, Nq, Nk, d)
+    device_views         the six arrays on the device as (B*H, N, ...) views
+    zero_gradients       (dq, dk, dv) of zeros, when nothing attends to anything
+    allocate_outputs     the device buffers (D, dQ, dK, dV) the kernels write
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from kernels.base.fused import MAX_GRID_Y
+from kernels.base.runtime import check_array, check_qkv, device_empty, to_device
+
+# "atomic": the dK/dV kernel adds its pieces of dQ with float32 atomics (dQ's last bits vary
+# from run to run); "separate": a second kernel sums each dQ entry in a fixed order.
+DQ_MODES = ("atomic", "separate")
+
+
+def check_backward_args(q, k, v, o, lse, do, dq_mode):
+    """(B, H, Nq, Nk, d) after checking the arrays and dq_mode (errors name the argument)."""
+    B, H, nq, nk, d, _ = check_qkv(q, k, v)
+    for x, name, shape, what in ((o, "o", (B, H, nq, d), "the forward output, like q"),
+                                 (lse, "lse", (B, H, nq), "the forward logsumexp, (B, H, Nq)"),
+                                 (do, "do", (B, H, nq, d), "the gradient of o, like q")):
+        got, _ = check_array(x, name, ndim=len(shape), dtypes=(np.float32,))
+        if tuple(got) != shape:
+            raise ValueError(f"{name}: expected shape {shape} ({what}), got {tuple(got)}")
+    if not isinstance(dq_mode, str) or dq_mode not in DQ_MODES:
+        raise ValueError(f"dq_mode: expected one of {DQ_MODES}, got {dq_mode!r}")
+    if B * H > MAX_GRID_Y:
+        raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
+    return B, H, nq, nk, d
+
+
+def device_views(*arrays):
+    """q, k, v, o, lse, do as device arrays of (B*H, N, ...) views."""
+    names = ("q", "k", "v", "o", "lse", "do")
+    return [to_device(x, n).reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x, n in zip(arrays, names)]
+
+
+def zero_gradients(kind, q_shape, k_shape):
+    """(dq, dk, dv) of zeros (nothing attends to anything), as ``kind`` wants them."""
+    shapes = (q_shape, k_shape, k_shape)
+    if not kind.on_device:
+        return tuple(np.zeros(s, np.float32) for s in shapes)
+    return tuple(kind.give_back(cuda.to_device(np.zeros(s, np.float32)) if np.prod(s) else device_empty(s))
+                 for s in shapes)
+
+
+def allocate_outputs(bh: int, nq: int, nk: int, d: int):
+    """Device buffers (delta, dq, dk, dv) for ``launch`` on (B*H, N, d) views."""
+    return device_empty((bh, nq)), device_empty((bh, nq, d)), device_empty((bh, nk, d)), device_empty((bh, nk, d))
+
