@@ -61,7 +61,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from kernels.base.fused import FASTMATH, LOG2E, MASKED, MINUS_INF, make_row_reductions, nan_max, padded_head_dim
+from kernels.base.fused import (FASTMATH, LOG2E, MASKED, MINUS_INF, load_kv_or_zero, make_row_reductions, nan_max,
+                                padded_head_dim)
 from kernels.base.runtime import (
     ArrayKind,
     cdiv,
@@ -242,18 +243,8 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int):
             # K_j, V_j: every load first (clamped to a valid row, zeroed past the range), so
             # that all of them are in flight together
             for u in range(U):
-                j = j0 + u
-                row = uint64(min(j, k_end - 1))
                 for t in range(CPL):
-                    c = ln + LK * t
-                    col = uint64(min(c, d - 1))
-                    kx = float32(kh[row, col])
-                    vx = float32(vh[row, col])
-                    if j >= k_end or c >= d:
-                        kx = float32(0.0)
-                        vx = float32(0.0)
-                    kr[u, t] = kx
-                    vr[u, t] = vx
+                    kr[u, t], vr[u, t] = load_kv_or_zero(kh, vh, j0 + u, ln + LK * t, k_end, d)
             # S_rj = q'_r . k_j: this lane's CPL products, then the sum across the LK lanes
             for u in range(U):
                 j = j0 + u

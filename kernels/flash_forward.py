@@ -100,6 +100,7 @@ from kernels.base.fused import (
     MINUS_INF,
     Tiles,
     check_tiles_type,
+    load_kv_or_zero,
     make_row_reductions,
     padded_head_dim,
     run_length,
@@ -336,15 +337,7 @@ def make_attend_query_tile(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch:
         for p in range(KV_PASSES):
             r = k0 + ld_r + RQ * ((p * W) // G)
             c = ld_c + CW * ((p * W) % G)
-            row = uint64(min(r, n_k - 1))
-            col = uint64(min(c, d - 1))
-            kx = float32(kh[row, col])
-            vx = float32(vh[row, col])
-            if r >= n_k or c >= d:
-                kx = float32(0.0)
-                vx = float32(0.0)
-            kr[p] = kx
-            vr[p] = vx
+            kr[p], vr[p] = load_kv_or_zero(kh, vh, r, c, n_k, d)
 
     @cuda.jit(device=True, inline=True)
     def attend(qh, kh, vh, oh, lh, q0, d, scale, causal, walk, first, count):

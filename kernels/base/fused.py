@@ -10,6 +10,7 @@ Not an algorithm: the vocabulary the chapters' kernels are written in.
     make_row_reductions(TX, threads)
                      row_max / row_sum over the TX neighbouring threads of a row
     nan_max(a, b)    the larger of a and b, NaN if either is NaN
+    load_kv_or_zero  one K and one V element, zero past the keys or the head dim
     FASTMATH         the fast-math flags the kernels use: everything but "no NaN" and
                      "no Inf", so that a NaN in an input row reaches its output row
     MASKED           the finite score of a masked key (the kernels never compute with -inf)
@@ -24,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from kernels.base.runtime import on_simulator
 
@@ -93,6 +94,21 @@ def nan_max(a, b):
     if b > a or b != b:       # b != b: b is NaN (a NaN a falls through and is returned)
         return b
     return a
+
+
+@cuda.jit(device=True, inline=True)
+def load_kv_or_zero(kh, vh, r, c, n, d):
+    """K[r, c] and V[r, c] as float32 (an fp16 cache widens on the way), 0 past the n rows
+    or d columns: the address is clamped inside the arrays, so the load itself never
+    faults, and the value is replaced after (no branch around the load)."""
+    row = uint64(min(r, n - 1))
+    col = uint64(min(c, d - 1))
+    kx = float32(kh[row, col])
+    vx = float32(vh[row, col])
+    if r >= n or c >= d:
+        kx = float32(0.0)
+        vx = float32(0.0)
+    return kx, vx
 
 
 def make_row_reductions(TX: int, threads: int):
