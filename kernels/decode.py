@@ -777,7 +777,6 @@ def key_tile(p: DecodePlan) -> int:
 
 
 def _stream_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, hkv, common, blocks):
-    BK = kd.shape[0]
     kernel = make_stream_k(*p.key)
     unit = key_tile(p)
     # work items: (batch, KV head, row tile), in that order; each has ceil(length / unit) tiles

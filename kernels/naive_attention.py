@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, uint64
+from numba import cuda, float32, uint64
 
 from kernels.base import io_model
 from kernels.base.fused import FASTMATH, nan_max
