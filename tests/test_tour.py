@@ -72,6 +72,24 @@ def test_tour_chapters_option_and_list(tmp_path):
     assert "stub_zero" in proc.stdout and "stub_two" in proc.stdout and "stub that raises" in proc.stdout
 
 
+def test_tour_names_a_chapter_it_does_not_have_and_counts_what_ran(tmp_path):
+    out = tmp_path / "out"
+    proc = _tour(tmp_path, "--out", str(out), "--chapters", "2,9", "--quick")
+    assert proc.returncode == 1
+    assert "chapter 9: no bench module" in proc.stdout
+    assert "1 of 1 chapter(s) ran" in proc.stdout
+    proc = _tour(tmp_path, "--out", str(out), "--chapters", "9", "--quick")
+    assert proc.returncode == 1 and "0 of 0 chapter(s) ran" in proc.stdout
+
+
+def test_only_a_full_gpu_run_writes_the_committed_results():
+    from kernels.bench.tour import GPU_RESULTS, SIM_RESULTS, default_out
+
+    assert default_out(simulator=False, quick=False) == GPU_RESULTS
+    assert default_out(simulator=False, quick=True) == SIM_RESULTS
+    assert default_out(simulator=True, quick=False) == SIM_RESULTS
+
+
 def test_tour_finds_the_real_chapters():
     env = dict(os.environ, WORKBOOK_DEVICE="sim")
     proc = subprocess.run([sys.executable, "-m", "kernels", "--list"], env=env, capture_output=True,

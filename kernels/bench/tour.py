@@ -7,8 +7,9 @@ Each module ``kernels/bench/<idea>.py`` that defines ``CHAPTER``, ``TITLE`` and
     <out>/<idea>.png   throughput per kernel and config (peers hatched), and a line plot
                        over N when the results carry N in ``extra``
 
-``<out>`` is ``workbook/results/`` on a GPU (the committed results the notebooks show) and
-``bench-out/`` in the simulator, so simulator timings never overwrite GPU results.
+``<out>`` is ``workbook/results/`` for a full run on a GPU (the committed results the notebooks
+show) and ``bench-out/`` otherwise (the simulator, or ``--quick``), so neither simulator
+timings nor a quick run's fewer sizes overwrite the full GPU results.
 A chapter that raises is reported and skipped; the tour then exits non-zero.
 """
 
@@ -237,7 +238,7 @@ def parse_args(argv):
     p.add_argument("--chapters", help="comma-separated chapter numbers, e.g. 0,2,4 (default: all)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     p.add_argument("--out", type=Path, help=f"results folder (default: {GPU_RESULTS.relative_to(REPO)}/ "
-                   f"on a GPU, {SIM_RESULTS.relative_to(REPO)}/ in the simulator)")
+                   f"for a full run on a GPU, {SIM_RESULTS.relative_to(REPO)}/ in the simulator or with --quick)")
     p.add_argument("--list", action="store_true", help="list the chapters found and exit")
     p.add_argument("--warmup", type=int, help="warm-up runs per measurement")
     p.add_argument("--repeat", type=int, help="timed runs per measurement (the median is reported)")
@@ -249,6 +250,11 @@ def parse_args(argv):
         except ValueError:
             p.error(f"--chapters: expected comma-separated numbers such as 0,2,4, got {args.chapters!r}")
     return args
+
+
+def default_out(simulator: bool, quick: bool) -> Path:
+    """Where results go without --out: only a full GPU run replaces the committed results."""
+    return SIM_RESULTS if (simulator or quick) else GPU_RESULTS
 
 
 def main(argv=None) -> int:
@@ -269,7 +275,7 @@ def main(argv=None) -> int:
             if n not in present:
                 failures.append(f"chapter {n}: no bench module in kernels/bench/ defines CHAPTER = {n}")
         chapters = [c for c in chapters if c.chapter in args.chapters]
-    out = args.out or (SIM_RESULTS if simulator else GPU_RESULTS)
+    out = args.out or default_out(simulator, args.quick)
     out.mkdir(parents=True, exist_ok=True)
 
     if simulator:
@@ -292,6 +298,7 @@ def main(argv=None) -> int:
         (1 if args.quick else 3) if simulator else (10 if args.quick else 30))
     ctx = harness.Context(quick=args.quick, warmup=warmup, repeat=repeat, progress=lambda s: print(s, flush=True))
     t_start = time.perf_counter()
+    ran = 0
     for c in chapters:
         print(f"\n== chapter {c.chapter}: {c.title}  (kernels/bench/{c.name}.py)", flush=True)
         t0 = time.perf_counter()
@@ -319,13 +326,14 @@ def main(argv=None) -> int:
             plot_results(results, png_path, title=f"chapter {c.chapter}: {c.title} ({env['device']})",
                          simulator=simulator, ceiling=ceiling, judged_by=getattr(c.module, "JUDGED_BY", None))
             print(f"wrote {csv_path} and {png_path}  ({time.perf_counter() - t0:.1f} s)", flush=True)
+            ran += 1
         except Exception:
             traceback.print_exc()
             failures.append(f"chapter {c.chapter} ({c.name}): writing results failed")
         _free_device_memory()
 
-    print(f"\ntour finished in {time.perf_counter() - t_start:.1f} s: "
-          f"{len(chapters) - sum(1 for f in failures if f.startswith('chapter'))} chapter(s) ran")
+    print(f"\ntour finished in {time.perf_counter() - t_start:.1f} s: {ran} of {len(chapters)} chapter(s) "
+          "ran and wrote their results")
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         return 1
