@@ -61,10 +61,11 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from kernels.base.fused import (FASTMATH, LOG2E, MASKED, MINUS_INF, load_kv_or_zero, make_row_reductions, nan_max,
+from kernels.base.fused import (FASTMATH, LOG2E, MASKED, MINUS_INF, make_row_reductions, nan_max,
                                 padded_head_dim)
 from kernels.base.runtime import (
     ArrayKind,
+    bind_launch,
     cdiv,
     check_array,
     check_flag,
@@ -75,6 +76,7 @@ from kernels.base.runtime import (
     on_simulator,
     to_device,
 )
+from kernels.base.wide_loads import WIDE_BYTES, is_aligned, make_load
 from kernels.online_softmax import merge_state
 
 __all__ = ["decode_attention", "prepare_decode", "PreparedDecode", "DecodePlan", "plan", "split_count", "wave_efficiency", "stream_k_schedule",
@@ -147,8 +149,10 @@ class DecodePlan:
 
     D   the padded head dim; RT query rows a block (the group's g*Nq rows, padded to a power
     of two, at most MAX_ROWS); LK lanes a stream (a stream reads one key row at a time, LK
-    consecutive elements a load); U key rows a stream loads before it uses them (its loads
-    in flight at once). NS = THREADS / LK streams a block walk the keys KEYS_PER_STEP at a time.
+    lanes together); VEC elements one load of a lane reads (8 float16 or 4 float32 in one
+    16-byte load when rows are 16-byte aligned, else 1); U key rows a stream loads before
+    it uses them (its loads in flight at once). NS = THREADS / LK streams a block walk the
+    keys KEYS_PER_STEP at a time.
     """
 
     D: int
@@ -156,6 +160,7 @@ class DecodePlan:
     LK: int
     U: int
     threads: int
+    VEC: int = 1
 
     @property
     def streams(self) -> int:
@@ -164,34 +169,39 @@ class DecodePlan:
     @property
     def key(self) -> tuple:
         """The kernel factories' arguments."""
-        return (self.D, self.RT, self.LK, self.U, self.threads)
+        return (self.D, self.RT, self.LK, self.U, self.threads, self.VEC)
 
     @property
     def keys_per_step(self) -> int:
         return self.streams * self.U
 
 
-def plan(d: int, rows: int, itemsize: int = 4) -> DecodePlan:
-    """The decode kernels' shape for head dim d, ``rows`` = g*Nq query rows a KV head, and
-    K/V elements of ``itemsize`` bytes (measured on the H100 at d = 128; see the chapter).
+def plan(d: int, rows: int, itemsize: int = 4, wide: bool = False) -> DecodePlan:
+    """The decode kernels' shape for head dim d, ``rows`` = g*Nq query rows a KV head, K/V
+    elements of ``itemsize`` bytes, and ``wide``: whether every K/V row starts on a 16-byte
+    boundary, so that a lane can read 16 bytes in one load (measured on the H100 at d = 128;
+    see the chapter).
 
-    LK: 8 lanes a stream (a load of a key row reads 8 consecutive elements), 16 for float32
-    keys with one query row (the fastest of LK = 8, 16, 32 there), and enough lanes that a
-    thread keeps at most 64 output registers (RT * D / LK <= 64).
-    U: keys a stream loads before it uses them (its loads in flight at once): 4 for
-    float16 keys with one query row, else 2."""
+    LK: 8 lanes a stream, 16 for float32 keys with one query row (the fastest of LK = 8,
+    16, 32 there), and enough lanes that a thread keeps at most 64 output registers
+    (RT * D / LK <= 64).
+    VEC: as many elements as fit 16 bytes (8 float16, 4 float32) if ``wide``, but no more
+    than a lane's share of the padded row (D / LK); else 1.
+    U: keys a stream loads before it uses them (its loads in flight at once): 4 with one
+    query row (float16 keys, or 16-byte loads), else 2."""
     D = padded_head_dim(d)
     RT = min(1 << max(0, int(rows) - 1).bit_length(), MAX_ROWS)
     LK = 16 if (itemsize == 4 and RT == 1) else 8
     LK = min(max(LK, RT * D // 64), 32, D)
-    U = 4 if (itemsize == 2 and RT == 1) else 2
-    return DecodePlan(D=D, RT=RT, LK=LK, U=U, threads=32 if on_simulator() else GPU_THREADS)
+    VEC = min(WIDE_BYTES // itemsize, D // LK) if wide else 1
+    U = 4 if (RT == 1 and (wide or itemsize == 2)) else 2
+    return DecodePlan(D=D, RT=RT, LK=LK, U=U, threads=32 if on_simulator() else GPU_THREADS, VEC=VEC)
 
 
 # --------------------------------------------------------------------------- the kernels
 
 @functools.lru_cache(maxsize=None)
-def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int):
+def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: int = 1):
     """A partial over one key range, as a device function: everything a block does for it.
 
     ``attend(qg, kh, vh, og, lg, row0, out0, n_q, k_start, k_end, n_keys, d, scale, causal)``:
@@ -202,8 +212,16 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int):
     """
     NS = THREADS // LK            # streams a block
     CPL = D // LK                 # columns of a key row a lane holds
+    CHUNKS = CPL // VEC           # ... in loads of VEC consecutive columns
     STEP = NS * U                 # keys the block consumes a step
     row_max, row_sum = make_row_reductions(LK, THREADS)
+    load = make_load(VEC)
+
+    @cuda.jit(device=True, inline=True)
+    def column(ln, i):
+        """The row column of lane ln's i-th element: its loads are VEC consecutive
+        columns, the LK lanes' loads side by side (LK * VEC consecutive columns a load)."""
+        return ((i // VEC) * LK + ln) * VEC + i % VEC
 
     @cuda.jit(device=True, inline=True)
     def attend(qg, kh, vh, og, lg, row0, out0, n_q, k_start, k_end, n_keys, d, scale, causal):
@@ -215,7 +233,7 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int):
         # S in base 2: exp(scale (s - m)) = exp2(q' k - m') with q' = scale log2(e) q
         scale_log2e = float32(scale * LOG2E)
 
-        q = cuda.local.array((RT, CPL), float32)      # this lane's columns of the rows' q'
+        q = cuda.local.array((RT, CPL), float32)      # this lane's columns of the rows' q' (see column)
         m = cuda.local.array(RT, float32)             # running max (base 2), a stream's
         l = cuda.local.array(RT, float32)             # running sum
         acc = cuda.local.array((RT, CPL), float32)    # running O (unnormalised), this lane's columns
@@ -225,7 +243,7 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int):
         for r in range(RT):
             row = uint64(min(row0 + r, n_rows - 1))
             for t in range(CPL):
-                c = ln + LK * t
+                c = column(ln, t)
                 x = float32(qg[row, uint64(min(c, d - 1))]) * scale_log2e
                 if row0 + r >= n_rows or c >= d:
                     x = float32(0.0)
@@ -240,11 +258,18 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int):
         n_steps = max(k_end - k_start + STEP - 1, 0) // STEP
         for step in range(n_steps):
             j0 = k_start + step * STEP + st * U
-            # K_j, V_j: every load first (clamped to a valid row, zeroed past the range), so
-            # that all of them are in flight together
+            # K_j, V_j: every load first (clamped to a valid row and column, zeroed past the
+            # range or the head dim), so that all of them are in flight together
             for u in range(U):
-                for t in range(CPL):
-                    kr[u, t], vr[u, t] = load_kv_or_zero(kh, vh, j0 + u, ln + LK * t, k_end, d)
+                row = uint64(min(j0 + u, k_end - 1))
+                for t in range(CHUNKS):
+                    c = column(ln, t * VEC)
+                    kx = load(kh, row, uint64(min(c, d - VEC)))
+                    vx = load(vh, row, uint64(min(c, d - VEC)))
+                    keep = j0 + u < k_end and c < d
+                    for e in range(VEC):
+                        kr[u, t * VEC + e] = kx[e] if keep else float32(0.0)
+                        vr[u, t * VEC + e] = vx[e] if keep else float32(0.0)
             # S_rj = q'_r . k_j: this lane's CPL products, then the sum across the LK lanes
             for u in range(U):
                 j = j0 + u
@@ -285,7 +310,7 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int):
                 sm[st, r] = m[r]
                 sl[st, r] = l[r]
             for t in range(CPL):
-                so[st, r, ln + LK * t] = acc[r, t]
+                so[st, r, column(ln, t)] = acc[r, t]
         cuda.syncthreads()
         for e in range(tid, RT * D, THREADS):
             r = e // D
@@ -350,14 +375,14 @@ def make_merge_partials(D: int, RT: int, THREADS: int):
 
 
 @functools.lru_cache(maxsize=None)
-def make_split_k(D: int, RT: int, LK: int, U: int, THREADS: int):
+def make_split_k(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: int = 1):
     """Split-K's first kernel. Grid (splits, row tiles, B*Hkv), THREADS threads.
 
     q (B*Hkv, g*Nq, d); k and v (B*Hkv, Nmax, d); o_part (slots, RT, d) and l_part (slots,
     RT) float32, slot = (bk * tiles + tile) * splits + s; lengths (B,) int32. With one split
     the block writes O and L themselves (o (B*Hkv, g*Nq, d), lse (B*Hkv, g*Nq)). Split s
     of a sequence of n keys takes keys [s c, (s+1) c), c = ceil(n / splits)."""
-    attend = make_attend_key_range(D, RT, LK, U, THREADS)
+    attend = make_attend_key_range(D, RT, LK, U, THREADS, VEC)
 
     @cuda.jit(fastmath=FASTMATH)
     def split_k(q, k, v, o_part, l_part, o, lse, lengths, n_q, d, scale, causal):
@@ -397,7 +422,7 @@ def make_combine(D: int, RT: int, THREADS: int):
 
 
 @functools.lru_cache(maxsize=None)
-def make_stream_k(D: int, RT: int, LK: int, U: int, THREADS: int):
+def make_stream_k(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: int = 1):
     """Stream-K (Lean Attention): one persistent launch. Grid: the schedule's blocks, THREADS threads.
 
     Block c runs segments cta_first[c] .. cta_first[c+1] - 1 of the schedule (see
@@ -410,7 +435,7 @@ def make_stream_k(D: int, RT: int, LK: int, U: int, THREADS: int):
     a time, cannot deadlock, and on the GPU no block holds an SM while it spins. The last
     block resets the counter to 0 for the next launch (a launch that dies part way leaves
     counters set; so does the CUDA context, which then refuses every later launch)."""
-    attend = make_attend_key_range(D, RT, LK, U, THREADS)
+    attend = make_attend_key_range(D, RT, LK, U, THREADS, VEC)
     merge = make_merge_partials(D, RT, THREADS)
 
     @cuda.jit(fastmath=FASTMATH)
@@ -727,11 +752,12 @@ def prepare_decode(q, k_cache, v_cache, *, cache_lengths=None, causal=False, sca
     lse = kind.empty((BK, rows), np.float32)
     launches, chosen = [], {}
     if BK > 0 and rows > 0:
-        p = plan(d, rows, np.dtype(kv_dtype).itemsize)
-        tiles = cdiv(rows, p.RT)
+        itemsize = np.dtype(kv_dtype).itemsize
         qd = to_device(q, "q").reshape(BK, rows, d)
         kd = to_device(k_cache, "k_cache").reshape(BK, n_max, d)
         vd = to_device(v_cache, "v_cache").reshape(BK, n_max, d)
+        p = plan(d, rows, itemsize, wide=is_aligned(kd, d, itemsize) and is_aligned(vd, d, itemsize))
+        tiles = cdiv(rows, p.RT)
         common = (np.int32(n_q), np.int32(d), np.float32(scale), np.int32(causal))
         if schedule == "split-k":
             launches, chosen["splits"] = _split_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, common,
@@ -765,9 +791,9 @@ def _split_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, common, splits
 
 
 def _launch(kernel, grid, threads, args):
-    """A launch with its configuration and arguments bound (nothing left to do but launch)."""
-    configured = kernel[grid, threads]
-    return lambda: configured(*args)
+    """A launch with its configuration and arguments bound (nothing left to do but launch):
+    ``kernels.base.runtime.bind_launch``."""
+    return bind_launch(kernel, grid, threads, args)
 
 
 def key_tile(p: DecodePlan) -> int:
@@ -819,8 +845,8 @@ def ptx_targets():
     scalars = (types.int32, types.int32, types.float32, types.int32)
     out = []
     for kv in (f32_3, f16_3):
-        for d, rows in ((128, 1), (128, 16), (64, 4)):
-            p = plan(d, rows, 2 if kv is f16_3 else 4)
+        for d, rows, wide in ((128, 1, True), (128, 1, False), (128, 16, True), (64, 4, True)):
+            p = plan(d, rows, 2 if kv is f16_3 else 4, wide)
             label = f"{'fp16' if kv is f16_3 else 'fp32'} KV, d={d}, {rows} rows ({p})"
             out.append((f"split_k {label}", make_split_k(*p.key),
                         (f32_3, kv, kv, f32_3, f32_2, f32_3, f32_2, i32_1, *scalars)))

@@ -134,6 +134,9 @@ def check(case):
 @example(make_case(b=1, hkv=2, nq=2, n_max=9, d=3, logit_std=1e4, lengths=[9], schedule="stream-k",
                    blocks=5))                                                      # logits ~ 1e4
 @example(make_case(b=1, hkv=1, nq=0, n_max=5))                                     # Nq = 0
+@example(make_case(b=2, hkv=1, group=2, nq=2, n_max=9, d=64, lengths=[9, 3], causal=True, kv_dtype=np.float16,
+                   schedule="split-k", splits=2))                                   # 16-byte loads: 8 fp16
+@example(make_case(b=1, hkv=2, nq=1, n_max=7, d=60, lengths=[6], schedule="stream-k", blocks=3))  # 4 fp32, d < D
 def test_matches_oracle(case):
     check(case)
 
@@ -294,9 +297,13 @@ def test_plan_keeps_output_registers_bounded():
     for d in (1, 16, 64, 100, 128):
         for rows in (1, 2, 4, 8, 16, 64, 512):
             for itemsize in (2, 4):
-                p = plan(d, rows, itemsize)
-                assert p.RT <= 16 and p.D >= d and p.D % p.LK == 0 and p.threads % p.LK == 0
-                assert p.RT * p.D // p.LK <= 64 or p.LK == min(32, p.D)
+                for wide in (False, True):
+                    p = plan(d, rows, itemsize, wide)
+                    assert p.RT <= 16 and p.D >= d and p.D % p.LK == 0 and p.threads % p.LK == 0
+                    assert p.RT * p.D // p.LK <= 64 or p.LK == min(32, p.D)
+                    # a lane's loads: whole 4-, 8- or 16-byte loads tiling its share of the row
+                    assert p.D % (p.LK * p.VEC) == 0
+                    assert p.VEC == 1 or (wide and p.VEC * itemsize in (4, 8, 16))
 
 
 def test_io_model_counts_k_and_v_once():

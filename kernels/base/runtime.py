@@ -258,6 +258,35 @@ def check_flag(value, name: str) -> bool:
     return bool(value)
 
 
+def bind_launch(kernel, grid, threads, args, shared_bytes: int = 0):
+    """``kernel[grid, threads](*args)`` with everything but the launch itself done once: returns
+    a function of no arguments that launches it (on the default stream).
+
+    At every ``kernel[grid, threads](*args)`` Numba types each argument, looks up the machine
+    code compiled for those types, and turns each array into the parameters the kernel takes
+    (data pointer, size, shape, strides): tens of microseconds of Python for a kernel with a
+    dozen arrays, longer than a whole decode step over 4k keys takes on the GPU. When the
+    arguments stay the same from call to call (a prepared decode step: same buffers, new
+    contents), that work is done here once, and a call is one driver launch. In the
+    simulator: the plain launch."""
+    configured = kernel[grid, threads] if not shared_bytes else kernel[grid, threads, 0, shared_bytes]
+    if on_simulator():
+        return lambda: configured(*args)
+    from cuda.core import LaunchConfig, launch
+    from numba.cuda.cudadrv import driver
+
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    params, write_back = [], []
+    for ty, value in zip(compiled.argument_types, args):
+        compiled._prepare_args(ty, value, 0, write_back, params)
+    if write_back:                                # (host arrays would need copies back: not bound)
+        return lambda: configured(*args)
+    config = LaunchConfig(grid=grid, block=threads, shmem_size=shared_bytes)
+    function = compiled._codelibrary.get_cufunc().kernel
+    stream = driver._to_core_stream(0)
+    return lambda: launch(stream, config, function, *params)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
