@@ -4,8 +4,9 @@ deck's first slide rendered by headless Chromium, checked for not being blank.
     python slides/build.py            # all decks
     python slides/build.py 00_gpu_and_simulator.md
 
-Needs Node (``npm ci`` installs the pinned Marp CLI from package-lock.json; this script runs
-it when node_modules is missing) and Chromium (CHROME_PATH, default /usr/bin/chromium).
+Needs Node with npm (``npm ci`` installs the pinned Marp CLI from package-lock.json; this script
+runs it when node_modules is missing) and Chromium (CHROME_PATH, else chromium on the PATH).
+A missing tool is named in one line, with what to install.
 The HTML is made self-contained: local images are inlined as data: URIs, and the build
 fails if any http(s) URL would be fetched at render time.
 """
@@ -42,18 +43,38 @@ def run(cmd, **kw):
     return subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 
+# What to install when a tool is missing: one line, no traceback.
+NODE_HINT = "install Node.js with npm (https://nodejs.org, or your package manager: apt-get install -y nodejs npm)"
+CHROME_HINT = "install Chromium (apt-get install -y chromium) or set CHROME_PATH to a Chromium or Chrome binary"
+
+
 def marp_bin() -> Path:
+    """The pinned Marp CLI, installed by ``npm ci`` when node_modules/ is missing."""
     exe = REPO / "node_modules" / ".bin" / "marp"
+    if not shutil.which("node"):
+        sys.exit(f"slides: no Node.js found (the Marp CLI runs on it): {NODE_HINT}")
     if not exe.exists():
-        run(["npm", "ci", "--no-audit", "--no-fund"], cwd=REPO)
+        if not shutil.which("npm"):
+            sys.exit(f"slides: no npm found to install the Marp CLI into node_modules/: {NODE_HINT}")
+        try:
+            run(["npm", "ci", "--no-audit", "--no-fund"], cwd=REPO)
+        except subprocess.CalledProcessError as exc:
+            sys.exit(f"slides: `npm ci` failed (exit {exc.returncode}): it needs the npm registry once, "
+                     "to install the Marp CLI pinned in package-lock.json")
     return exe
 
 
 def chrome_path() -> str:
-    path = os.environ.get("CHROME_PATH") or shutil.which("chromium") or shutil.which("chromium-browser") \
-        or shutil.which("google-chrome")
+    """CHROME_PATH if it names a program, else the first Chromium or Chrome on the PATH."""
+    given = os.environ.get("CHROME_PATH")
+    if given:
+        path = given if os.path.isfile(given) and os.access(given, os.X_OK) else shutil.which(given)
+        if not path:
+            sys.exit(f"slides: CHROME_PATH={given} is not a program: {CHROME_HINT}")
+        return path
+    path = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if not path:
-        sys.exit("slides: no Chromium found (apt-get install -y chromium, or set CHROME_PATH)")
+        sys.exit(f"slides: no Chromium found (it renders each deck's first slide): {CHROME_HINT}")
     return path
 
 
@@ -105,12 +126,12 @@ def main(argv) -> int:
     if not decks:
         print("slides: no decks found")
         return 1
+    env = dict(os.environ, CHROME_PATH=chrome_path())  # the tools first: a missing one is named, nothing built
+    marp = marp_bin()
     BUILD.mkdir(exist_ok=True)
     for deck in decks:  # no stale output can pass the checks below
         for ext in ("html", "png"):
             (BUILD / f"{deck.stem}.{ext}").unlink(missing_ok=True)
-    marp = marp_bin()
-    env = dict(os.environ, CHROME_PATH=chrome_path())
     common = ["--config-file", CONFIG, "--no-stdin", "--browser", "chrome", "--browser-path", env["CHROME_PATH"],
               "--browser-timeout", "120"]
     failures = []

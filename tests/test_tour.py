@@ -4,7 +4,6 @@ and writes a labelled CSV and a PNG per chapter. Stub chapters live in a temp fo
 import os
 import subprocess
 import sys
-import textwrap
 
 from kernels.bench.harness import read_csv
 
@@ -51,6 +50,12 @@ def test_tour_runs_in_order_survives_a_failure_and_writes_results(tmp_path):
     assert "falling back to the Numba CUDA simulator" in text
     assert "this chapter is broken on purpose" in text
     assert "helper_not_a_chapter: not a chapter bench module" in text
+    lines = proc.stdout.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("kernel ")]
+    assert len(heads) == 2, proc.stdout                     # one table a chapter that ran
+    for i in heads:                                        # the simulator's table: times, no rates, no nan
+        assert lines[i].split()[-3:] == ["median", "ms", "spread"], lines[i]
+        assert not any("nan" in row for row in lines[i + 2:i + 7]), "\n".join(lines[i:i + 7])
     assert text.index("== chapter 0") < text.index("== chapter 1") < text.index("== chapter 2")
     for name in ("stub_zero", "stub_two"):
         env, rows = read_csv(out / f"{name}.csv")
@@ -108,3 +113,35 @@ def test_chapter_0_bench_runs_in_the_simulator(tmp_path):
     assert {"copy kernel, 1 a step", "copy kernel, 4 a step", "launch: empty kernel, no arguments"} <= kernels
     assert all(r["gbps"] > 0 for r in rows if r["kernel"].startswith("copy kernel"))
     assert (tmp_path / "gpu_basics.png").exists()
+
+
+def _result(**kw):
+    from kernels.bench.harness import Result
+
+    values = dict(chapter=4, kernel="flash_attention", config="N=64 d=32", median_ms=2.0, p10_ms=1.9,
+                  p90_ms=2.1, flops=1e6, model_bytes=1e5, tflops=5e-7, gbps=5e-5, pct_fma_ceiling=float("nan"),
+                  peak_mem_mb=float("nan"))
+    return Result(**{**values, **kw})
+
+
+def test_table_in_the_simulator_shows_times_only_and_on_a_gpu_every_column():
+    from kernels.bench.harness import format_table
+
+    sim = format_table([_result(), _result(kernel="peer: numpy")], simulator=True).splitlines()
+    assert sim[0].split()[-3:] == ["median", "ms", "spread"]
+    assert all("nan" not in line and "e-0" not in line for line in sim)
+    assert sim[2].split()[-2:] == ["2", "10.0%"]
+    gpu = format_table([_result(tflops=41.5, gbps=900.0, pct_fma_ceiling=83.0, peak_mem_mb=12.5)],
+                       simulator=False).splitlines()
+    assert gpu[0] == (f"{'kernel':<36}{'config':<44}{'median ms':>11} {'spread':>7} {'TFLOP/s':>8} {'GB/s':>8} "
+                      f"{'%FMA':>6} {'peak MB':>8}")
+    assert gpu[2].split()[-6:] == ["2", "10.0%", "41.5", "900", "83", "12.5"]
+
+
+def test_plots_in_the_simulator_show_time_not_rates():
+    from kernels.bench.tour import SIM_METRIC, _metric
+
+    r = _result()
+    assert _metric(r, simulator=True) == (SIM_METRIC, 2.0) and SIM_METRIC == "median time (ms)"
+    assert _metric(r, "GB/s", simulator=True) == (SIM_METRIC, 2.0)
+    assert _metric(r) == ("TFLOP/s", r.tflops)  # a GPU run: rates, as before

@@ -257,13 +257,37 @@ def read_ncu(path) -> list[dict]:
     return sorted(launches.values(), key=lambda launch: int(launch["id"] or 0))
 
 
-def format_table(results) -> str:
-    head = f"{'kernel':<36}{'config':<44}{'median ms':>11} {'spread':>7} {'TFLOP/s':>8} {'GB/s':>8} {'%FMA':>6} {'peak MB':>8}"
+# The printed table's columns: (heading, width, format, value, a rate?). Rates (FLOP/s,
+# bytes/s, % of the ceiling) divide a model count by a time; a simulator time is Python
+# threads on the CPU, so a rate made from it means nothing and the simulator leaves it out.
+TABLE_COLUMNS = (
+    ("median ms", 11, ".4g", lambda r: r.median_ms, False),
+    ("spread", 7, ".1%", lambda r: (r.p90_ms - r.p10_ms) / r.median_ms if r.median_ms else 0, False),
+    ("TFLOP/s", 8, ".3g", lambda r: r.tflops, True),
+    ("GB/s", 8, ".4g", lambda r: r.gbps, True),
+    ("%FMA", 6, ".3g", lambda r: r.pct_fma_ceiling, True),
+    ("peak MB", 8, ".4g", lambda r: r.peak_mem_mb, False),
+)
+
+
+def table_columns(results, simulator=None) -> list:
+    """The columns ``format_table`` prints: all of them on a GPU; in the simulator, no
+    rate and no column that has no number in any row (peak memory is not measured there)."""
+    simulator = on_simulator() if simulator is None else simulator
+    if not simulator:
+        return list(TABLE_COLUMNS)
+    return [col for col in TABLE_COLUMNS if not col[4]
+            and any(math.isfinite(float(col[3](r))) for r in results)]
+
+
+def format_table(results, simulator=None) -> str:
+    """One line per result: kernel, config, then the columns of ``table_columns``."""
+    columns = table_columns(results, simulator)
+    head = f"{'kernel':<36}{'config':<44}" + " ".join(f"{name:>{width}}" for name, width, *_ in columns)
     lines = [head, "-" * len(head)]
     for r in results:
-        spread = (r.p90_ms - r.p10_ms) / r.median_ms if r.median_ms else 0
-        lines.append(f"{r.kernel:<36.36}{r.config:<44.44}{r.median_ms:>11.4g} {spread:>7.1%} {r.tflops:>8.3g}"
-                     f" {r.gbps:>8.4g} {r.pct_fma_ceiling:>6.3g} {r.peak_mem_mb:>8.4g}")
+        lines.append(f"{r.kernel:<36.36}{r.config:<44.44}"
+                     + " ".join(f"{value(r):>{width}{fmt}}" for _, width, fmt, value, _ in columns))
     return "\n".join(lines)
 
 

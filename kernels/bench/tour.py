@@ -5,7 +5,8 @@ Each module ``kernels/bench/<idea>.py`` that defines ``CHAPTER``, ``TITLE`` and
 
     <out>/<idea>.csv   every Result, headed by the device, driver and package versions
     <out>/<idea>.png   throughput per kernel and config (peers hatched), and a line plot
-                       over N when the results carry N in ``extra``
+                       over N when the results carry N in ``extra``; in the simulator,
+                       time instead of throughput (a rate from a simulated time means nothing)
 
 ``<out>`` is ``workbook/results/`` for a full run on a GPU (the committed results the notebooks
 show) and ``bench-out/`` otherwise (the simulator, or ``--quick``), so neither simulator
@@ -38,6 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 GPU_RESULTS = REPO / "workbook" / "results"
 SIM_RESULTS = REPO / "bench-out"
 NOT_CHAPTERS = {"harness", "tour", "traffic", "peer_pipes", "ncu", "__init__", "__main__"}
+SIM_METRIC = "median time (ms)"  # what the simulator's plots show: times, never rates
 SIM_LABEL = "SIMULATOR timings (Numba CUDA simulator on the CPU, tiny sizes): not GPU performance"
 
 
@@ -88,9 +90,12 @@ def discover(bench_dir: Path | None = None) -> tuple[list[Chapter], list[tuple[s
 
 # --------------------------------------------------------------------------- plots
 
-def _metric(r, judged_by=None):
+def _metric(r, judged_by=None, simulator=False):
     """What a result is best judged by: FLOP rate, byte rate, or plain time. A chapter
-    whose kernels are bound by bandwidth (decode) says ``JUDGED_BY = "GB/s"``."""
+    whose kernels are bound by bandwidth (decode) says ``JUDGED_BY = "GB/s"``. In the
+    simulator only the time means anything (a rate from a CPU time is noise): plain time."""
+    if simulator:
+        return SIM_METRIC, r.median_ms
     if judged_by == "GB/s" and r.model_bytes and float(r.model_bytes) > 0:
         return "GB/s", r.gbps
     if r.flops and r.flops > 0:
@@ -138,13 +143,13 @@ def plot_results(results, path, *, title, simulator, ceiling=math.nan, judged_by
     import matplotlib
 
     _metric_of = _metric
-    metric_of = lambda r: _metric_of(r, judged_by)  # noqa: E731
+    metric_of = lambda r: _metric_of(r, judged_by, simulator)  # noqa: E731
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = []  # (metric, "line" | "bar", [results], panel title)
-    for metric in ("TFLOP/s", "GB/s", "median time (µs)"):
+    for metric in ("TFLOP/s", "GB/s", "median time (µs)", SIM_METRIC):
         group = [r for r in results if metric_of(r)[0] == metric and math.isfinite(metric_of(r)[1])]
         # One line panel per configuration family (the config without N: dtype, d, causal...),
         # so that like is plotted with like; a family seen at a single N goes to the bars.
@@ -284,7 +289,8 @@ def main(argv=None) -> int:
         print(f"{'Simulator requested' if forced else 'No GPU found'}: "
               "falling back to the Numba CUDA simulator at small sizes.\n"
               "Every timing below is a SIMULATOR timing (Python threads on the CPU): it says nothing\n"
-              "about GPU performance. The committed GPU results are in workbook/results/.")
+              "about GPU performance, so the tables and plots show times only (no TFLOP/s or GB/s).\n"
+              "The committed GPU results are in workbook/results/.")
     env = harness.environment()
     print(f"device: {env['device']}; numba-cuda {env.get('numba-cuda', '?')}; results to {out}/")
     print("chapters: " + (", ".join(f"{c.chapter} {c.name}" for c in chapters) or "none found"))
@@ -310,7 +316,7 @@ def main(argv=None) -> int:
             print(f"!! chapter {c.chapter} failed after {time.perf_counter() - t0:.1f} s; going on", flush=True)
             _free_device_memory()
             continue
-        print(harness.format_table(results))
+        print(harness.format_table(results, simulator=simulator))
         chapter_env = harness.environment()  # now that the chapter imported CuPy/PyTorch, their versions too
         chapter_env["chapter"] = f"{c.chapter} {c.title}"
         chapter_env["timings"] = SIM_LABEL if simulator else "GPU timings: CUDA events, median of repeated runs, rotating inputs"
