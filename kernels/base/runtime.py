@@ -284,7 +284,12 @@ def bind_launch(kernel, grid, threads, args, shared_bytes: int = 0):
     config = LaunchConfig(grid=grid, block=threads, shmem_size=shared_bytes)
     function = compiled._codelibrary.get_cufunc().kernel
     stream = driver._to_core_stream(0)
-    return lambda: launch(stream, config, function, *params)
+
+    def bound():
+        launch(stream, config, function, *params)
+        return args                               # (held here: the parameters are raw pointers into them)
+
+    return bound
 
 
 def cdiv(a: int, b: int) -> int:
