@@ -116,6 +116,30 @@ def test_to_device_rejects_non_contiguous_device_arrays():
 
 # --------------------------------------------------------------------------- timing
 
+@cuda.jit
+def _add_one(x):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        x[i] += 1.0
+
+
+def test_a_bound_launch_runs_and_keeps_its_arrays_alive():
+    """bind_launch's parameters are raw pointers into its arrays: it must hold the arrays
+    themselves, or an array that nothing else holds is freed before the launch runs."""
+    import gc
+    import weakref
+
+    x = cuda.to_device(np.zeros(40, np.float32))
+    alive = weakref.ref(x)
+    launch = runtime.bind_launch(_add_one, 1, 64, (x,))
+    del x
+    gc.collect()
+    assert alive() is not None, "the bound launch let its array be freed"
+    launch()
+    launch()
+    np.testing.assert_array_equal(alive().copy_to_host(), np.full(40, 2.0, np.float32))
+
+
 def test_time_fn_medians_are_sane():
     calls = []
 
