@@ -371,8 +371,9 @@ print("split-K: O and L agree with the oracle;", int(np.isinf(lse_split).sum()),
 #   stream st = 0:  lanes 0 .. LK-1     reads key rows j0, j0+1, ... j0+U-1
 #   stream st = 1:  lanes LK .. 2LK-1   reads the next U key rows
 #   ...
-#   one key row k_j (d = D columns): lane ln holds columns ln, ln + LK, ln + 2 LK, ...
-#                                    (CPL = D / LK columns a lane, LK consecutive elements a load)
+#   one key row k_j (d = D columns): lane ln holds CPL = D / LK of its columns, VEC
+#                                    consecutive columns a load, the LK lanes' loads side by
+#                                    side: columns ln*VEC .. ln*VEC + VEC-1, then LK*VEC on, ...
 #
 #   S_rj = q_r . k_j:   each lane: its CPL products   ->  summed across the LK lanes
 #                       (a butterfly of log2(LK) warp shuffles, shfl_xor; no shared memory)
@@ -386,7 +387,19 @@ print("split-K: O and L agree with the oracle;", int(np.isinf(lse_split).sum()),
 # The **U** key rows a stream loads before it uses any of them are its loads in flight:
 # in a memory-bound kernel, the bytes requested at once are what keeps HBM busy. The
 # scores are kept in base 2 (`exp2`, $q' = q \cdot \text{scale} \cdot \log_2 e$), as in
-# chapter 4. The loop over the keys, from `make_attend_key_range`:
+# chapter 4.
+#
+# **VEC**, the elements one load reads, is the other half of the speed. Loaded one element
+# at a time, an fp16 cache costs a load instruction, its address arithmetic and its bounds
+# check for every 2 bytes: at 3 TB/s that is 1.5 T elements a second, and the SMs run out
+# of instruction issue before HBM runs out of bytes (these kernels reached 2.15 to 2.20
+# TB/s on fp16 caches that way, 72 to 74% of the read bandwidth). A 16-byte load
+# (`ld.global.v4`) reads 8 fp16 or 4 fp32 elements with one address and one bounds check.
+# Numba has no vector loads; `kernels/base/wide_loads.py` adds one as a small `@intrinsic`
+# that emits an aligned LLVM vector load (in the simulator: the same elements one by one).
+# It needs every row to start on a 16-byte boundary (d * itemsize a multiple of 16 and an
+# aligned base), which the launcher checks; other rows take VEC = 1. The loop over the
+# keys, from `make_attend_key_range`:
 
 # %%
 show_source(make_attend_key_range, "# ---- the keys, STEP at a time", "s[u, r] = x")
@@ -394,7 +407,7 @@ show_source(make_attend_key_range, "# ---- the keys, STEP at a time", "s[u, r] =
 # %% [markdown]
 # ### The plan
 #
-# `plan(d, rows, itemsize)` fixes these shapes at compile time, as a `DecodePlan`:
+# `plan(d, rows, itemsize, wide)` fixes these shapes at compile time, as a `DecodePlan`:
 #
 # * `D`: the head dim padded to a power of two (at least 16 on a GPU);
 # * `RT`: query rows a block, the group's $g N_q$ rows padded to a power of two, at most 16
@@ -403,14 +416,18 @@ show_source(make_attend_key_range, "# ---- the keys, STEP at a time", "s[u, r] =
 #   key row at once; 16 for fp32 keys and one query row (measured best on the H100); and
 #   at least $RT \cdot D / 64$, so that a thread's share of O, $RT \cdot D / LK$
 #   registers, stays at most 64;
-# * `U`: key rows in flight a stream: 4 for fp16 keys with one query row, else 2.
+# * `VEC`: with 16-byte-aligned rows (`wide`), as many elements as 16 bytes hold (8 fp16,
+#   4 fp32), at most a lane's share of the row; else 1;
+# * `U`: key rows in flight a stream: 4 with one query row (fp16 keys, or 16-byte loads),
+#   else 2.
 #
 # In the simulator a block has 32 threads (one warp), on a GPU 128; below each plan, the
 # same plan with 128 threads: its streams and keys a step.
 
 # %%
-for args, what in (((128, 1), "fp32 KV, Nq = 1, MHA"), ((128, 1, 2), "fp16 KV, Nq = 1, MHA"),
-                   ((128, 4, 2), "fp16 KV, 4 rows (e.g. GQA g = 4)"), ((128, 16), "fp32 KV, 16 rows")):
+for args, what in (((128, 1, 4, True), "fp32 KV, Nq = 1, MHA"), ((128, 1, 2, True), "fp16 KV, Nq = 1, MHA"),
+                   ((128, 4, 2, True), "fp16 KV, 4 rows (e.g. GQA g = 4)"), ((128, 16, 4, True), "fp32 KV, 16 rows"),
+                   ((100, 1, 2, False), "fp16 KV, d = 100: 200-byte rows, VEC = 1")):
     p = plan(*args)
     gpu = replace(p, threads=128)
     print(f"plan{args}: {p}  | {what}")
@@ -757,31 +774,40 @@ if csv_path.exists():
         display(Image(str(png_path)))
 
 # %% [markdown]
-# What the H100 says (one run; every number is in the CSV):
+# What the H100 says (one run; every number is in the CSV; "prepared" is `prepare_decode`
+# run again, one call is `decode_attention`; the read bandwidth of the same run is 3.01 TB/s):
 #
-# * **fp32 caches: at the bandwidth from B = 4 up.** The prepared split-K kernels stream
-#   2.87 to 2.89 TB/s at B = 4, 16 and 64 (96.5 to 97.4% of the 2.97 TB/s read bandwidth;
-#   2.79 at B = 1, N = 512k), ahead of every fp32 peer there (plain PyTorch 2.26 to 2.28,
-#   SDPA 1.40 to 1.41).
-# * **fp16 caches: behind the peers.** The same kernels reach only 2.15 to 2.20 TB/s at
-#   B ≥ 4 (72 to 74%), where SDPA flash reaches 2.50 to 3.04 and plain PyTorch 2.70 to 2.73.
-#   (SDPA flash's 3.04 is above the 2.97 of the fp32 sum: the read bandwidth is a reference,
-#   not a hard ceiling.)
-# * **One call pays about 1 ms of host work.** A one-shot `decode_attention` (split-K) costs
-#   0.74 to 1.35 ms more than the prepared run of the same plan: the checks, the plan, the
-#   workspaces and outputs, in Python and Numba. That dominates small contexts: at B = 1,
-#   N = 4k fp32, 1.19 ms against 0.18 ms prepared (0.11 against 0.77 TB/s); there plain
-#   PyTorch (1.63 TB/s) beats even the prepared kernels.
-# * **Stream-K wins where the work is uneven, loses where it is not.** On the ragged GQA
-#   batch it takes 2.1x (fp32: 1.47 against 0.69 TB/s) and 2.4x (fp16: 0.89 against 0.36)
-#   less time than split-K, and it is ahead on the uniform GQA batches too; on the uniform
-#   MHA batches it trails split-K everywhere but B = 1, N = 4k fp32 (0.80 against 0.77),
-#   H = 40 included (2.03 against 2.70).
-# * **GQA runs well below the bandwidth.** With 4 query rows a KV head the best of the two
-#   schedules reaches 1.53 TB/s at B = 1 and 2.03 at B = 16 with fp32 caches, 0.99 and 1.21
-#   with fp16, where SDPA flash reaches 2.31 and 2.88.
-# * **Against chapter 4** at B = 1, H = 32, N = 128k, fp32: 1.63 ms (prepared split-K)
-#   against 38.19 ms for `flash_attention`, whose grid starves at $N_q = 1$: 23.4x the time.
+# * **MHA at the bandwidth, fp32 and fp16.** From B·N = 64k keys up, the prepared kernels
+#   stream 2.83 to 3.11 TB/s, 94 to 103% of the read bandwidth (a sum over 4 GiB is a
+#   reference, not a ceiling), with either cache dtype: B = 1 at 128k 2.98 (fp32) and 2.89
+#   (fp16) TB/s, at 512k 3.03 and 3.00.
+# * **fp16 caches: level with or ahead of SDPA flash at every MHA point.** 1.37 against 0.90
+#   TB/s at B = 1, 4k; 2.26 against 1.78 at 16k; 2.89 against 2.68 at 128k; 3.00 against 2.93
+#   at 512k; 3.03 against 2.54 at B = 16, 64k; 2.94 against 2.92 at H = 40.
+# * **fp32 caches: 2.2 to 2.9x the best SDPA fp32 backend** (memory-efficient or math):
+#   1.81 against 0.63 TB/s at B = 1, 4k; 2.98 against 1.19 at 128k; 3.11 against 1.39 at
+#   B = 64, 16k. Plain PyTorch, which reads K and V as two matrix products, is the nearest
+#   fp32 peer (1.08 to 2.25 TB/s).
+# * **Small contexts need the prepared call.** At B = 1, 4k the prepared kernels take 0.074
+#   ms (fp32) and 0.049 ms (fp16), 1.8 and 1.4 TB/s; one `decode_attention` call costs about
+#   1.3 ms there, nearly all of it host work (checks, plan, outputs, binding the launches),
+#   so a serving loop plans once and runs every step (`prepare_decode`). The prepared call
+#   is itself one driver launch a kernel: `kernels.base.runtime.bind_launch` does Numba's
+#   per-launch work (typing the arguments, finding the compiled kernel, flattening each
+#   array into pointer, shape and strides) once.
+# * **Stream-K wins where the work is uneven.** On the ragged GQA batch {128k, 8k, 8k, 8k}
+#   it takes 0.50 ms against split-K's 1.27 (fp32) and 0.42 against 1.26 (fp16); 0.50 ms is
+#   1.18x the floor of the bytes actually cached. On uniform batches neither wins
+#   everywhere: split-K is ahead by 1 to 3% at B = 1 up to 16k keys and by 11% on GQA fp32
+#   at B = 1; stream-K by 2 to 3% from 64k up and by 10% at B = 16, 64k, fp16.
+# * **GQA with fp16 caches is not at the bandwidth.** With 4 query rows a KV head, every K
+#   and V element feeds 8 FMAs (4 rows, S and O), on top of the per-row sums and the
+#   softmax: at 3 TB/s of fp16 that is most of the SMs' instruction issue. The prepared
+#   kernels reach 2.23 (fp32, B = 1, 128k) and 2.81 (fp32, B = 16, 64k) TB/s, but 1.44 and
+#   1.71 with fp16 caches, where SDPA flash, which runs the group's rows through tensor
+#   cores, reaches 2.01 and 2.94. The tensor-core chapter is where this gap closes.
+# * **Against chapter 4** at B = 1, H = 32, N = 128k, fp32: 1.44 ms (prepared stream-K)
+#   against 38.15 ms for `flash_attention`, whose grid starves at $N_q = 1$: 26.5x less time.
 #
 # Every row of the CSV, with the fraction of the read bandwidth and the floor (K and V bytes
 # over the read bandwidth):
