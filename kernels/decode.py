@@ -282,20 +282,17 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: i
                     if j >= k_end or (causal and j > i + diag):
                         x = MASKED
                     s[u, r] = x
-            # online softmax over the U keys: m' = max(m, S); l, O rescaled by 2^(m - m'),
-            # only when the max grew (2^0 = 1: after the first keys of a range it seldom
-            # does, and the rescale is RT * CPL multiplies); P = 2^(S - m') (against 0 while
-            # the row has seen no key: 2^MASKED = 0; a NaN max is "grew" too, and spreads)
+            # online softmax over the U keys: m' = max(m, S); l, O rescaled by 2^(m - m');
+            # P = 2^(S - m') (against 0 while the row has seen no key: 2^MASKED = 0)
             for r in range(RT):
                 mx = m[r]
                 for u in range(U):
                     mx = nan_max(mx, s[u, r])
-                if mx != m[r]:
-                    alpha = math.exp2(m[r] - mx)
-                    m[r] = mx
-                    l[r] *= alpha
-                    for t in range(CPL):
-                        acc[r, t] *= alpha
+                alpha = math.exp2(m[r] - mx)
+                m[r] = mx
+                l[r] *= alpha
+                for t in range(CPL):
+                    acc[r, t] *= alpha
                 base = mx if mx > MASKED else float32(0.0)
                 for u in range(U):
                     p = math.exp2(s[u, r] - base)
