@@ -619,6 +619,66 @@ def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False, tile
     return (o, kind.give_back(dl)) if return_lse else o
 
 
+# --------------------------------------------------------------------------- the exercises' checkers
+# The notebook's exercise cells and tests/test_exercise_checker.py run these through
+# ``kernels.base.testing.check_exercise``. Each draw is built to expose the mistakes a
+# first attempt makes: a mask wrong only when Nq > Nk, a softmax that does not subtract
+# the max, a float64 result where float32 was asked.
+
+def mask_cases(max_n: int = 12):
+    """Hypothesis strategy: a pair (a, b) of sizes 0..max_n; ``check_mask`` checks the
+    masks of both (Nq, Nk) = (a, b) and (b, a), so every draw with a != b has Nq > Nk."""
+    from hypothesis import strategies as st
+
+    return st.tuples(st.integers(0, max_n), st.integers(0, max_n))
+
+
+def check_mask(allowed, case):
+    """The property: ``allowed(i, j, nq, nk)`` over the whole (Nq, Nk) grid is the oracle's
+    causal mask, for (Nq, Nk) = (a, b) and (b, a)."""
+    from kernels import reference as ref
+
+    a, b = case
+    for nq, nk in ((a, b), (b, a)):
+        got = np.array([[bool(allowed(i, j, nq, nk)) for j in range(nk)] for i in range(nq)],
+                       dtype=bool).reshape(nq, nk)
+        want = ref.causal_mask(nq, nk)
+        assert np.array_equal(got, want), f"Nq={nq}, Nk={nk}: got\n{got.astype(int)}\nexpected\n{want.astype(int)}"
+
+
+def softmax_row_cases(max_n: int = 40):
+    """Hypothesis strategy: float32 rows of length 0..max_n, spread 1, 30 or 1e4 around a
+    level of 0 or +-1000 (softmax does not see the level, exp does: without the max
+    subtracted, exp(1000) overflows and exp(-1000) underflows to 0), none, some or all
+    entries -inf."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def rows(draw):
+        n = draw(st.integers(0, max_n))
+        spread = draw(st.sampled_from([1.0, 30.0, 1e4]))
+        level = draw(st.sampled_from([0.0, 1e3, -1e3]))
+        masked = draw(st.sampled_from([0.0, 0.3, 1.0]))
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        x = level + rng.standard_normal(n) * spread
+        x[rng.random(n) < masked] = -np.inf
+        return x.astype(np.float32)
+    return rows()
+
+
+def check_softmax_row(fn, x):
+    """The property: ``fn(x)`` is a float32 array of x's shape within the tolerance rule of
+    the float64 oracle's softmax (zeros for a row with no finite entry, no NaN)."""
+    from kernels import reference as ref
+    from kernels.base.testing import assert_close
+
+    with np.errstate(all="ignore"):
+        got = np.asarray(fn(x.copy()))
+    assert got.shape == x.shape, f"shape {got.shape}, expected {x.shape}"
+    assert got.dtype == np.float32, f"dtype {got.dtype}, expected float32 (float32 in, float32 out)"
+    assert_close(got, ref.softmax(x), ref.softmax(x, dtype=np.float32), name="softmax row")
+
+
 # --------------------------------------------------------------------------- PTX targets
 
 _A3 = "float32[:, :, ::1]"

@@ -436,9 +436,9 @@ def grid_stride_property(indices_fn):
     return prop
 
 
-_ = check_exercise(grid_stride_property(my_grid_stride_indices), launches)
+_ = check_exercise(grid_stride_property(my_grid_stride_indices), launches, host=True)
 # The module's solution passes:
-_ = check_exercise(grid_stride_property(gpu_basics.grid_stride_indices), launches)
+_ = check_exercise(grid_stride_property(gpu_basics.grid_stride_indices), launches, host=True)
 
 # %% [markdown]
 # ### Exercise 2: the arithmetic intensity of standard attention
@@ -468,9 +468,10 @@ def intensity_property(fn):
     return prop
 
 
-_ = check_exercise(intensity_property(my_standard_intensity), shapes)
+_ = check_exercise(intensity_property(my_standard_intensity), shapes, host=True)
 _ = check_exercise(intensity_property(lambda b, h, n, d, bpe: gpu_basics.arithmetic_intensity(
-    gpu_basics.attention_flops(b, h, n, n, d), gpu_basics.standard_forward_bytes(b, h, n, d, bpe))), shapes)
+    gpu_basics.attention_flops(b, h, n, n, d), gpu_basics.standard_forward_bytes(b, h, n, d, bpe))), shapes,
+    host=True)
 
 # %% [markdown]
 # ## What to take into the next chapters

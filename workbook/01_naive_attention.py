@@ -59,14 +59,18 @@ import numpy as np
 import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
 from kernels import reference as ref
 from kernels.naive_attention import (
+    check_mask,
+    check_softmax_row,
     default_tiles,
     io_model_bytes,
     make_row_softmax,
     make_scores,
     make_weighted_sum,
+    mask_cases,
     naive_attention,
     row_softmax,
     scores,
+    softmax_row_cases,
     weighted_sum,
 )
 from kernels.base.runtime import device_name, on_simulator, time_fn
@@ -427,7 +431,8 @@ rows_ = show_results("naive_attention", ("kernel", "config", "median_ms", "gbps"
 #
 # Write `my_allowed(i, j, nq, nk)`: True when query `i` may attend key `j` under the
 # bottom-right causal convention, for any `nq`, `nk` (either may be 0, and `nq` may exceed
-# `nk`). The checker compares the whole mask with the oracle's for drawn `(nq, nk)`.
+# `nk`). The checker draws pairs of sizes and compares your whole mask with the oracle's
+# for both `(nq, nk)` and `(nk, nq)`, so every draw with unequal sizes also has `nq > nk`:
 
 # %%
 def my_allowed(i, j, nq, nk):
@@ -436,37 +441,27 @@ def my_allowed(i, j, nq, nk):
 
 
 # %%
-from hypothesis import strategies as st
-
-mask_cases = st.tuples(st.integers(0, 12), st.integers(0, 12))
-
-
-def mask_prop(allowed):
-    def prop(case):
-        nq, nk = case
-        got = np.array([[bool(allowed(i, j, nq, nk)) for j in range(nk)] for i in range(nq)],
-                       dtype=bool).reshape(nq, nk)
-        want = ref.causal_mask(nq, nk)
-        assert np.array_equal(got, want), f"Nq={nq}, Nk={nk}: got\n{got.astype(int)}\nexpected\n{want.astype(int)}"
-    return prop
-
-
-_ = check_exercise(mask_prop(my_allowed), mask_cases)
+print(inspect.getsource(check_mask))
+_ = check_exercise(lambda case: check_mask(my_allowed, case), mask_cases(), host=True)
 
 # %% [markdown]
 # The checker on the condition the scores kernel uses (`j > i + shift` masks, with
 # `shift = nk - nq`):
 
 # %%
-_ = check_exercise(mask_prop(lambda i, j, nq, nk: not (j > i + (nk - nq))), mask_cases)
+_ = check_exercise(lambda case: check_mask(lambda i, j, nq, nk: not (j > i + (nk - nq)), case), mask_cases(),
+                   host=True)
 
 # %% [markdown]
 # ### Exercise 2: the safe softmax of one row
 #
 # Write `my_softmax_row(x)` for a float32 row `x` (length 0 or more) that may hold `-inf`
-# entries, or be all `-inf`: return float32 probabilities, zeros for a row with no finite
-# entry, never NaN, and no overflow for logits around $\pm 10^4$. The checker uses the
-# tolerance rule against the float64 oracle.
+# entries, or be all `-inf`: return float32 probabilities (a float64 result fails),
+# zeros for a row with no finite entry, never NaN, and no overflow or underflow for logits
+# around $\pm 10^3$ or spread over $\pm 10^4$. The checker uses the tolerance rule against
+# the float64 oracle. Both exercises here are NumPy or plain Python, so their checkers draw
+# 300 cases (the mask's has only 169 size pairs, and runs them all); a checker that
+# launches a kernel draws ten in the simulator, a hundred on a GPU.
 
 # %%
 def my_softmax_row(x):
@@ -475,33 +470,17 @@ def my_softmax_row(x):
 
 
 # %%
-@st.composite
-def softmax_rows(draw):
-    n = draw(st.integers(0, 40))
-    magnitude = draw(st.sampled_from([1.0, 30.0, 1e4]))
-    masked = draw(st.sampled_from([0.0, 0.3, 1.0]))
-    rng_x = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    x = rng_x.standard_normal(n) * magnitude
-    x[rng_x.random(n) < masked] = -np.inf
-    return x.astype(np.float32)
-
-
-def softmax_prop(fn):
-    def prop(x):
-        with np.errstate(all="ignore"):
-            got = np.asarray(fn(x.copy()))
-        assert got.shape == x.shape, f"shape {got.shape}, expected {x.shape}"
-        assert_close(got, ref.softmax(x), ref.softmax(x, dtype=np.float32), name="softmax row")
-    return prop
-
-
-_ = check_exercise(softmax_prop(my_softmax_row), softmax_rows())
+print(inspect.getsource(softmax_row_cases))
+print(inspect.getsource(check_softmax_row))
+_ = check_exercise(lambda x: check_softmax_row(my_softmax_row, x), softmax_row_cases(), host=True)
 
 # %% [markdown]
-# The checker on the chapter's kernel (a row is a (1, 1, 1, n) score matrix):
+# The checker on the chapter's kernel (a row is a (1, 1, 1, n) score matrix; a kernel
+# launch, so a few cases in the simulator):
 
 # %%
-_ = check_exercise(softmax_prop(lambda x: row_softmax(x.reshape(1, 1, 1, -1))[0].reshape(-1)), softmax_rows())
+_ = check_exercise(lambda x: check_softmax_row(lambda r: row_softmax(r.reshape(1, 1, 1, -1))[0].reshape(-1), x),
+                   softmax_row_cases())
 
 # %% [markdown]
 # ### Exercise 3 (on paper first)

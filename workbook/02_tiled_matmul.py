@@ -327,13 +327,13 @@ def my_load_tile(x, r0, c0, rows, cols):
 
 
 # %%
-_ = check_exercise(lambda case: check_tile_load(my_load_tile, case), tile_cases())
+_ = check_exercise(lambda case: check_tile_load(my_load_tile, case), tile_cases(), host=True)
 
 # %% [markdown]
 # The same checker on the module's `load_tile`:
 
 # %%
-_ = check_exercise(lambda case: check_tile_load(load_tile, case), tile_cases())
+_ = check_exercise(lambda case: check_tile_load(load_tile, case), tile_cases(), host=True)
 
 # %% [markdown]
 # ### Exercise 2: bytes per FLOP of a block tile
@@ -360,7 +360,7 @@ def intensity_prop(case):
 from hypothesis import strategies as st  # noqa: E402
 
 intensity_cases = st.tuples(st.sampled_from([1, 2, 4, 16, 32, 64, 128]), st.sampled_from([1, 4, 8, 64, 128]))
-_ = check_exercise(intensity_prop, intensity_cases)
+_ = check_exercise(intensity_prop, intensity_cases, host=True)
 
 # %% [markdown]
 # A solution, through the same checker: 2 BM BN FLOPs per 4 (BM + BN) bytes.
@@ -370,7 +370,7 @@ def my_intensity(bm, bn):  # noqa: F811
     return 2 * bm * bn / (4 * (bm + bn))
 
 
-_ = check_exercise(intensity_prop, intensity_cases)
+_ = check_exercise(intensity_prop, intensity_cases, host=True)
 
 # %% [markdown]
 # ### Exercise 3 (on paper, then on a GPU)

@@ -264,7 +264,7 @@ case = MergeTreeCase(row, cuts=[3, 5, 5, 6], tree=((4, (0, 2)), (3, 1)))   # chu
 print(case, "\nchunks:", case.chunks())
 print("merged along the tree:", eval_tree(case.tree, [chunk_state(c) for c in case.chunks()], merge))
 print("whole row:            ", chunk_state(case.x))
-_ = check_exercise(lambda c: check_merge_tree(merge, c), merge_tree_cases())
+_ = check_exercise(lambda c: check_merge_tree(merge, c), merge_tree_cases(), host=True)
 
 # %% [markdown]
 # ## 4. The kernel
@@ -399,13 +399,13 @@ def my_merge(a, b):
 
 
 # %%
-_ = check_exercise(lambda c: check_merge_tree(my_merge, c), merge_tree_cases())
+_ = check_exercise(lambda c: check_merge_tree(my_merge, c), merge_tree_cases(), host=True)
 
 # %% [markdown]
 # The same checker on the module's `merge`:
 
 # %%
-_ = check_exercise(lambda c: check_merge_tree(merge, c), merge_tree_cases())
+_ = check_exercise(lambda c: check_merge_tree(merge, c), merge_tree_cases(), host=True)
 
 # %% [markdown]
 # ### Exercise 2: one element at a time
@@ -435,13 +435,13 @@ def fold_prop(update):
     return prop
 
 
-_ = check_exercise(fold_prop(my_update), merge_tree_cases())
+_ = check_exercise(fold_prop(my_update), merge_tree_cases(), host=True)
 
 # %% [markdown]
 # The checker on a solution (merge with the one-element state `(xj, 1)`):
 
 # %%
-_ = check_exercise(fold_prop(lambda state, xj: merge(state, (xj, 1.0))), merge_tree_cases())
+_ = check_exercise(fold_prop(lambda state, xj: merge(state, (xj, 1.0))), merge_tree_cases(), host=True)
 
 # %% [markdown]
 # ### Exercise 3 (on paper, then in code)

@@ -771,13 +771,13 @@ def my_tile_update(m, l, o, s, v):
 
 
 # %%
-_ = check_exercise(lambda c: check_tile_update(my_tile_update, c), tile_update_cases())
+_ = check_exercise(lambda c: check_tile_update(my_tile_update, c), tile_update_cases(), host=True)
 
 # %% [markdown]
 # The same checker on the module's `tile_update`:
 
 # %%
-_ = check_exercise(lambda c: check_tile_update(tile_update, c), tile_update_cases())
+_ = check_exercise(lambda c: check_tile_update(tile_update, c), tile_update_cases(), host=True)
 
 # %% [markdown]
 # ### Exercise 2: tiles for d = 128

@@ -608,13 +608,13 @@ def ds_prop(fn):
     return prop
 
 
-_ = check_exercise(ds_prop(my_ds), attention_cases(max_n=12, max_d=6))
+_ = check_exercise(ds_prop(my_ds), attention_cases(max_n=12, max_d=6), host=True)
 
 # %% [markdown]
 # The checker on the module's `ds_tile`:
 
 # %%
-_ = check_exercise(ds_prop(ds_tile), attention_cases(max_n=12, max_d=6))
+_ = check_exercise(ds_prop(ds_tile), attention_cases(max_n=12, max_d=6), host=True)
 
 # %% [markdown]
 # ### Exercise 2: rebuild P from L
@@ -649,13 +649,13 @@ def p_prop(fn):
     return prop
 
 
-_ = check_exercise(p_prop(my_p), attention_cases(max_n=12, max_d=6))
+_ = check_exercise(p_prop(my_p), attention_cases(max_n=12, max_d=6), host=True)
 
 # %% [markdown]
 # The checker on the module's `recompute_p`:
 
 # %%
-_ = check_exercise(p_prop(recompute_p), attention_cases(max_n=12, max_d=6))
+_ = check_exercise(p_prop(recompute_p), attention_cases(max_n=12, max_d=6), host=True)
 
 # %% [markdown]
 # ### Exercise 3 (on paper)

@@ -725,14 +725,14 @@ def window_prop(solution):
     return prop
 
 
-_ = check_exercise(window_prop(my_sliding_window), window_cases)
+_ = check_exercise(window_prop(my_sliding_window), window_cases, host=True)
 
 # %% [markdown]
 # The same checker on the module's solution:
 
 # %%
 _ = check_exercise(window_prop(lambda nq, nk, block, window: sp.sliding_window(nq, nk, block=block, window=window)),
-                   window_cases)
+                   window_cases, host=True)
 
 # %% [markdown]
 # ### Exercise 2: the compact lists
@@ -763,7 +763,7 @@ def lists_prop(solution):
     return prop
 
 
-_ = check_exercise(lists_prop(my_row_lists), flag_cases)
+_ = check_exercise(lists_prop(my_row_lists), flag_cases, host=True)
 
 # %% [markdown]
 # A solution, checked:
@@ -775,4 +775,4 @@ def row_lists_solution(flags):
     return row_ptr, col_idx
 
 
-_ = check_exercise(lists_prop(row_lists_solution), flag_cases)
+_ = check_exercise(lists_prop(row_lists_solution), flag_cases, host=True)

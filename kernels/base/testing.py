@@ -678,9 +678,23 @@ class counting_launches:
 
 # --------------------------------------------------------------------------- exercise checker
 
-def check_exercise(prop, strategy, *, max_examples=None):
+# How many cases the checker draws. A host-side exercise (NumPy or plain Python, no kernel
+# launch) costs microseconds a case, so it draws hundreds everywhere: a mistake that shows
+# in one case of twenty (a missing max subtraction, a mask wrong only when Nq > Nk) must be
+# caught every run, not most runs. A kernel exercise in the simulator runs every thread in
+# Python, so it draws a few cases there and many on a GPU.
+HOST_EXAMPLES = 300
+KERNEL_EXAMPLES = 10 if on_simulator() else 100
+
+
+def check_exercise(prop, strategy, *, host=False, max_examples=None):
     """Run ``prop(case)`` (which raises AssertionError on a wrong answer) on cases drawn from
     ``strategy``; print "passed" or the smallest failing case Hypothesis can shrink to.
+
+    ``host=True`` marks an exercise that launches no kernel (NumPy or plain Python): it draws
+    ``HOST_EXAMPLES`` cases, simulator or not; a kernel exercise draws ``KERNEL_EXAMPLES``
+    (few in the simulator). ``max_examples`` overrides both. A strategy with fewer distinct
+    cases than that is checked on all of them (the message says how many ran).
 
     Returns True when every case passed. Used by the notebooks' exercise cells.
     """
@@ -688,6 +702,7 @@ def check_exercise(prop, strategy, *, max_examples=None):
     from hypothesis.errors import NoSuchExample
 
     def fails(case):
+        fails.calls += 1
         try:
             prop(case)
         except Exception as exc:  # a wrong answer, or code that does not run yet
@@ -695,13 +710,16 @@ def check_exercise(prop, strategy, *, max_examples=None):
             return True
         return False
 
-    n = max_examples or (10 if on_simulator() else 100)
+    fails.calls = 0
+    n = max_examples or (HOST_EXAMPLES if host else KERNEL_EXAMPLES)
     try:
+        # From Hypothesis's own defaults, not the loaded test profile: the checker draws
+        # afresh each run (the ci profile derandomizes) and shrinks (the mutants one does not).
         smallest = find(strategy, fails, settings=settings(
-            max_examples=n, deadline=None, database=None,
+            settings.get_profile("default"), max_examples=n, deadline=None, database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
     except NoSuchExample:
-        print(f"passed: {n} drawn cases agree with the oracle")
+        print(f"passed: {fails.calls} drawn cases agree with the oracle")
         return True
     fails(smallest)
     print(f"not yet: smallest failing case {smallest!r}")
