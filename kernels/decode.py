@@ -32,9 +32,10 @@ any order give the same answer, and (O = 0, L = -inf) is the empty piece.
 Inside a block. At Nq = 1 a block has one query row, so chapter 4's register tiles (Br =
 128 or 256 rows of FMAs per key) would waste all but one. Decode is a matrix-VECTOR product: the
 block's 128 threads form streams of LK consecutive lanes; a stream reads one key row at a
-time (lane t holds columns t, t + LK, ...: LK lanes read LK consecutive elements, 64
-bytes of a float32 row at LK = 16, 16 bytes of a float16 row at LK = 8), adds its dot product across the LK lanes with warp shuffles, and keeps
-its own online-softmax state (m, l, O) for the block's rows. The block's streams are
+time, each lane VEC consecutive elements a load (16 bytes where rows are 16-byte aligned:
+8 float16 or 4 float32, ``kernels.base.wide_loads``; else 1), adds its dot product across
+the LK lanes with warp shuffles, and keeps its own online-softmax state (m, l, O) for the
+block's rows. The block's streams are
 splits too: at the end they are merged, in a fixed order, in shared memory.
 
 Real decode inputs:
@@ -216,24 +217,20 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: i
     STEP = NS * U                 # keys the block consumes a step
     row_max, row_sum = make_row_reductions(LK, THREADS)
     load = make_load(VEC)
-
-    @cuda.jit(device=True, inline=True)
-    def column(ln, i):
-        """The row column of lane ln's i-th element: its loads are VEC consecutive
-        columns, the LK lanes' loads side by side (LK * VEC consecutive columns a load)."""
-        return ((i // VEC) * LK + ln) * VEC + i % VEC
+    # Lane ln's i-th element is column ((i // VEC) * LK + ln) * VEC + i % VEC of a row: its
+    # loads are VEC consecutive columns, the LK lanes' loads side by side.
 
     @cuda.jit(device=True, inline=True)
     def attend(qg, kh, vh, og, lg, row0, out0, n_q, k_start, k_end, n_keys, d, scale, causal):
         tid = int32(cuda.threadIdx.x)
         st = tid // LK                            # this thread's stream
-        ln = tid % LK                             # its lane: columns ln, ln + LK, ...
+        ln = tid % LK                             # its lane (its columns: the map above)
         n_rows = int32(qg.shape[0])
         diag = n_keys - n_q                       # causal: query i sees key j iff j <= i + diag
         # S in base 2: exp(scale (s - m)) = exp2(q' k - m') with q' = scale log2(e) q
         scale_log2e = float32(scale * LOG2E)
 
-        q = cuda.local.array((RT, CPL), float32)      # this lane's columns of the rows' q' (see column)
+        q = cuda.local.array((RT, CPL), float32)      # this lane's columns of the rows' q'
         m = cuda.local.array(RT, float32)             # running max (base 2), a stream's
         l = cuda.local.array(RT, float32)             # running sum
         acc = cuda.local.array((RT, CPL), float32)    # running O (unnormalised), this lane's columns
@@ -243,7 +240,7 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: i
         for r in range(RT):
             row = uint64(min(row0 + r, n_rows - 1))
             for t in range(CPL):
-                c = column(ln, t)
+                c = ((t // VEC) * LK + ln) * VEC + t % VEC
                 x = float32(qg[row, uint64(min(c, d - 1))]) * scale_log2e
                 if row0 + r >= n_rows or c >= d:
                     x = float32(0.0)
@@ -263,7 +260,7 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: i
             for u in range(U):
                 row = uint64(min(j0 + u, k_end - 1))
                 for t in range(CHUNKS):
-                    c = column(ln, t * VEC)
+                    c = (t * LK + ln) * VEC
                     kx = load(kh, row, uint64(min(c, d - VEC)))
                     vx = load(vh, row, uint64(min(c, d - VEC)))
                     keep = j0 + u < k_end and c < d
@@ -310,7 +307,7 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: i
                 sm[st, r] = m[r]
                 sl[st, r] = l[r]
             for t in range(CPL):
-                so[st, r, column(ln, t)] = acc[r, t]
+                so[st, r, ((t // VEC) * LK + ln) * VEC + t % VEC] = acc[r, t]
         cuda.syncthreads()
         for e in range(tid, RT * D, THREADS):
             r = e // D
@@ -836,8 +833,9 @@ def io_model_bytes(B: int, hq: int, hkv: int, n_q: int, n_keys, d: int, *, kv_it
 # --------------------------------------------------------------------------- sm_90 PTX check
 
 def ptx_targets():
-    """(kernel, signature) pairs for ``kernels.base.ptx_check``: fp32 and fp16 caches, MHA
-    and grouped rows, split-K, combine and stream-K."""
+    """(kernel, signature) pairs for ``kernels.base.ptx_check``: stream-K on fp32 and fp16
+    caches, 16-byte and one-element loads, MHA and grouped rows; split-K and its combine
+    on the production MHA shapes (split-K shares stream-K's device function)."""
     from numba import types
 
     f32_3, f16_3 = types.float32[:, :, ::1], types.float16[:, :, ::1]
@@ -848,8 +846,9 @@ def ptx_targets():
         for d, rows, wide in ((128, 1, True), (128, 1, False), (128, 16, True), (64, 4, True)):
             p = plan(d, rows, 2 if kv is f16_3 else 4, wide)
             label = f"{'fp16' if kv is f16_3 else 'fp32'} KV, d={d}, {rows} rows ({p})"
-            out.append((f"split_k {label}", make_split_k(*p.key),
-                        (f32_3, kv, kv, f32_3, f32_2, f32_3, f32_2, i32_1, *scalars)))
+            if (d, rows, wide) == (128, 1, True):
+                out.append((f"split_k {label}", make_split_k(*p.key),
+                            (f32_3, kv, kv, f32_3, f32_2, f32_3, f32_2, i32_1, *scalars)))
             out.append((f"stream_k {label}", make_stream_k(*p.key),
                         (f32_3, kv, kv, f32_3, f32_2, f32_3, f32_2, i32_1, *scalars, types.int32,
                          i32_1, i32_1, i32_1, i32_1, i32_1, i32_1, i32_1)))

@@ -4,7 +4,7 @@ A load of one float32 moves 4 bytes, of one float16 2 bytes. A kernel that strea
 KV cache at the HBM limit (chapter 7) needs about 1.5 T float16 elements a second on
 an H100; one load instruction an element, plus its address arithmetic and its bounds
 check, and the kernel is bound by instruction issue before it is bound by memory. A
-16-byte load (PTX ``ld.v4.u32``) moves 8 float16 or 4 float32 in one instruction, with
+16-byte load (PTX ``ld.global.v4.b32``) moves 8 float16 or 4 float32 in one instruction, with
 one address and one bounds check for all of them.
 
 ``make_load(n)(a, row, col)``: a[row, col], a[row, col + 1], ... a[row, col + n - 1] as a
@@ -49,13 +49,14 @@ def _load1(a, row, col):
 @functools.lru_cache(maxsize=None)
 def make_load(n: int):
     """The device function that loads n consecutive elements of a row (see the module)."""
-    if n == 1:
-        return _load1
     if on_simulator():
-        @cuda.jit(device=True)
+        # a plain Python function: the simulator runs kernels as Python, and a call of a
+        # simulated device function costs far more than the few loads it does
         def load_n(a, row, col):
             return tuple(float32(a[row, col + e]) for e in range(n))
         return load_n
+    if n == 1:
+        return _load1
     return _wide_intrinsic(n)
 
 
