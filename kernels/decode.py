@@ -779,18 +779,12 @@ def _split_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, common, splits
     if splits is None:
         splits = split_count(BK * tiles, int(lengths_host.max(initial=0)), gpu_slots(kernel, args, p.threads))
     if splits == 1:
-        return [_launch(kernel, (1, tiles, BK), p.threads, args)], 1
+        return [bind_launch(kernel, (1, tiles, BK), p.threads, args)], 1
     o_part = _workspace("o_part", (BK * tiles * splits, p.RT, o.shape[2]))
     l_part = _workspace("l_part", (BK * tiles * splits, p.RT))
-    return [_launch(kernel, (splits, tiles, BK), p.threads, (qd, kd, vd, o_part, l_part, o, lse, lengths, *common)),
-            _launch(make_combine(p.D, p.RT, p.threads), (tiles, BK), p.threads,
+    return [bind_launch(kernel, (splits, tiles, BK), p.threads, (qd, kd, vd, o_part, l_part, o, lse, lengths, *common)),
+            bind_launch(make_combine(p.D, p.RT, p.threads), (tiles, BK), p.threads,
                     (o_part, l_part, o, lse, np.int32(splits), common[1]))], splits
-
-
-def _launch(kernel, grid, threads, args):
-    """A launch with its configuration and arguments bound (nothing left to do but launch):
-    ``kernels.base.runtime.bind_launch``."""
-    return bind_launch(kernel, grid, threads, args)
 
 
 def key_tile(p: DecodePlan) -> int:
@@ -816,7 +810,7 @@ def _stream_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, hkv, common, 
     o_part = _workspace("o_part", (max(n_seg, 1), p.RT, o.shape[2]))
     l_part = _workspace("l_part", (max(n_seg, 1), p.RT))
     counters = _workspace("counters", (max(len(tiles_per_item), 1),), np.int32, zero=True)
-    return [_launch(kernel, blocks, p.threads,
+    return [bind_launch(kernel, blocks, p.threads,
                     (qd, kd, vd, o_part, l_part, o, lse, lengths, *common, np.int32(tiles), *dev, counters))], blocks
 
 

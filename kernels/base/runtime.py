@@ -258,7 +258,7 @@ def check_flag(value, name: str) -> bool:
     return bool(value)
 
 
-def bind_launch(kernel, grid, threads, args, shared_bytes: int = 0):
+def bind_launch(kernel, grid, threads, args):
     """``kernel[grid, threads](*args)`` with everything but the launch itself done once: returns
     a function of no arguments that launches it (on the default stream).
 
@@ -269,7 +269,7 @@ def bind_launch(kernel, grid, threads, args, shared_bytes: int = 0):
     arguments stay the same from call to call (a prepared decode step: same buffers, new
     contents), that work is done here once, and a call is one driver launch. In the
     simulator: the plain launch."""
-    configured = kernel[grid, threads] if not shared_bytes else kernel[grid, threads, 0, shared_bytes]
+    configured = kernel[grid, threads]
     if on_simulator():
         return lambda: configured(*args)
     from cuda.core import LaunchConfig, launch
@@ -281,7 +281,7 @@ def bind_launch(kernel, grid, threads, args, shared_bytes: int = 0):
         compiled._prepare_args(ty, value, 0, write_back, params)
     if write_back:                                # (host arrays would need copies back: not bound)
         return lambda: configured(*args)
-    config = LaunchConfig(grid=grid, block=threads, shmem_size=shared_bytes)
+    config = LaunchConfig(grid=grid, block=threads)
     function = compiled._codelibrary.get_cufunc().kernel
     stream = driver._to_core_stream(0)
 
