@@ -1,0 +1,488 @@
+"""Tensor cores from Numba: mma.sync, the register packing it needs, ldmatrix and cp.async.
+
+A tensor core multiplies small matrices in one instruction issued by a whole warp. PTX's
+``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` computes D = A B + C for A 16x16
+(fp16), B 16x8 (fp16) and C, D 16x8 (fp32): 4096 FLOPs per instruction, where an FMA
+does 2. No thread holds a whole matrix. Each of the warp's 32 lanes holds a FRAGMENT, a
+few elements of each operand in its registers, at positions the PTX ISA fixes ("Matrix
+Fragments for mma.m16n8k16 with floating point type"):
+
+    lane = 4 group + t  (group = lane // 4 in 0..7, t = lane % 4 in 0..3)
+    A 16x16, 8 halves:  a[i] = A[group + 8 ((i // 2) % 2), 2 t + i % 2 + 8 (i // 4)]
+    B 16x8,  4 halves:  b[i] = B[2 t + i % 2 + 8 (i // 2), group]
+    C, D 16x8, 4 fp32:  c[i] = C[group + 8 (i // 2), 2 t + i % 2]
+
+The functions ``a_position``, ``b_position`` and ``c_position`` (and the tf32 ones) are
+that table, the single source for the simulator's emulation, the figures and the tests.
+Two halves share one 32-bit register, the lower index in the low 16 bits: a kernel
+passes A as 4 registers, B as 2, C as 4 floats. bf16 uses the same positions; tf32
+(``m16n8k8``, A 16x8, B 8x8) has its own (``a_position_tf32``, ``b_position_tf32``).
+
+Numba has no tensor-core API. A Numba ``@intrinsic`` can emit LLVM inline assembly, and
+so any PTX instruction: that is all this module does on the GPU. The device functions:
+
+    mma_f16(a, b, c), mma_bf16(a, b, c)     a: 4 uint32, b: 2 uint32, c: 4 float32 -> 4 float32
+    mma_tf32(a, b, c)                       a: 4 uint32, b: 2 uint32 (tf32 bit patterns)
+    pack_f16(lo, hi), pack_bf16(lo, hi)     two float32 -> one uint32 (round to nearest even)
+    to_tf32(x)                              float32 -> uint32 (tf32: 10 mantissa bits, rounded)
+    load_words(a, row, col)                 16 bytes of a 2-D array from a[row, col] -> 4 uint32
+    ldmatrix(s, row, col), ldmatrix_trans   four 8x8 b16 matrices from shared memory -> 4 uint32
+    cp_async(dst, drow, dcol, src, srow, scol)   16 bytes global -> shared, asynchronously
+    cp_async_commit(), cp_async_wait_all()
+
+In the simulator the same calls run as Python. mma and ldmatrix need every lane's
+registers: each lane posts its fragment to a table shared by its warp, the block meets at
+a barrier, each lane computes its own outputs from the rebuilt matrices (in float64, then
+rounded to float32 once), and the block meets again before the table can be reused. So
+in the simulator EVERY thread of the block must make the same mma calls together (on the
+GPU, every lane of a warp: the ``.aligned`` in the instruction's name).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from kernels.base.runtime import on_simulator
+
+__all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
+           "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
+           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "to_tf32",
+           "load_words", "ldmatrix", "ldmatrix_trans", "cp_async", "cp_async_commit", "cp_async_wait_all",
+           "half_bits", "bf16_bits", "tf32_bits", "words_to_halves", "PTX"]
+
+M, N, K = 16, 8, 16          # the f16/bf16 shape; tf32 is 16 x 8 x 8
+
+
+# --------------------------------------------------------------------------- who holds what
+
+def a_position(lane: int, i: int) -> tuple[int, int]:
+    """(row, col) of A (16x16) that lane holds as its element i (0..7), f16 or bf16."""
+    group, t = lane // 4, lane % 4
+    return group + 8 * ((i // 2) % 2), 2 * t + i % 2 + 8 * (i // 4)
+
+
+def b_position(lane: int, i: int) -> tuple[int, int]:
+    """(row k, col n) of B (16x8) that lane holds as its element i (0..3), f16 or bf16."""
+    group, t = lane // 4, lane % 4
+    return 2 * t + i % 2 + 8 * (i // 2), group
+
+
+def c_position(lane: int, i: int) -> tuple[int, int]:
+    """(row, col) of C and D (16x8, fp32) that lane holds as its element i (0..3)."""
+    group, t = lane // 4, lane % 4
+    return group + 8 * (i // 2), 2 * t + i % 2
+
+
+def a_position_tf32(lane: int, i: int) -> tuple[int, int]:
+    """(row, col) of A (16x8, tf32) that lane holds as its register i (0..3)."""
+    group, t = lane // 4, lane % 4
+    return group + 8 * (i % 2), t + 4 * (i // 2)
+
+
+def b_position_tf32(lane: int, i: int) -> tuple[int, int]:
+    """(row k, col n) of B (8x8, tf32) that lane holds as its register i (0..1)."""
+    group, t = lane // 4, lane % 4
+    return t + 4 * i, group
+
+
+def ldmatrix_position(lane: int, i: int) -> tuple[int, int, int]:
+    """ldmatrix .x4: (matrix, row, col) of the four 8x8 b16 matrices that lane receives as
+    its element i (0..7; register i // 2, half i % 2). Lane 8 j + r gives the address of
+    row r of matrix j. With .trans, (row, col) are swapped."""
+    return i // 2, lane // 4, 2 * (lane % 4) + i % 2
+
+
+# --------------------------------------------------------------------------- host-side helpers
+
+def half_bits(x) -> np.ndarray:
+    """float32 values rounded to fp16, as their 16-bit patterns (uint32); beyond fp16's
+    range they become +-inf, as ``cvt.rn.f16x2.f32`` makes them."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
+
+
+def bf16_bits(x) -> np.ndarray:
+    """float32 values rounded to bf16 (to nearest, ties to even), as 16-bit patterns (uint32)."""
+    bits = np.atleast_1d(np.asarray(x, np.float32)).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint32)
+    nan = np.isnan(np.atleast_1d(np.asarray(x, np.float32)))
+    out = np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint32)
+    return out.reshape(np.shape(x))
+
+
+def tf32_bits(x) -> np.ndarray:
+    """float32 values rounded to tf32 (10 mantissa bits; to nearest, ties away from zero,
+    as ``cvt.rna.tf32.f32``), as float32 bit patterns (uint32) with the low 13 bits zero."""
+    bits = np.atleast_1d(np.asarray(x, np.float32)).view(np.uint32).astype(np.uint64)
+    out = ((bits + 0x1000) & 0xFFFFE000).astype(np.uint32)
+    finite = np.isfinite(np.atleast_1d(np.asarray(x, np.float32)))
+    out = np.where(finite, out, np.atleast_1d(np.asarray(x, np.float32)).view(np.uint32))
+    return out.reshape(np.shape(x))
+
+
+def words_to_halves(words, kind: str = "f16") -> np.ndarray:
+    """32-bit registers -> their two 16-bit values as float64, (..., 2), low half first."""
+    w = np.asarray(words, np.uint64).astype(np.uint32)
+    lo, hi = w & 0xFFFF, w >> 16
+    if kind == "f16":
+        conv = lambda h: h.astype(np.uint16).view(np.float16).astype(np.float64)
+    else:
+        conv = lambda h: (h.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return np.stack([conv(lo), conv(hi)], axis=-1)
+
+
+def _pack_pairs(bits) -> np.ndarray:
+    bits = np.asarray(bits, np.uint32)
+    return (bits[..., 0::2] | (bits[..., 1::2] << 16)).astype(np.uint32)
+
+
+def fragment_a(a, kind: str = "f16") -> np.ndarray:
+    """The registers every lane holds for A (16x16 f16/bf16, or 16x8 tf32): (32, 4) uint32."""
+    a = np.asarray(a, np.float32)
+    if kind == "tf32":
+        return np.array([[tf32_bits(a[a_position_tf32(l, i)]) for i in range(4)] for l in range(32)], np.uint32)
+    conv = half_bits if kind == "f16" else bf16_bits
+    halves = np.array([[conv(a[a_position(l, i)]) for i in range(8)] for l in range(32)], np.uint32)
+    return _pack_pairs(halves)
+
+
+def fragment_b(b, kind: str = "f16") -> np.ndarray:
+    """The registers every lane holds for B (16x8 f16/bf16, or 8x8 tf32): (32, 2) uint32."""
+    b = np.asarray(b, np.float32)
+    if kind == "tf32":
+        return np.array([[tf32_bits(b[b_position_tf32(l, i)]) for i in range(2)] for l in range(32)], np.uint32)
+    conv = half_bits if kind == "f16" else bf16_bits
+    halves = np.array([[conv(b[b_position(l, i)]) for i in range(4)] for l in range(32)], np.uint32)
+    return _pack_pairs(halves)
+
+
+def fragment_c(c) -> np.ndarray:
+    """The floats every lane holds for C (16x8 fp32): (32, 4) float32."""
+    c = np.asarray(c, np.float32)
+    return np.array([[c[c_position(l, i)] for i in range(4)] for l in range(32)], np.float32)
+
+
+def matrix_from_c(frags) -> np.ndarray:
+    """The 16x8 matrix that the lanes' accumulator registers (32, 4) hold."""
+    out = np.zeros((M, N), np.float64)
+    for lane in range(32):
+        for i in range(4):
+            out[c_position(lane, i)] = frags[lane][i]
+    return out
+
+
+def _matrix_from_words(words, kind, positions, shape):
+    """Rebuild an operand from every lane's registers (32 lanes x registers)."""
+    out = np.zeros(shape, np.float64)
+    if kind == "tf32":
+        for lane in range(32):
+            for i, w in enumerate(words[lane]):
+                out[positions(lane, i)] = np.uint32(w).view(np.float32)
+        return out
+    for lane in range(32):
+        halves = words_to_halves(np.asarray(words[lane], np.uint64), kind).reshape(-1)
+        for i, h in enumerate(halves):
+            out[positions(lane, i)] = h
+    return out
+
+
+# --------------------------------------------------------------------------- the PTX each function emits
+
+PTX = {
+    "mma_f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+    "mma_bf16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+    "mma_tf32": "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+    "pack_f16": "cvt.rn.f16x2.f32",
+    "pack_bf16": "cvt.rn.bf16x2.f32",
+    "to_tf32": "cvt.rna.tf32.f32",
+    "ldmatrix": "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+    "ldmatrix_trans": "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+    "cp_async": "cp.async.cg.shared.global",
+    "cp_async_commit": "cp.async.commit_group",
+    "cp_async_wait_all": "cp.async.wait_all",
+}
+
+
+# --------------------------------------------------------------------------- the simulator's emulation
+
+def _sim_thread():
+    t = threading.current_thread()
+    if not hasattr(t, "_manager"):
+        raise RuntimeError("tensor-core emulation: call it from a kernel running in the simulator")
+    return t
+
+
+def _warp_exchange(value):
+    """Post this lane's value, wait for the block, return (lane, the warp's 32 values);
+    the caller must call _release() after reading."""
+    t = _sim_thread()
+    warp, lane = t.thread_id // 32, t.thread_id % 32
+    table = t._manager.__dict__.setdefault("_mma_table", {})
+    row = table.setdefault(warp, [None] * 32)
+    row[lane] = value
+    t.syncthreads()                      # every lane has posted
+    return lane, list(row)
+
+
+def _release():
+    _sim_thread().syncthreads()          # every lane has read: the table may be reused
+
+
+def _sim_mma(kind, a, b, c):
+    a = tuple(int(x) & 0xFFFFFFFF for x in a)
+    b = tuple(int(x) & 0xFFFFFFFF for x in b)
+    lane, posted = _warp_exchange((a, b))
+    if kind == "tf32":
+        A = _matrix_from_words([p[0] for p in posted], kind, a_position_tf32, (16, 8))
+        B = _matrix_from_words([p[1] for p in posted], kind, b_position_tf32, (8, 8))
+    else:
+        A = _matrix_from_words([p[0] for p in posted], kind, a_position, (16, 16))
+        B = _matrix_from_words([p[1] for p in posted], kind, b_position, (16, 8))
+    _release()
+    out = []
+    for i in range(4):
+        r, col = c_position(lane, i)
+        out.append(np.float32(float(np.dot(A[r], B[:, col])) + float(c[i])))
+    return tuple(out)
+
+
+def _sim_pack(bits_of):
+    def pack(lo, hi):
+        return np.uint32(int(bits_of(np.float32(lo))) | (int(bits_of(np.float32(hi))) << 16))
+    return pack
+
+
+def _sim_to_tf32(x):
+    return np.uint32(int(tf32_bits(np.float32(x))))
+
+
+def _sim_load_words(a, row, col):
+    raw = np.ascontiguousarray(a[row, col:col + 16 // a.itemsize]).view(np.uint32)
+    return tuple(np.uint32(w) for w in raw)
+
+
+def _sim_ldmatrix(trans):
+    def load(s, row, col):
+        lane, posted = _warp_exchange((s, int(row), int(col)))
+        out = []
+        for i in range(8):
+            j, r, cc = ldmatrix_position(lane, i)
+            if trans:
+                r, cc = cc, r
+            arr, prow, pcol = posted[8 * j + r]
+            out.append(int(np.asarray(arr[prow, pcol + cc]).view(np.uint16)))
+        _release()
+        return tuple(np.uint32(out[2 * k] | (out[2 * k + 1] << 16)) for k in range(4))
+    return load
+
+
+def _sim_cp_async(dst, drow, dcol, src, srow, scol):
+    n = 16 // src.itemsize
+    dst[drow, dcol:dcol + n] = src[srow, scol:scol + n]
+
+
+def _sim_nothing():
+    return None
+
+
+# --------------------------------------------------------------------------- the GPU's intrinsics
+
+def _gpu_functions():
+    from llvmlite import ir
+    from numba.core import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    i32, f32 = ir.IntType(32), ir.FloatType()
+
+    def asm(builder, out_types, text, constraints, args, side_effect=False):
+        """Emit one inline-assembly block; returns its outputs as a list."""
+        if not out_types:
+            ret = ir.VoidType()
+        elif len(out_types) == 1:
+            ret = out_types[0]
+        else:
+            ret = ir.LiteralStructType(out_types)
+        fnty = ir.FunctionType(ret, [a.type for a in args])
+        value = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
+        if not out_types:
+            return []
+        if len(out_types) == 1:
+            return [value]
+        return [builder.extract_value(value, k) for k in range(len(out_types))]
+
+    def tuple_of(ty, n, kind):
+        return (isinstance(ty, types.BaseTuple) and len(ty) == n
+                and all(isinstance(e, kind) for e in ty.types))
+
+    def elements(context, builder, ty, value, target):
+        return [context.cast(builder, builder.extract_value(value, k), ty.types[k], target)
+                for k in range(len(ty))]
+
+    def make_mma(name, dtype_ab, shape):
+        text = (f"mma.sync.aligned.{shape}.row.col.f32.{dtype_ab}.{dtype_ab}.f32 "
+                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+        constraints = "=f,=f,=f,=f," + ",".join(["r"] * 6 + ["f"] * 4)
+        result = types.UniTuple(types.float32, 4)
+
+        @intrinsic
+        def mma(typingctx, a, b, c):
+            if not (tuple_of(a, 4, types.Integer) and tuple_of(b, 2, types.Integer) and tuple_of(c, 4, types.Number)):
+                raise TypeError(f"{name}(a, b, c): expected a = 4 uint32 registers, b = 2, c = 4 float32; "
+                                f"got {a}, {b}, {c}")
+
+            def codegen(context, builder, sig, args):
+                ta, tb, tc = sig.args
+                ops = (elements(context, builder, ta, args[0], types.uint32)
+                       + elements(context, builder, tb, args[1], types.uint32)
+                       + elements(context, builder, tc, args[2], types.float32))
+                outs = asm(builder, [f32] * 4, text, constraints, ops)
+                return context.make_tuple(builder, result, outs)
+
+            return result(a, b, c), codegen
+
+        return mma
+
+    def make_pack(name, text):
+        @intrinsic
+        def pack(typingctx, lo, hi):
+            if not (isinstance(lo, types.Number) and isinstance(hi, types.Number)):
+                raise TypeError(f"{name}(lo, hi): expected two numbers, got {lo}, {hi}")
+
+            def codegen(context, builder, sig, args):
+                lo_v = context.cast(builder, args[0], sig.args[0], types.float32)
+                hi_v = context.cast(builder, args[1], sig.args[1], types.float32)
+                # cvt.rn.{f16,bf16}x2.f32 d, a, b puts a in the HIGH half, b in the low one
+                return asm(builder, [i32], text + " $0, $1, $2;", "=r,f,f", [hi_v, lo_v])[0]
+
+            return types.uint32(lo, hi), codegen
+
+        return pack
+
+    @intrinsic
+    def to_tf32(typingctx, x):
+        if not isinstance(x, types.Number):
+            raise TypeError(f"to_tf32(x): expected a number, got {x}")
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            return asm(builder, [i32], "cvt.rna.tf32.f32 $0, $1;", "=r,f", [v])[0]
+
+        return types.uint32(x), codegen
+
+    def element_pointer(context, builder, aryty, ary_value, row, rowty, col, colty):
+        ary = context.make_array(aryty)(context, builder, value=ary_value)
+        inds = [context.cast(builder, row, rowty, types.intp), context.cast(builder, col, colty, types.intp)]
+        return cgutils.get_item_pointer(context, builder, aryty, ary, inds)
+
+    def is_2d(ty):
+        return isinstance(ty, types.Array) and ty.ndim == 2
+
+    @intrinsic
+    def load_words(typingctx, array, row, col):
+        if not is_2d(array):
+            raise TypeError(f"load_words(a, row, col): expected a 2-D array, got {array}")
+        result = types.UniTuple(types.uint32, 4)
+
+        def codegen(context, builder, sig, args):
+            ptr = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], args[2], sig.args[2])
+            vec = builder.load(builder.bitcast(ptr, ir.VectorType(i32, 4).as_pointer()), align=16)
+            return context.make_tuple(builder, result,
+                                      [builder.extract_element(vec, ir.Constant(i32, k)) for k in range(4)])
+
+        return result(array, row, col), codegen
+
+    def make_ldmatrix(text):
+        result = types.UniTuple(types.uint32, 4)
+
+        @intrinsic
+        def load(typingctx, array, row, col):
+            if not (is_2d(array) and array.dtype.bitwidth == 16):
+                raise TypeError(f"ldmatrix(s, row, col): expected a 2-D shared array of 16-bit elements, got {array}")
+
+            def codegen(context, builder, sig, args):
+                ptr = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], args[2], sig.args[2])
+                addr = builder.ptrtoint(ptr, ir.IntType(64))
+                body = ("{ .reg .u64 s; cvta.to.shared.u64 s, $4; " + text + " {$0,$1,$2,$3}, [s]; }")
+                outs = asm(builder, [i32] * 4, body, "=r,=r,=r,=r,l,~{memory}", [addr], side_effect=True)
+                return context.make_tuple(builder, result, outs)
+
+            return result(array, row, col), codegen
+
+        return load
+
+    @intrinsic
+    def cp_async(typingctx, dst, drow, dcol, src, srow, scol):
+        if not (is_2d(dst) and is_2d(src)):
+            raise TypeError(f"cp_async(dst, drow, dcol, src, srow, scol): expected 2-D arrays, got {dst}, {src}")
+
+        def codegen(context, builder, sig, args):
+            d = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], args[2], sig.args[2])
+            s = element_pointer(context, builder, sig.args[3], args[3], args[4], sig.args[4], args[5], sig.args[5])
+            body = ("{ .reg .u64 d, s; cvta.to.shared.u64 d, $0; cvta.to.global.u64 s, $1; "
+                    "cp.async.cg.shared.global [d], [s], 16; }")
+            asm(builder, [], body, "l,l,~{memory}",
+                [builder.ptrtoint(d, ir.IntType(64)), builder.ptrtoint(s, ir.IntType(64))], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(dst, drow, dcol, src, srow, scol), codegen
+
+    def make_fence(text):
+        @intrinsic
+        def fence(typingctx):
+            def codegen(context, builder, sig, args):
+                asm(builder, [], text, "~{memory}", [], side_effect=True)
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return fence
+
+    return dict(
+        mma_f16=make_mma("mma_f16", "f16", "m16n8k16"),
+        mma_bf16=make_mma("mma_bf16", "bf16", "m16n8k16"),
+        mma_tf32=make_mma("mma_tf32", "tf32", "m16n8k8"),
+        pack_f16=make_pack("pack_f16", "cvt.rn.f16x2.f32"),
+        pack_bf16=make_pack("pack_bf16", "cvt.rn.bf16x2.f32"),
+        to_tf32=to_tf32,
+        load_words=load_words,
+        ldmatrix=make_ldmatrix("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),
+        ldmatrix_trans=make_ldmatrix("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"),
+        cp_async=cp_async,
+        cp_async_commit=make_fence("cp.async.commit_group;"),
+        cp_async_wait_all=make_fence("cp.async.wait_all;"),
+    )
+
+
+def _sim_functions():
+    return dict(
+        mma_f16=lambda a, b, c: _sim_mma("f16", a, b, c),
+        mma_bf16=lambda a, b, c: _sim_mma("bf16", a, b, c),
+        mma_tf32=lambda a, b, c: _sim_mma("tf32", a, b, c),
+        pack_f16=_sim_pack(half_bits),
+        pack_bf16=_sim_pack(bf16_bits),
+        to_tf32=_sim_to_tf32,
+        load_words=_sim_load_words,
+        ldmatrix=_sim_ldmatrix(False),
+        ldmatrix_trans=_sim_ldmatrix(True),
+        cp_async=_sim_cp_async,
+        cp_async_commit=_sim_nothing,
+        cp_async_wait_all=_sim_nothing,
+    )
+
+
+_functions = _sim_functions() if on_simulator() else _gpu_functions()
+mma_f16 = _functions["mma_f16"]
+mma_bf16 = _functions["mma_bf16"]
+mma_tf32 = _functions["mma_tf32"]
+pack_f16 = _functions["pack_f16"]
+pack_bf16 = _functions["pack_bf16"]
+to_tf32 = _functions["to_tf32"]
+load_words = _functions["load_words"]
+ldmatrix = _functions["ldmatrix"]
+ldmatrix_trans = _functions["ldmatrix_trans"]
+cp_async = _functions["cp_async"]
+cp_async_commit = _functions["cp_async_commit"]
+cp_async_wait_all = _functions["cp_async_wait_all"]
