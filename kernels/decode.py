@@ -60,7 +60,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from kernels.base.fused import (FASTMATH, LOG2E, MASKED, MINUS_INF, make_row_reductions, nan_max,
                                 padded_head_dim)
@@ -153,7 +153,9 @@ class DecodePlan:
     lanes together); VEC elements one load of a lane reads (8 float16 or 4 float32 in one
     16-byte load when rows are 16-byte aligned, else 1); U key rows a stream loads before
     it uses them (its loads in flight at once). NS = THREADS / LK streams a block walk the
-    keys KEYS_PER_STEP at a time.
+    keys KEYS_PER_STEP at a time. MMA: 0 for the FMA kernel; else the tensor-core one
+    (``make_attend_key_range_mma``), whose streams are warps (LK = 32) taking U = 16 keys a
+    step, with q in MMA fp16 parts (1 for float16 queries, 2 for float32).
     """
 
     D: int
@@ -162,6 +164,7 @@ class DecodePlan:
     U: int
     threads: int
     VEC: int = 1
+    MMA: int = 0
 
     @property
     def streams(self) -> int:
@@ -170,14 +173,14 @@ class DecodePlan:
     @property
     def key(self) -> tuple:
         """The kernel factories' arguments."""
-        return (self.D, self.RT, self.LK, self.U, self.threads, self.VEC)
+        return (self.D, self.RT, self.LK, self.U, self.threads, self.VEC, self.MMA)
 
     @property
     def keys_per_step(self) -> int:
         return self.streams * self.U
 
 
-def plan(d: int, rows: int, itemsize: int = 4, wide: bool = False) -> DecodePlan:
+def plan(d: int, rows: int, itemsize: int = 4, wide: bool = False, q_itemsize: int = 4) -> DecodePlan:
     """The decode kernels' shape for head dim d, ``rows`` = g*Nq query rows a KV head, K/V
     elements of ``itemsize`` bytes, and ``wide``: whether every K/V row starts on a 16-byte
     boundary, so that a lane can read 16 bytes in one load (measured on the H100 at d = 128;
@@ -189,17 +192,63 @@ def plan(d: int, rows: int, itemsize: int = 4, wide: bool = False) -> DecodePlan
     VEC: as many elements as fit 16 bytes (8 float16, 4 float32) if ``wide``, but no more
     than a lane's share of the padded row (D / LK); else 1.
     U: keys a stream loads before it uses them (its loads in flight at once): 4 with one
-    query row (float16 keys, or 16-byte loads), else 2."""
+    query row (float16 keys, or 16-byte loads), else 2.
+    Tensor cores (MMA) for float16 keys with several rows (GQA, or Nq > 1), d in {64, 128}
+    and 16-byte rows: there the FMA kernel is bound by its arithmetic, not by HBM."""
+    threads = 32 if on_simulator() else GPU_THREADS
+    if itemsize == 2 and wide and d in (64, 128) and rows >= 2:
+        return DecodePlan(D=d, RT=min(1 << max(0, int(rows) - 1).bit_length(), MAX_ROWS), LK=32, U=16,
+                          threads=threads, VEC=8, MMA=1 if q_itemsize == 2 else 2)
     D = padded_head_dim(d)
     RT = min(1 << max(0, int(rows) - 1).bit_length(), MAX_ROWS)
     LK = 16 if (itemsize == 4 and RT == 1) else 8
     LK = min(max(LK, RT * D // 64), 32, D)
     VEC = min(WIDE_BYTES // itemsize, D // LK) if wide else 1
     U = 4 if (RT == 1 and (wide or itemsize == 2)) else 2
-    return DecodePlan(D=D, RT=RT, LK=LK, U=U, threads=32 if on_simulator() else GPU_THREADS, VEC=VEC)
+    return DecodePlan(D=D, RT=RT, LK=LK, U=U, threads=threads, VEC=VEC)
 
 
 # --------------------------------------------------------------------------- the kernels
+
+@functools.lru_cache(maxsize=None)
+def make_merge_streams(D: int, RT: int, NS: int, THREADS: int):
+    """The end of a partial: merge the block's NS streams (each a split of the key range),
+    in stream order, and write O_s (normalised) and L_s.
+
+    ``finish(sm, sl, so, og, lg, row0, out0, n_rows, d)``: stream z left its running max
+    (base 2) in sm[z, r], its sum in sl[z, r] and its unnormalised O in so[z, r, :] (shared
+    arrays, written before a barrier). Rows row0 + r < n_rows go to og[out0 + r] and
+    lg[out0 + r] (natural log; -inf and O = 0 where no key was visible)."""
+
+    @cuda.jit(device=True, inline=True)
+    def finish(sm, sl, so, og, lg, row0, out0, n_rows, d):
+        tid = int32(cuda.threadIdx.x)
+        for e in range(tid, RT * D, THREADS):
+            r = e // D
+            c = e % D
+            mx = sm[0, r]
+            for z in range(1, NS):
+                mx = nan_max(mx, sm[z, r])
+            base = mx if mx > MASKED else float32(0.0)
+            total = float32(0.0)
+            o = float32(0.0)
+            for z in range(NS):                  # stream z's share, weighted 2^(m_z - m)
+                w = math.exp2(sm[z, r] - base)
+                total += sl[z, r] * w
+                o += so[z, r, c] * w
+            if row0 + r < n_rows and c < d:
+                if total == float32(0.0):         # no key visible: O = 0, L = -inf
+                    og[uint64(out0 + r), uint64(c)] = float32(0.0)
+                    if c == 0:
+                        lg[uint64(out0 + r)] = MINUS_INF
+                else:                             # (a NaN stays NaN)
+                    og[uint64(out0 + r), uint64(c)] = o / total
+                    if c == 0:
+                        lg[uint64(out0 + r)] = (mx + math.log2(total)) * float32(LN2)
+
+
+    return finish
+
 
 @functools.lru_cache(maxsize=None)
 def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: int = 1):
@@ -217,6 +266,7 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: i
     STEP = NS * U                 # keys the block consumes a step
     row_max, row_sum = make_row_reductions(LK, THREADS)
     load = make_load(VEC)
+    finish = make_merge_streams(D, RT, NS, THREADS)
     # Lane ln's i-th element is column ((i // VEC) * LK + ln) * VEC + i % VEC of a row: its
     # loads are VEC consecutive columns, the LK lanes' loads side by side.
 
@@ -309,30 +359,197 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: i
             for t in range(CPL):
                 so[st, r, ((t // VEC) * LK + ln) * VEC + t % VEC] = acc[r, t]
         cuda.syncthreads()
-        for e in range(tid, RT * D, THREADS):
-            r = e // D
-            c = e % D
-            mx = sm[0, r]
-            for z in range(1, NS):
-                mx = nan_max(mx, sm[z, r])
-            base = mx if mx > MASKED else float32(0.0)
-            total = float32(0.0)
-            o = float32(0.0)
-            for z in range(NS):                  # stream z's share, weighted 2^(m_z - m)
-                w = math.exp2(sm[z, r] - base)
-                total += sl[z, r] * w
-                o += so[z, r, c] * w
-            if row0 + r < n_rows and c < d:
-                if total == float32(0.0):         # no key visible: O = 0, L = -inf
-                    og[uint64(out0 + r), uint64(c)] = float32(0.0)
-                    if c == 0:
-                        lg[uint64(out0 + r)] = MINUS_INF
-                else:                             # (a NaN stays NaN)
-                    og[uint64(out0 + r), uint64(c)] = o / total
-                    if c == 0:
-                        lg[uint64(out0 + r)] = (mx + math.log2(total)) * float32(LN2)
+        finish(sm, sl, so, og, lg, row0, out0, n_rows, d)
 
     return attend
+
+
+@functools.lru_cache(maxsize=None)
+def make_attend_key_range_mma(D: int, RT: int, THREADS: int, SPLIT_Q: bool = True):
+    """The same partial as ``make_attend_key_range``, with the products on tensor cores:
+    for float16 caches, D = d in {64, 128}, 16-byte aligned rows (``plan(...).MMA``).
+
+    Why: with g query rows a KV head (GQA, or Nq > 1) every K and V element read feeds g
+    rows' FMAs, and at g = 4 the FMA units, not HBM, set the pace. A tensor core takes a
+    whole 16-row tile at once (``kernels.base.mma``): S = Q K^T and O += P V as mma.sync
+    m16n8k16 (fp16 in, fp32 accumulate), the block's RT <= 16 rows padded with zeros.
+
+    A warp takes 16 keys a step (the block's THREADS / 32 warps are its streams):
+      S (16 x 16 keys)  two n8 tiles, D / 16 k-steps each. K's elements are exact in fp16;
+                        q is not (float32 queries), so q = q_hi + q_lo, two fp16 parts,
+                        and S = q_hi K^T + q_lo K^T (twice the mma, about fp32 accuracy).
+      softmax           on the accumulator fragments: a lane holds 4 scores of rows
+                        group and group + 8; the row max is a max over the 4 lanes of a
+                        quad (2 shuffles), the sums stay per lane until the end.
+      O += P V          P's fp32 scores sit exactly where the A operand of P V needs them
+                        (two n8 accumulator tiles = one 16 x 16 A tile): packed to fp16 in
+                        registers, P = P_hi + P_lo as for q, no shared memory.
+    The order of the head dim inside a dot product is free, and so is the order of O's
+    columns as long as they are written back right: each lane reads runs of consecutive
+    elements (16-byte loads) and the fragments name where they go:
+      K, Q  lane (group, t), k-step s: d = t D/4 + 4 s + (0, 1 | 2, 3)
+      V, O  lane (group, t), n8 tile j: B column group = d (group D/8 + j); so the
+            accumulator column 2 t + e of tile j is d = (2 t + e) D/8 + j.
+    """
+    NW = THREADS // 32               # warps: the block's streams
+    KS = D // 16                     # k-steps of S
+    KW = D // 8                      # words (2 halves) of K a lane reads a key: D/4 halves
+    NT = D // 8                      # n8 tiles of O
+    VW = D // 16                     # words of V a lane reads a key: D/8 halves
+    STEP = NW * 16
+    row_max, row_sum = make_row_reductions(4, THREADS)
+    finish = make_merge_streams(D, RT, NW, THREADS)
+    from kernels.base.mma import load_words, mma_f16, pack_f16, unpack_f16
+
+    @cuda.jit(device=True, inline=True)
+    def zero_unless(w, keep):
+        return w if keep else uint32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def split_f16(x0, x1):
+        # (x0, x1) = hi + lo, each packed as two fp16: hi rounded, lo what hi lost
+        hi = pack_f16(x0, x1)
+        h = unpack_f16(hi)
+        return hi, pack_f16(x0 - h[0], x1 - h[1])
+
+    @cuda.jit(device=True, inline=True)
+    def pair(x, y, upper):
+        # (x's half, y's half) in one register: the low halves, or the high ones
+        if upper:
+            return (x >> uint32(16)) | (y & uint32(0xFFFF0000))
+        return (x & uint32(0xFFFF)) | (y << uint32(16))
+
+    @cuda.jit(device=True, inline=True)
+    def attend(qg, kh, vh, og, lg, row0, out0, n_q, k_start, k_end, n_keys, d, scale, causal):
+        tid = int32(cuda.threadIdx.x)
+        warp = tid // 32
+        lane = tid % 32
+        group = lane // 4
+        t = lane % 4
+        n_rows = int32(qg.shape[0])
+        diag = n_keys - n_q
+        scale_log2e = float32(scale * LOG2E)
+
+        # ---- Q as A fragments (hi and lo parts), rows group and group + 8 (zero past the rows)
+        q_hi = cuda.local.array((KS, 4), uint32)
+        q_lo = cuda.local.array((KS, 4), uint32)
+        for s_ in range(KS):
+            for reg in range(4):
+                r = group + 8 * (reg % 2)
+                c = t * (D // 4) + 4 * s_ + 2 * (reg // 2)
+                row = uint64(min(row0 + r, n_rows - 1))
+                x0 = float32(qg[row, uint64(c)])
+                x1 = float32(qg[row, uint64(c + 1)])
+                if r >= RT or row0 + r >= n_rows:
+                    x0 = float32(0.0)
+                    x1 = float32(0.0)
+                hi = pack_f16(x0, x1)
+                q_hi[s_, reg] = hi
+                if SPLIT_Q:                       # what fp16 lost of q: a second fp16 part
+                    h = unpack_f16(hi)
+                    q_lo[s_, reg] = pack_f16(x0 - h[0], x1 - h[1])
+        m = cuda.local.array(2, float32)              # running max (base 2), rows group, group + 8
+        l = cuda.local.array(2, float32)              # this lane's share of the running sums
+        acc = cuda.local.array((NT, 4), float32)      # O, as NT accumulator fragments
+        for h in range(2):
+            m[h] = MASKED
+            l[h] = float32(0.0)
+        for j in range(NT):
+            for i in range(4):
+                acc[j, i] = float32(0.0)
+        kw = cuda.local.array((2, KW), uint32)        # this lane's K: keys group, group + 8
+        vw = cuda.local.array((4, VW), uint32)        # its V: keys 2t, 2t + 1, 2t + 8, 2t + 9
+        sc = cuda.local.array((2, 4), float32)        # S, then P: two n8 tiles
+
+        n_steps = max(k_end - k_start + STEP - 1, 0) // STEP
+        for step in range(n_steps):
+            j0 = k_start + step * STEP + warp * 16
+            # ---- every load first (clamped to a valid row, zeroed past the range)
+            for nt in range(2):
+                key = j0 + nt * 8 + group
+                row = uint64(min(key, k_end - 1))
+                for w4 in range(KW // 4):
+                    x = load_words(kh, row, uint64(t * (D // 4) + 8 * w4))
+                    for e in range(4):
+                        kw[nt, 4 * w4 + e] = zero_unless(x[e], key < k_end)
+            for kk in range(4):
+                key = j0 + 2 * t + (kk % 2) + 8 * (kk // 2)
+                row = uint64(min(key, k_end - 1))
+                for w4 in range(VW // 4):
+                    x = load_words(vh, row, uint64(group * (D // 8) + 8 * w4))
+                    for e in range(4):
+                        vw[kk, 4 * w4 + e] = zero_unless(x[e], key < k_end)
+            # ---- S = q K^T on the tensor cores, then scaled to base 2 and masked
+            for nt in range(2):
+                c4 = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+                for s_ in range(KS):
+                    b = (kw[nt, 2 * s_], kw[nt, 2 * s_ + 1])
+                    c4 = mma_f16((q_hi[s_, 0], q_hi[s_, 1], q_hi[s_, 2], q_hi[s_, 3]), b, c4)
+                    if SPLIT_Q:
+                        c4 = mma_f16((q_lo[s_, 0], q_lo[s_, 1], q_lo[s_, 2], q_lo[s_, 3]), b, c4)
+                for i in range(4):
+                    key = j0 + nt * 8 + 2 * t + i % 2
+                    q_row = (row0 + group + 8 * (i // 2)) % max(n_q, 1)
+                    x = c4[i] * scale_log2e
+                    if key >= k_end or (causal and key > q_row + diag):
+                        x = MASKED
+                    sc[nt, i] = x
+            # ---- online softmax, rows group (h = 0) and group + 8 (h = 1)
+            for h in range(2):
+                mx = nan_max(nan_max(sc[0, 2 * h], sc[0, 2 * h + 1]), nan_max(sc[1, 2 * h], sc[1, 2 * h + 1]))
+                mx = nan_max(row_max(mx), m[h])           # the quad's max: one row's 16 keys
+                alpha = math.exp2(m[h] - mx)
+                m[h] = mx
+                l[h] *= alpha
+                for j in range(NT):
+                    acc[j, 2 * h] *= alpha
+                    acc[j, 2 * h + 1] *= alpha
+                base = mx if mx > MASKED else float32(0.0)
+                for nt in range(2):
+                    for e in range(2):
+                        p = math.exp2(sc[nt, 2 * h + e] - base)
+                        l[h] += p
+                        sc[nt, 2 * h + e] = p
+            # ---- O += P V: P's registers are the A fragment (keys 2t, 2t+1 | 2t+8, 2t+9)
+            p_hi0, p_lo0 = split_f16(sc[0, 0], sc[0, 1])
+            p_hi1, p_lo1 = split_f16(sc[0, 2], sc[0, 3])
+            p_hi2, p_lo2 = split_f16(sc[1, 0], sc[1, 1])
+            p_hi3, p_lo3 = split_f16(sc[1, 2], sc[1, 3])
+            for j in range(NT):
+                upper = j % 2 == 1
+                b = (pair(vw[0, j // 2], vw[1, j // 2], upper), pair(vw[2, j // 2], vw[3, j // 2], upper))
+                c4 = (acc[j, 0], acc[j, 1], acc[j, 2], acc[j, 3])
+                c4 = mma_f16((p_hi0, p_hi1, p_hi2, p_hi3), b, c4)
+                c4 = mma_f16((p_lo0, p_lo1, p_lo2, p_lo3), b, c4)
+                for i in range(4):
+                    acc[j, i] = c4[i]
+
+        # ---- the warps' states into shared memory, then merged as the streams are
+        sm = cuda.shared.array((NW, RT), float32)
+        sl = cuda.shared.array((NW, RT), float32)
+        so = cuda.shared.array((NW, RT, D), float32)
+        cuda.syncthreads()                        # the last range's merge is done with these
+        for h in range(2):
+            total = row_sum(l[h])                 # the quad's sum: the row's
+            r = group + 8 * h
+            if r < RT:
+                if t == 0:
+                    sm[warp, r] = m[h]
+                    sl[warp, r] = total
+                for j in range(NT):
+                    for e in range(2):
+                        so[warp, r, (2 * t + e) * (D // 8) + j] = acc[j, 2 * h + e]
+        cuda.syncthreads()
+        finish(sm, sl, so, og, lg, row0, out0, n_rows, d)
+
+    return attend
+
+
+def _attend(D, RT, LK, U, THREADS, VEC, MMA):
+    """The plan's partial: on the tensor cores (MMA > 0) or on the FMA units."""
+    if MMA:
+        return make_attend_key_range_mma(D, RT, THREADS, SPLIT_Q=MMA == 2)
+    return make_attend_key_range(D, RT, LK, U, THREADS, VEC)
 
 
 @functools.lru_cache(maxsize=None)
@@ -372,14 +589,14 @@ def make_merge_partials(D: int, RT: int, THREADS: int):
 
 
 @functools.lru_cache(maxsize=None)
-def make_split_k(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: int = 1):
+def make_split_k(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: int = 1, MMA: int = 0):
     """Split-K's first kernel. Grid (splits, row tiles, B*Hkv), THREADS threads.
 
     q (B*Hkv, g*Nq, d); k and v (B*Hkv, Nmax, d); o_part (slots, RT, d) and l_part (slots,
     RT) float32, slot = (bk * tiles + tile) * splits + s; lengths (B,) int32. With one split
     the block writes O and L themselves (o (B*Hkv, g*Nq, d), lse (B*Hkv, g*Nq)). Split s
     of a sequence of n keys takes keys [s c, (s+1) c), c = ceil(n / splits)."""
-    attend = make_attend_key_range(D, RT, LK, U, THREADS, VEC)
+    attend = _attend(D, RT, LK, U, THREADS, VEC, MMA)
 
     @cuda.jit(fastmath=FASTMATH)
     def split_k(q, k, v, o_part, l_part, o, lse, lengths, n_q, d, scale, causal):
@@ -419,7 +636,7 @@ def make_combine(D: int, RT: int, THREADS: int):
 
 
 @functools.lru_cache(maxsize=None)
-def make_stream_k(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: int = 1):
+def make_stream_k(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: int = 1, MMA: int = 0):
     """Stream-K (Lean Attention): one persistent launch. Grid: the schedule's blocks, THREADS threads.
 
     Block c runs segments cta_first[c] .. cta_first[c+1] - 1 of the schedule (see
@@ -432,7 +649,7 @@ def make_stream_k(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: int = 1):
     a time, cannot deadlock, and on the GPU no block holds an SM while it spins. The last
     block resets the counter to 0 for the next launch (a launch that dies part way leaves
     counters set; so does the CUDA context, which then refuses every later launch)."""
-    attend = make_attend_key_range(D, RT, LK, U, THREADS, VEC)
+    attend = _attend(D, RT, LK, U, THREADS, VEC, MMA)
     merge = make_merge_partials(D, RT, THREADS)
 
     @cuda.jit(fastmath=FASTMATH)
@@ -753,7 +970,8 @@ def prepare_decode(q, k_cache, v_cache, *, cache_lengths=None, causal=False, sca
         qd = to_device(q, "q").reshape(BK, rows, d)
         kd = to_device(k_cache, "k_cache").reshape(BK, n_max, d)
         vd = to_device(v_cache, "v_cache").reshape(BK, n_max, d)
-        p = plan(d, rows, itemsize, wide=is_aligned(kd, d, itemsize) and is_aligned(vd, d, itemsize))
+        p = plan(d, rows, itemsize, wide=is_aligned(kd, d, itemsize) and is_aligned(vd, d, itemsize),
+                 q_itemsize=np.dtype(q_dtype).itemsize)
         tiles = cdiv(rows, p.RT)
         common = (np.int32(n_q), np.int32(d), np.float32(scale), np.int32(causal))
         if schedule == "split-k":

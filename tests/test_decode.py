@@ -141,6 +141,40 @@ def test_matches_oracle(case):
     check(case)
 
 
+
+@st.composite
+def tensor_core_cases(draw):
+    """What the tensor-core partial takes: float16 caches, d = 64 or 128, several rows a KV
+    head (GQA and/or Nq > 1); float32 or float16 queries."""
+    group = draw(st.sampled_from([1, 2, 4] if SIM else [1, 2, 4, 8, 32]))
+    nq = draw(st.integers(1 if group > 1 else 2, MAX_NQ))
+    n_max = draw(st.integers(0, 40 if SIM else MAX_N))
+    b = draw(st.integers(1, 2))
+    lengths = draw(st.one_of(st.none(), st.lists(st.integers(0, n_max), min_size=b, max_size=b)))
+    schedule = draw(st.sampled_from(["split-k", "stream-k"]))
+    case = make_case(b=b, hkv=draw(st.integers(1, 2)), group=group, nq=nq, n_max=n_max,
+                     d=draw(st.sampled_from([64, 128])), lengths=lengths, causal=draw(st.booleans()),
+                     scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))), schedule=schedule,
+                     splits=draw(st.integers(1, 4)) if schedule == "split-k" else None,
+                     blocks=draw(st.integers(1, 5)) if schedule == "stream-k" else None,
+                     logit_std=draw(st.sampled_from(LOGIT_STDS)), kv_dtype=np.float16,
+                     seed=draw(st.integers(0, 2**31)))
+    if draw(st.booleans()):
+        case.q = case.q.astype(np.float16)
+    return case
+
+
+@settings(max_examples=4 if SIM else 150)
+@given(tensor_core_cases())
+@example(make_case(b=2, hkv=1, group=4, nq=1, n_max=37, d=64, lengths=[37, 5], causal=True, logit_std=30.0,
+                   kv_dtype=np.float16, schedule="stream-k", blocks=3))
+def test_tensor_core_partial_matches_oracle(case):
+    """fp16 caches with grouped rows go through tensor cores (mma.sync) and must meet the
+    same tolerance as the FMA kernel: q and P are split into two fp16 parts each."""
+    rows = case.q.shape[1] // case.k.shape[1] * case.q.shape[2]
+    assert plan(case.q.shape[3], rows, 2, True, case.q.dtype.itemsize).MMA
+    check(case)
+
 @pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
 def test_many_partials_of_a_long_cache(schedule):
     """Many splits (or many blocks crossing heads) over one long cache each: the merge of a
@@ -168,10 +202,11 @@ def test_split_k_and_stream_k_agree_with_chapter_4():
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
-def test_what_lies_beyond_a_cache_is_never_read_into_the_result(schedule):
+@pytest.mark.parametrize("d, kv_dtype", [(6, np.float32), (64, np.float16)])      # FMA; tensor cores
+def test_what_lies_beyond_a_cache_is_never_read_into_the_result(schedule, d, kv_dtype):
     """Rows past a sequence's length are not its keys: NaN there changes nothing, bit for bit."""
-    case = make_case(b=3, hkv=2, group=2, nq=2, n_max=21, d=6, lengths=[21, 7, 0], causal=True,
-                     schedule=schedule, splits=3 if schedule == "split-k" else None,
+    case = make_case(b=3, hkv=2, group=2, nq=2, n_max=21, d=d, lengths=[21, 7, 0], causal=True,
+                     kv_dtype=kv_dtype, schedule=schedule, splits=3 if schedule == "split-k" else None,
                      blocks=4 if schedule == "stream-k" else None)
     o, lse = check(case)
     k, v = case.k.copy(), case.v.copy()
@@ -184,8 +219,9 @@ def test_what_lies_beyond_a_cache_is_never_read_into_the_result(schedule):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
-def test_nan_in_a_query_row_reaches_that_row_only(schedule):
-    case = make_case(b=2, hkv=2, group=2, nq=2, n_max=12, d=4, schedule=schedule,
+@pytest.mark.parametrize("d, kv_dtype", [(4, np.float32), (64, np.float16)])      # FMA; tensor cores
+def test_nan_in_a_query_row_reaches_that_row_only(schedule, d, kv_dtype):
+    case = make_case(b=2, hkv=2, group=2, nq=2, n_max=12, d=d, kv_dtype=kv_dtype, schedule=schedule,
                      splits=3 if schedule == "split-k" else None, blocks=3 if schedule == "stream-k" else None)
     case.q[1, 2, 1, 3] = np.nan
     o, lse = decode_attention(case.q, case.k, case.v, **case.options)
@@ -299,6 +335,9 @@ def test_plan_keeps_output_registers_bounded():
             for itemsize in (2, 4):
                 for wide in (False, True):
                     p = plan(d, rows, itemsize, wide)
+                    if p.MMA:                     # tensor cores: fp16 keys, grouped rows, d = D in {64, 128}
+                        assert itemsize == 2 and wide and rows >= 2 and p.D == d in (64, 128) and p.RT <= 16
+                        continue
                     assert p.RT <= 16 and p.D >= d and p.D % p.LK == 0 and p.threads % p.LK == 0
                     assert p.RT * p.D // p.LK <= 64 or p.LK == min(32, p.D)
                     # a lane's loads: whole 4-, 8- or 16-byte loads tiling its share of the row

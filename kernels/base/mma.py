@@ -24,6 +24,7 @@ so any PTX instruction: that is all this module does on the GPU. The device func
     mma_f16(a, b, c), mma_bf16(a, b, c)     a: 4 uint32, b: 2 uint32, c: 4 float32 -> 4 float32
     mma_tf32(a, b, c)                       a: 4 uint32, b: 2 uint32 (tf32 bit patterns)
     pack_f16(lo, hi), pack_bf16(lo, hi)     two float32 -> one uint32 (round to nearest even)
+    unpack_f16(w)                           one uint32 -> its two fp16 halves as float32 (lo, hi)
     to_tf32(x)                              float32 -> uint32 (tf32: 10 mantissa bits, rounded)
     load_words(a, row, col)                 16 bytes of a 2-D array from a[row, col] -> 4 uint32
     ldmatrix(s, row, col), ldmatrix_trans   four 8x8 b16 matrices from shared memory -> 4 uint32
@@ -48,7 +49,7 @@ from kernels.base.runtime import on_simulator
 
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
-           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "to_tf32",
+           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "to_tf32",
            "load_words", "ldmatrix", "ldmatrix_trans", "cp_async", "cp_async_commit", "cp_async_wait_all",
            "half_bits", "bf16_bits", "tf32_bits", "words_to_halves", "PTX"]
 
@@ -173,21 +174,6 @@ def matrix_from_c(frags) -> np.ndarray:
     return out
 
 
-def _matrix_from_words(words, kind, positions, shape):
-    """Rebuild an operand from every lane's registers (32 lanes x registers)."""
-    out = np.zeros(shape, np.float64)
-    if kind == "tf32":
-        for lane in range(32):
-            for i, w in enumerate(words[lane]):
-                out[positions(lane, i)] = np.uint32(w).view(np.float32)
-        return out
-    for lane in range(32):
-        halves = words_to_halves(np.asarray(words[lane], np.uint64), kind).reshape(-1)
-        for i, h in enumerate(halves):
-            out[positions(lane, i)] = h
-    return out
-
-
 # --------------------------------------------------------------------------- the PTX each function emits
 
 PTX = {
@@ -219,7 +205,7 @@ def _warp_exchange(value):
     the caller must call _release() after reading."""
     t = _sim_thread()
     warp, lane = t.thread_id // 32, t.thread_id % 32
-    table = t._manager.__dict__.setdefault("_mma_table", {})
+    table = t._manager.__dict__.setdefault("_exchange_table", {})
     row = table.setdefault(warp, [None] * 32)
     row[lane] = value
     t.syncthreads()                      # every lane has posted
@@ -230,28 +216,66 @@ def _release():
     _sim_thread().syncthreads()          # every lane has read: the table may be reused
 
 
-def _sim_mma(kind, a, b, c):
-    a = tuple(int(x) & 0xFFFFFFFF for x in a)
-    b = tuple(int(x) & 0xFFFFFFFF for x in b)
-    lane, posted = _warp_exchange((a, b))
+def _index_arrays(position, count):
+    """position(lane, i) for every lane and i, as two (32, count) index arrays."""
+    rows = np.array([[position(l, i)[0] for i in range(count)] for l in range(32)])
+    cols = np.array([[position(l, i)[1] for i in range(count)] for l in range(32)])
+    return rows, cols
+
+
+_OPERANDS = {   # kind: (A's positions, elements a lane; B's; A's shape, B's shape)
+    "f16": (_index_arrays(a_position, 8), _index_arrays(b_position, 4), (16, 16), (16, 8)),
+    "bf16": (_index_arrays(a_position, 8), _index_arrays(b_position, 4), (16, 16), (16, 8)),
+    "tf32": (_index_arrays(a_position_tf32, 4), _index_arrays(b_position_tf32, 2), (16, 8), (8, 8)),
+}
+
+
+def _operand(words, kind, positions, shape):
+    """An operand rebuilt from the lanes' registers, words (32, registers) uint32."""
     if kind == "tf32":
-        A = _matrix_from_words([p[0] for p in posted], kind, a_position_tf32, (16, 8))
-        B = _matrix_from_words([p[1] for p in posted], kind, b_position_tf32, (8, 8))
+        values = words.view(np.float32).astype(np.float64)
     else:
-        A = _matrix_from_words([p[0] for p in posted], kind, a_position, (16, 16))
-        B = _matrix_from_words([p[1] for p in posted], kind, b_position, (16, 8))
-    _release()
-    out = []
-    for i in range(4):
-        r, col = c_position(lane, i)
-        out.append(np.float32(float(np.dot(A[r], B[:, col])) + float(c[i])))
-    return tuple(out)
+        values = words_to_halves(words, kind).reshape(32, -1)
+    out = np.zeros(shape, np.float64)
+    out[positions] = values
+    return out
+
+
+def _sim_mma(kind, a, b, c):
+    """Each lane posts its A and B registers; the first lane past the barrier rebuilds A
+    and B and computes A B (in float64: exact for these operands) for the warp; each lane
+    adds its own C and rounds once to float32."""
+    t = _sim_thread()
+    warp, lane = t.thread_id // 32, t.thread_id % 32
+    table = t._manager.__dict__.setdefault("_mma_table", {})
+    entry = table.get(warp)
+    if entry is None:
+        entry = table.setdefault(warp, {"a": np.zeros((32, 4), np.uint32), "b": np.zeros((32, 2), np.uint32),
+                                        "product": None, "lock": threading.Lock()})
+    if lane == 0:
+        entry["product"] = None          # (every lane has read the last one: it passed the barrier)
+    entry["a"][lane] = [int(x) & 0xFFFFFFFF for x in a]
+    entry["b"][lane] = [int(x) & 0xFFFFFFFF for x in b]
+    t.syncthreads()                      # every lane has posted
+    with entry["lock"]:
+        if entry["product"] is None:
+            pa, pb, sa, sb = _OPERANDS[kind]
+            entry["product"] = _operand(entry["a"], kind, pa, sa) @ _operand(entry["b"], kind, pb, sb)
+    product = entry["product"]
+    out = tuple(np.float32(product[c_position(lane, i)] + float(c[i])) for i in range(4))
+    t.syncthreads()                      # every lane has read: the table may be reused
+    return out
 
 
 def _sim_pack(bits_of):
     def pack(lo, hi):
         return np.uint32(int(bits_of(np.float32(lo))) | (int(bits_of(np.float32(hi))) << 16))
     return pack
+
+
+def _sim_unpack_f16(w):
+    lo, hi = words_to_halves(np.uint64(int(w) & 0xFFFFFFFF))
+    return np.float32(lo), np.float32(hi)
 
 
 def _sim_to_tf32(x):
@@ -362,6 +386,21 @@ def _gpu_functions():
         return pack
 
     @intrinsic
+    def unpack_f16(typingctx, w):
+        if not isinstance(w, types.Integer):
+            raise TypeError(f"unpack_f16(w): expected a 32-bit register, got {w}")
+        result = types.UniTuple(types.float32, 2)
+
+        def codegen(context, builder, sig, args):
+            word = context.cast(builder, args[0], sig.args[0], types.uint32)
+            halves = [builder.trunc(word, ir.IntType(16)),
+                      builder.trunc(builder.lshr(word, ir.Constant(i32, 16)), ir.IntType(16))]
+            vals = [builder.fpext(builder.bitcast(h, ir.HalfType()), f32) for h in halves]
+            return context.make_tuple(builder, result, vals)
+
+        return result(w), codegen
+
+    @intrinsic
     def to_tf32(typingctx, x):
         if not isinstance(x, types.Number):
             raise TypeError(f"to_tf32(x): expected a number, got {x}")
@@ -446,6 +485,7 @@ def _gpu_functions():
         mma_tf32=make_mma("mma_tf32", "tf32", "m16n8k8"),
         pack_f16=make_pack("pack_f16", "cvt.rn.f16x2.f32"),
         pack_bf16=make_pack("pack_bf16", "cvt.rn.bf16x2.f32"),
+        unpack_f16=unpack_f16,
         to_tf32=to_tf32,
         load_words=load_words,
         ldmatrix=make_ldmatrix("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),
@@ -463,6 +503,7 @@ def _sim_functions():
         mma_tf32=lambda a, b, c: _sim_mma("tf32", a, b, c),
         pack_f16=_sim_pack(half_bits),
         pack_bf16=_sim_pack(bf16_bits),
+        unpack_f16=_sim_unpack_f16,
         to_tf32=_sim_to_tf32,
         load_words=_sim_load_words,
         ldmatrix=_sim_ldmatrix(False),
@@ -479,6 +520,7 @@ mma_bf16 = _functions["mma_bf16"]
 mma_tf32 = _functions["mma_tf32"]
 pack_f16 = _functions["pack_f16"]
 pack_bf16 = _functions["pack_bf16"]
+unpack_f16 = _functions["unpack_f16"]
 to_tf32 = _functions["to_tf32"]
 load_words = _functions["load_words"]
 ldmatrix = _functions["ldmatrix"]
