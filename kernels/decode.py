@@ -180,7 +180,8 @@ class DecodePlan:
         return self.streams * self.U
 
 
-def plan(d: int, rows: int, itemsize: int = 4, wide: bool = False, q_itemsize: int = 4) -> DecodePlan:
+def plan(d: int, rows: int, itemsize: int = 4, wide: bool = False, q_itemsize: int = 4,
+         tensor_cores: bool = True) -> DecodePlan:
     """The decode kernels' shape for head dim d, ``rows`` = g*Nq query rows a KV head, K/V
     elements of ``itemsize`` bytes, and ``wide``: whether every K/V row starts on a 16-byte
     boundary, so that a lane can read 16 bytes in one load (measured on the H100 at d = 128;
@@ -194,9 +195,10 @@ def plan(d: int, rows: int, itemsize: int = 4, wide: bool = False, q_itemsize: i
     U: keys a stream loads before it uses them (its loads in flight at once): 4 with one
     query row (float16 keys, or 16-byte loads), else 2.
     Tensor cores (MMA) for float16 keys with several rows (GQA, or Nq > 1), d in {64, 128}
-    and 16-byte rows: there the FMA kernel is bound by its arithmetic, not by HBM."""
+    and 16-byte rows: there the FMA kernel is bound by its arithmetic, not by HBM
+    (``tensor_cores=False``: the FMA kernel everywhere)."""
     threads = 32 if on_simulator() else GPU_THREADS
-    if itemsize == 2 and wide and d in (64, 128) and rows >= 2:
+    if tensor_cores and itemsize == 2 and wide and d in (64, 128) and rows >= 2:
         return DecodePlan(D=d, RT=min(1 << max(0, int(rows) - 1).bit_length(), MAX_ROWS), LK=32, U=16,
                           threads=threads, VEC=8, MMA=1 if q_itemsize == 2 else 2)
     D = padded_head_dim(d)
@@ -365,7 +367,7 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: i
 
 
 @functools.lru_cache(maxsize=None)
-def make_attend_key_range_mma(D: int, RT: int, THREADS: int, SPLIT_Q: bool = True):
+def make_attend_key_range_mma(D: int, RT: int, THREADS: int, SPLIT_Q: bool = True, UK: int = 1):
     """The same partial as ``make_attend_key_range``, with the products on tensor cores:
     for float16 caches, D = d in {64, 128}, 16-byte aligned rows (``plan(...).MMA``).
 
@@ -396,7 +398,8 @@ def make_attend_key_range_mma(D: int, RT: int, THREADS: int, SPLIT_Q: bool = Tru
     KW = D // 8                      # words (2 halves) of K a lane reads a key: D/4 halves
     NT = D // 8                      # n8 tiles of O
     VW = D // 16                     # words of V a lane reads a key: D/8 halves
-    STEP = NW * 16
+    STEP = NW * 16 * UK              # keys a block a step: UK chunks of 16 a warp
+    K_ROWS, V_ROWS = 2 * UK, 4 * UK  # key rows a lane reads a step, of K and of V
     row_max, row_sum = make_row_reductions(4, THREADS)
     finish = make_merge_streams(D, RT, NW, THREADS)
     from kernels.base.mma import load_words, mma_f16, pack_f16, unpack_f16
@@ -457,72 +460,79 @@ def make_attend_key_range_mma(D: int, RT: int, THREADS: int, SPLIT_Q: bool = Tru
         for j in range(NT):
             for i in range(4):
                 acc[j, i] = float32(0.0)
-        kw = cuda.local.array((2, KW), uint32)        # this lane's K: keys group, group + 8
-        vw = cuda.local.array((4, VW), uint32)        # its V: keys 2t, 2t + 1, 2t + 8, 2t + 9
+        kw = cuda.local.array((K_ROWS, KW), uint32)   # this lane's K: keys group, group + 8 (a chunk)
+        vw = cuda.local.array((V_ROWS, VW), uint32)   # its V: keys 2t, 2t + 1, 2t + 8, 2t + 9 (a chunk)
         sc = cuda.local.array((2, 4), float32)        # S, then P: two n8 tiles
+        q_row = cuda.local.array(2, int32)            # the query of rows group, group + 8
+        for h in range(2):
+            q_row[h] = (row0 + group + 8 * h) % max(n_q, 1)
 
         n_steps = max(k_end - k_start + STEP - 1, 0) // STEP
         for step in range(n_steps):
-            j0 = k_start + step * STEP + warp * 16
-            # ---- every load first (clamped to a valid row, zeroed past the range)
-            for nt in range(2):
-                key = j0 + nt * 8 + group
-                row = uint64(min(key, k_end - 1))
-                for w4 in range(KW // 4):
-                    x = load_words(kh, row, uint64(t * (D // 4) + 8 * w4))
-                    for e in range(4):
-                        kw[nt, 4 * w4 + e] = zero_unless(x[e], key < k_end)
-            for kk in range(4):
-                key = j0 + 2 * t + (kk % 2) + 8 * (kk // 2)
-                row = uint64(min(key, k_end - 1))
-                for w4 in range(VW // 4):
-                    x = load_words(vh, row, uint64(group * (D // 8) + 8 * w4))
-                    for e in range(4):
-                        vw[kk, 4 * w4 + e] = zero_unless(x[e], key < k_end)
-            # ---- S = q K^T on the tensor cores, then scaled to base 2 and masked
-            for nt in range(2):
-                c4 = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
-                for s_ in range(KS):
-                    b = (kw[nt, 2 * s_], kw[nt, 2 * s_ + 1])
-                    c4 = mma_f16((q_hi[s_, 0], q_hi[s_, 1], q_hi[s_, 2], q_hi[s_, 3]), b, c4)
-                    if SPLIT_Q:
-                        c4 = mma_f16((q_lo[s_, 0], q_lo[s_, 1], q_lo[s_, 2], q_lo[s_, 3]), b, c4)
-                for i in range(4):
-                    key = j0 + nt * 8 + 2 * t + i % 2
-                    q_row = (row0 + group + 8 * (i // 2)) % max(n_q, 1)
-                    x = c4[i] * scale_log2e
-                    if key >= k_end or (causal and key > q_row + diag):
-                        x = MASKED
-                    sc[nt, i] = x
-            # ---- online softmax, rows group (h = 0) and group + 8 (h = 1)
-            for h in range(2):
-                mx = nan_max(nan_max(sc[0, 2 * h], sc[0, 2 * h + 1]), nan_max(sc[1, 2 * h], sc[1, 2 * h + 1]))
-                mx = nan_max(row_max(mx), m[h])           # the quad's max: one row's 16 keys
-                alpha = math.exp2(m[h] - mx)
-                m[h] = mx
-                l[h] *= alpha
-                for j in range(NT):
-                    acc[j, 2 * h] *= alpha
-                    acc[j, 2 * h + 1] *= alpha
-                base = mx if mx > MASKED else float32(0.0)
+            jw = k_start + step * STEP + warp * 16 * UK
+            # ---- every load of the UK chunks first (clamped to a valid row, zeroed past the range)
+            for ch in range(UK):
                 for nt in range(2):
-                    for e in range(2):
-                        p = math.exp2(sc[nt, 2 * h + e] - base)
-                        l[h] += p
-                        sc[nt, 2 * h + e] = p
-            # ---- O += P V: P's registers are the A fragment (keys 2t, 2t+1 | 2t+8, 2t+9)
-            p_hi0, p_lo0 = split_f16(sc[0, 0], sc[0, 1])
-            p_hi1, p_lo1 = split_f16(sc[0, 2], sc[0, 3])
-            p_hi2, p_lo2 = split_f16(sc[1, 0], sc[1, 1])
-            p_hi3, p_lo3 = split_f16(sc[1, 2], sc[1, 3])
-            for j in range(NT):
-                upper = j % 2 == 1
-                b = (pair(vw[0, j // 2], vw[1, j // 2], upper), pair(vw[2, j // 2], vw[3, j // 2], upper))
-                c4 = (acc[j, 0], acc[j, 1], acc[j, 2], acc[j, 3])
-                c4 = mma_f16((p_hi0, p_hi1, p_hi2, p_hi3), b, c4)
-                c4 = mma_f16((p_lo0, p_lo1, p_lo2, p_lo3), b, c4)
-                for i in range(4):
-                    acc[j, i] = c4[i]
+                    key = jw + 16 * ch + nt * 8 + group
+                    row = uint64(min(key, k_end - 1))
+                    for w4 in range(KW // 4):
+                        x = load_words(kh, row, uint64(t * (D // 4) + 8 * w4))
+                        for e in range(4):
+                            kw[2 * ch + nt, 4 * w4 + e] = zero_unless(x[e], key < k_end)
+                for kk in range(4):
+                    key = jw + 16 * ch + 2 * t + (kk % 2) + 8 * (kk // 2)
+                    row = uint64(min(key, k_end - 1))
+                    for w4 in range(VW // 4):
+                        x = load_words(vh, row, uint64(group * (D // 8) + 8 * w4))
+                        for e in range(4):
+                            vw[4 * ch + kk, 4 * w4 + e] = zero_unless(x[e], key < k_end)
+            for ch in range(UK):
+                j0 = jw + 16 * ch
+                # ---- S = q K^T on the tensor cores, then scaled to base 2 and masked
+                for nt in range(2):
+                    c4 = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+                    for s_ in range(KS):
+                        b = (kw[2 * ch + nt, 2 * s_], kw[2 * ch + nt, 2 * s_ + 1])
+                        c4 = mma_f16((q_hi[s_, 0], q_hi[s_, 1], q_hi[s_, 2], q_hi[s_, 3]), b, c4)
+                        if SPLIT_Q:
+                            c4 = mma_f16((q_lo[s_, 0], q_lo[s_, 1], q_lo[s_, 2], q_lo[s_, 3]), b, c4)
+                    for i in range(4):
+                        key = j0 + nt * 8 + 2 * t + i % 2
+                        x = c4[i] * scale_log2e
+                        if key >= k_end or (causal and key > q_row[i // 2] + diag):
+                            x = MASKED
+                        sc[nt, i] = x
+                # ---- online softmax, rows group (h = 0) and group + 8 (h = 1)
+                for h in range(2):
+                    mx = nan_max(nan_max(sc[0, 2 * h], sc[0, 2 * h + 1]), nan_max(sc[1, 2 * h], sc[1, 2 * h + 1]))
+                    mx = nan_max(row_max(mx), m[h])           # the quad's max: one row's 16 keys
+                    alpha = math.exp2(m[h] - mx)
+                    m[h] = mx
+                    l[h] *= alpha
+                    for j in range(NT):
+                        acc[j, 2 * h] *= alpha
+                        acc[j, 2 * h + 1] *= alpha
+                    base = mx if mx > MASKED else float32(0.0)
+                    for nt in range(2):
+                        for e in range(2):
+                            p = math.exp2(sc[nt, 2 * h + e] - base)
+                            l[h] += p
+                            sc[nt, 2 * h + e] = p
+                # ---- O += P V: P's registers are the A fragment (keys 2t, 2t+1 | 2t+8, 2t+9)
+                p_hi0, p_lo0 = split_f16(sc[0, 0], sc[0, 1])
+                p_hi1, p_lo1 = split_f16(sc[0, 2], sc[0, 3])
+                p_hi2, p_lo2 = split_f16(sc[1, 0], sc[1, 1])
+                p_hi3, p_lo3 = split_f16(sc[1, 2], sc[1, 3])
+                for j in range(NT):
+                    upper = j % 2 == 1
+                    v0 = 4 * ch
+                    b = (pair(vw[v0, j // 2], vw[v0 + 1, j // 2], upper),
+                         pair(vw[v0 + 2, j // 2], vw[v0 + 3, j // 2], upper))
+                    c4 = (acc[j, 0], acc[j, 1], acc[j, 2], acc[j, 3])
+                    c4 = mma_f16((p_hi0, p_hi1, p_hi2, p_hi3), b, c4)
+                    c4 = mma_f16((p_lo0, p_lo1, p_lo2, p_lo3), b, c4)
+                    for i in range(4):
+                        acc[j, i] = c4[i]
 
         # ---- the warps' states into shared memory, then merged as the streams are
         sm = cuda.shared.array((NW, RT), float32)
@@ -548,7 +558,7 @@ def make_attend_key_range_mma(D: int, RT: int, THREADS: int, SPLIT_Q: bool = Tru
 def _attend(D, RT, LK, U, THREADS, VEC, MMA):
     """The plan's partial: on the tensor cores (MMA > 0) or on the FMA units."""
     if MMA:
-        return make_attend_key_range_mma(D, RT, THREADS, SPLIT_Q=MMA == 2)
+        return make_attend_key_range_mma(D, RT, THREADS, SPLIT_Q=MMA == 2, UK=U // 16)
     return make_attend_key_range(D, RT, LK, U, THREADS, VEC)
 
 
@@ -885,7 +895,7 @@ def _device_schedule(tiles_key: tuple, blocks: int, key_tile: int, lengths_key: 
 
 
 def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal=False, scale=None,
-                     schedule="stream-k", splits=None, blocks=None):
+                     schedule="stream-k", splits=None, blocks=None, tensor_cores=True):
     """Decode attention: Nq (0..16) new queries a sequence against its KV cache.
 
     q (B, Hq, Nq, d) float32 or float16; k_cache and v_cache (B, Hkv, Nmax, d), float32 or
@@ -894,12 +904,14 @@ def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal=False, s
     (None: all Nmax; a device array is copied to the host, which synchronises). ``causal``:
     query i sees key j iff j <= i + cache_lengths[b] - Nq. ``schedule``: "split-k" (two
     launches; ``splits`` overrides ``split_count``) or "stream-k" (one launch; ``blocks``
-    overrides the persistent grid of SMs x blocks per SM).
+    overrides the persistent grid of SMs x blocks per SM). ``tensor_cores``: float16 caches
+    with several query rows a KV head (GQA, or Nq > 1), d = 64 or 128, take the products on
+    tensor cores (``plan``); False keeps them on the FMA units.
 
     Returns (o, lse): o (B, Hq, Nq, d) and lse (B, Hq, Nq), float32, like ``flash_attention``.
     """
     return prepare_decode(q, k_cache, v_cache, cache_lengths=cache_lengths, causal=causal, scale=scale,
-                          schedule=schedule, splits=splits, blocks=blocks)()
+                          schedule=schedule, splits=splits, blocks=blocks, tensor_cores=tensor_cores)()
 
 
 class PreparedDecode:
@@ -922,7 +934,7 @@ class PreparedDecode:
 
 
 def prepare_decode(q, k_cache, v_cache, *, cache_lengths=None, causal=False, scale=None,
-                   schedule="stream-k", splits=None, blocks=None) -> PreparedDecode:
+                   schedule="stream-k", splits=None, blocks=None, tensor_cores=True) -> PreparedDecode:
     """``decode_attention``'s plan, made once: the arguments are the same; call the result
     to run it (as FlashInfer's plan/run: the per-call host work is then only the launches)."""
     qs, q_dtype = check_array(q, "q", ndim=4, dtypes=(np.float32, np.float16))
@@ -946,6 +958,7 @@ def prepare_decode(q, k_cache, v_cache, *, cache_lengths=None, causal=False, sca
         raise ValueError(f"q: expected at most {MAX_QUERIES} new queries a sequence (decode), got Nq = {n_q}; "
                          f"use flash_attention for prefill")
     causal = check_flag(causal, "causal")
+    tensor_cores = check_flag(tensor_cores, "tensor_cores")
     scale = check_scale(scale, d)
     if schedule not in ("split-k", "stream-k"):
         raise ValueError(f"schedule: expected 'split-k' or 'stream-k', got {schedule!r}")
@@ -971,7 +984,7 @@ def prepare_decode(q, k_cache, v_cache, *, cache_lengths=None, causal=False, sca
         kd = to_device(k_cache, "k_cache").reshape(BK, n_max, d)
         vd = to_device(v_cache, "v_cache").reshape(BK, n_max, d)
         p = plan(d, rows, itemsize, wide=is_aligned(kd, d, itemsize) and is_aligned(vd, d, itemsize),
-                 q_itemsize=np.dtype(q_dtype).itemsize)
+                 q_itemsize=np.dtype(q_dtype).itemsize, tensor_cores=tensor_cores)
         tiles = cdiv(rows, p.RT)
         common = (np.int32(n_q), np.int32(d), np.float32(scale), np.int32(causal))
         if schedule == "split-k":
