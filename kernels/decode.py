@@ -1059,8 +1059,9 @@ def io_model_bytes(B: int, hq: int, hkv: int, n_q: int, n_keys, d: int, *, kv_it
 
 def ptx_targets():
     """(kernel, signature) pairs for ``kernels.base.ptx_check``: stream-K on fp32 and fp16
-    caches, 16-byte and one-element loads, MHA and grouped rows; split-K and its combine
-    on the production MHA shapes (split-K shares stream-K's device function)."""
+    caches, 16-byte and one-element loads, MHA and grouped rows, on the FMA units and on
+    tensor cores; split-K and its combine on the production MHA shapes (split-K shares
+    stream-K's device function)."""
     from numba import types
 
     f32_3, f16_3 = types.float32[:, :, ::1], types.float16[:, :, ::1]
@@ -1069,7 +1070,7 @@ def ptx_targets():
     out = []
     for kv in (f32_3, f16_3):
         for d, rows, wide in ((128, 1, True), (128, 1, False), (128, 16, True), (64, 4, True)):
-            p = plan(d, rows, 2 if kv is f16_3 else 4, wide)
+            p = plan(d, rows, 2 if kv is f16_3 else 4, wide, tensor_cores=False)
             label = f"{'fp16' if kv is f16_3 else 'fp32'} KV, d={d}, {rows} rows ({p})"
             if (d, rows, wide) == (128, 1, True):
                 out.append((f"split_k {label}", make_split_k(*p.key),
@@ -1077,6 +1078,10 @@ def ptx_targets():
             out.append((f"stream_k {label}", make_stream_k(*p.key),
                         (f32_3, kv, kv, f32_3, f32_2, f32_3, f32_2, i32_1, *scalars, types.int32,
                          i32_1, i32_1, i32_1, i32_1, i32_1, i32_1, i32_1)))
+    p = plan(128, 4, 2, True, 4)                         # tensor cores: GQA 32/8 rows, fp16 cache
+    out.append((f"stream_k tensor cores, fp16 KV, fp32 q, d=128, 4 rows ({p})", make_stream_k(*p.key),
+                (f32_3, f16_3, f16_3, f32_3, f32_2, f32_3, f32_2, i32_1, *scalars, types.int32,
+                 i32_1, i32_1, i32_1, i32_1, i32_1, i32_1, i32_1)))
     p = plan(128, 1)
     out.append(("combine", make_combine(p.D, p.RT, p.threads), (f32_3, f32_2, f32_3, f32_2, types.int32, types.int32)))
     return out

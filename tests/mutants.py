@@ -312,6 +312,7 @@ MUTANTS += [
 DECODE = "kernels.decode"
 T7 = ("tests/test_decode.py",)
 CH7 = "test_matches_oracle or test_many_partials or test_bitwise_reproducible or test_prepared"
+CH7_MMA = "test_what_lies_beyond_a_cache_is_never_read_into_the_result and float16 and stream"
 MUTANTS += [
     Mutant("ch7-no-rescale", 7, DECODE,
            (("""                for t in range(CPL):
@@ -338,6 +339,17 @@ MUTANTS += [
            (("                        counters[item] = 0", "                        counters[item] = counters[item]"),),
            T7, "test_bitwise_reproducible or test_prepared",      # (only a second launch can see it)
            "stream-K: the merging block leaves its counter set, so the next launch never merges"),
+    # the tensor-core partial (fp16 caches, grouped rows): one test that goes through it
+    Mutant("ch7-mma-p-one-fp16-part", 7, DECODE,
+           (("                    c4 = mma_f16((p_lo0, p_lo1, p_lo2, p_lo3), b, c4)\n", ""),),
+           T7, CH7_MMA, "tensor cores: P rounded to one fp16 part (what it loses never reaches O)"),
+    Mutant("ch7-mma-q-one-fp16-part", 7, DECODE,
+           (("                            c4 = mma_f16((q_lo[s_, 0], q_lo[s_, 1], q_lo[s_, 2], q_lo[s_, 3]), b, c4)",
+             "                            pass"),),
+           T7, CH7_MMA, "tensor cores: float32 q rounded to one fp16 part in S = q K^T"),
+    Mutant("ch7-mma-v-halves-swapped", 7, DECODE,
+           (("                    upper = j % 2 == 1", "                    upper = j % 2 == 0"),),
+           T7, CH7_MMA, "tensor cores: V's B fragment takes the other half of each word (columns mixed up)"),
 ]
 
 BY_ID = {m.id: m for m in MUTANTS}

@@ -410,6 +410,7 @@ def bad(**changes):
     (bad(schedule="split-k", blocks=2), ValueError, "blocks: only for schedule='stream-k'"),
     (bad(schedule="split-k", splits=0), ValueError, "splits: expected an int in 1..1024"),
     (bad(causal=1), TypeError, "causal: expected True or False"),
+    (bad(tensor_cores="yes"), TypeError, "tensor_cores: expected True or False"),
     (bad(scale=-1.0), ValueError, "scale: expected a finite positive number"),
 ])
 def test_bad_input_is_named_before_any_launch(args, error, match):

@@ -13,7 +13,6 @@ from hypothesis import given, strategies as st
 from numba import cuda
 
 from kernels.base import mma
-from kernels.base.runtime import on_simulator
 
 KINDS = ["f16", "bf16", "tf32"]
 SHAPES = {"f16": ((16, 16), (16, 8)), "bf16": ((16, 16), (16, 8)), "tf32": ((16, 8), (8, 8))}
@@ -139,6 +138,22 @@ def test_packing_rounds_like_numpy(values):
     np.testing.assert_array_equal(out[:, 0], mma.half_bits(lo) | (mma.half_bits(hi) << 16))
     np.testing.assert_array_equal(out[:, 1], mma.bf16_bits(lo) | (mma.bf16_bits(hi) << 16))
     np.testing.assert_array_equal(out[:, 2], mma.tf32_bits(lo))
+
+
+@cuda.jit
+def _unpack_kernel(words, out):
+    i = cuda.threadIdx.x
+    lo, hi = mma.unpack_f16(words[i])
+    out[i, 0] = lo
+    out[i, 1] = hi
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=32, max_size=32))
+def test_unpack_gives_both_halves(words):
+    w = np.asarray(words, np.uint32)
+    out = np.zeros((32, 2), np.float32)
+    _unpack_kernel[1, 32](w, out)
+    np.testing.assert_array_equal(out, mma.words_to_halves(w).astype(np.float32))
 
 
 def test_tf32_rounds_ties_away_from_zero():
