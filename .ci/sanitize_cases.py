@@ -90,9 +90,12 @@ def main(only):
     if want("decode") and (m := have("decode")):
         # ragged (an empty cache, a length of 1), GQA and MHA, Nq up to 16, causal, fp16 caches;
         # both schedules, stream-K on a small grid so that blocks cross heads and merge
+        # (fp16 caches with grouped rows and d = 64 or 128 go through the tensor-core partial)
         for b, hq, hkv, nq, n, d, lengths, dt in [(3, 8, 2, 4, 300, 64, [300, 0, 1], np.float32),
                                                   (2, 4, 4, 1, 1000, 128, None, np.float16),
-                                                  (2, 32, 8, 16, 70, 128, [70, 33], np.float32)]:
+                                                  (2, 32, 8, 16, 70, 128, [70, 33], np.float32),
+                                                  (3, 8, 2, 4, 300, 64, [300, 0, 1], np.float16),
+                                                  (2, 32, 8, 1, 500, 128, [500, 33], np.float16)]:
             q, k, v = rand(rng, b, hq, nq, d), rand(rng, b, hkv, n, d, dtype=dt), rand(rng, b, hkv, n, d, dtype=dt)
             for causal in (False, True):
                 m.decode_attention(q, k, v, cache_lengths=lengths, causal=causal, schedule="split-k")
@@ -100,6 +103,17 @@ def main(only):
                 m.decode_attention(q, k, v, cache_lengths=lengths, causal=causal, schedule="stream-k")
                 m.decode_attention(q, k, v, cache_lengths=lengths, causal=causal, schedule="stream-k", blocks=7)
         ran.append("decode")
+    if want("mma"):
+        # the tensor-core building blocks (kernels/base/mma.py) through their tests' kernels
+        import os
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import tests.test_mma as t
+        for kind in ("f16", "tf32"):
+            t.test_a_mis_mapped_fragment_fails(kind)
+        for trans in (False, True):
+            t.test_ldmatrix_gives_the_mma_fragments(trans)
+        t.test_cp_async_and_wide_words_copy_rows()
+        ran.append("mma")
     print("ran:", ", ".join(ran))
 
 

@@ -9,6 +9,8 @@ tensors in (what a PyTorch user runs):
   do not divide the SMs: where stream-K should win);
 * a ragged batch of cache lengths {128k, 8k, 8k, 8k} (GQA 32/8): ours on the cached bytes,
   SDPA on the batch padded to 128k (what a PyTorch user runs);
+* fp16 caches with grouped rows (GQA) run on tensor cores; the same plan on the FMA units
+  (``tensor_cores=False``) is measured beside it;
 * peers in the same run: the measured read bandwidth (a sum over 4 GiB), SDPA flash (fp16),
   SDPA memory-efficient and math (fp32), plain PyTorch (Q K^T, softmax, P V, GQA by
   reshaping the group's queries into rows), and chapter 4's ``flash_attention`` (fp32, a
@@ -139,6 +141,17 @@ def run(ctx) -> list[Result]:
                                                 else float("nan"))
                     results.append(res)
                 del prepared
+            if dtype == np.float16 and hkv < hq:
+                # grouped rows of an fp16 cache run on tensor cores; the FMA kernel beside them
+                fma = prepare_decode(q, k, v, schedule="stream-k", tensor_cores=False, **opts)
+                res = ctx.measure(CHAPTER, "prepare_decode stream-k, FMA units (run)", config,
+                                  lambda q, k, v, r=fma: r(), sets, flops=flops, model_bytes=model,
+                                  extra=dict(extra, blocks=fma.blocks), peak_memory=False,
+                                  note="tensor_cores=False: the group's rows on the FMA units")
+                res.extra["pct_read_bw"] = (100.0 * res.gbps / 1e3 / read_tbps if read_tbps == read_tbps
+                                            else float("nan"))
+                results.append(res)
+                del fma
             if torch is not None:
                 _torch_peers(ctx, results, torch, q, k, v, lengths, hq, hkv, d, dtype, config, flops, model,
                              extra, label)
