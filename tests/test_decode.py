@@ -201,8 +201,8 @@ def test_split_k_and_stream_k_agree_with_chapter_4():
 # --------------------------------------------------------------------------- hard input
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
-@pytest.mark.parametrize("d, kv_dtype", [(6, np.float32), (64, np.float16)])      # FMA; tensor cores
+@pytest.mark.parametrize("schedule, d, kv_dtype", [("split-k", 6, np.float32), ("stream-k", 6, np.float32),
+                                                   ("stream-k", 64, np.float16)])    # FMA; tensor cores
 def test_what_lies_beyond_a_cache_is_never_read_into_the_result(schedule, d, kv_dtype):
     """Rows past a sequence's length are not its keys: NaN there changes nothing, bit for bit."""
     case = make_case(b=3, hkv=2, group=2, nq=2, n_max=21, d=d, lengths=[21, 7, 0], causal=True,
@@ -218,8 +218,8 @@ def test_what_lies_beyond_a_cache_is_never_read_into_the_result(schedule, d, kv_
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
-@pytest.mark.parametrize("d, kv_dtype", [(4, np.float32), (64, np.float16)])      # FMA; tensor cores
+@pytest.mark.parametrize("schedule, d, kv_dtype", [("split-k", 4, np.float32), ("stream-k", 4, np.float32),
+                                                   ("stream-k", 64, np.float16)])    # FMA; tensor cores
 def test_nan_in_a_query_row_reaches_that_row_only(schedule, d, kv_dtype):
     case = make_case(b=2, hkv=2, group=2, nq=2, n_max=12, d=d, kv_dtype=kv_dtype, schedule=schedule,
                      splits=3 if schedule == "split-k" else None, blocks=3 if schedule == "stream-k" else None)
