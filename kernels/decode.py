@@ -80,7 +80,7 @@ from kernels.base.runtime import (
 from kernels.base.wide_loads import WIDE_BYTES, is_aligned, make_load
 from kernels.online_softmax import merge_state
 
-__all__ = ["decode_attention", "prepare_decode", "PreparedDecode", "DecodePlan", "plan", "split_count", "wave_efficiency", "stream_k_schedule",
+__all__ = ["decode_attention", "prepare_decode", "PreparedDecode", "DecodePlan", "plan", "make_attend_key_range_mma", "split_count", "wave_efficiency", "stream_k_schedule",
            "StreamKSchedule", "check_schedule", "gpu_slots", "key_tile", "split_ranges", "merge_partials_numpy", "decode_numpy", "make_split_k",
            "make_combine", "make_stream_k", "io_model_bytes", "ptx_targets", "MAX_QUERIES"]
 

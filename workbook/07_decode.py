@@ -62,6 +62,7 @@ from kernels.decode import (
     io_model_bytes,
     key_tile,
     make_attend_key_range,
+    make_attend_key_range_mma,
     make_combine,
     make_stream_k,
     merge_partials_numpy,
@@ -74,7 +75,7 @@ from kernels.decode import (
 from kernels.online_softmax import logsumexp_of, merge
 from kernels.base.runtime import device_name, on_simulator
 from kernels.base.notebook import show_source
-from kernels.base.testing import assert_close, check_exercise
+from kernels.base.testing import assert_close, check_exercise, random_array
 
 if on_simulator():
     sys.setswitchinterval(1e-4)  # simulated threads are Python threads: switch often, barriers go faster
@@ -419,20 +420,106 @@ show_source(make_attend_key_range, "# ---- the keys, STEP at a time", "s[u, r] =
 # * `VEC`: with 16-byte-aligned rows (`wide`), as many elements as 16 bytes hold (8 fp16,
 #   4 fp32), at most a lane's share of the row; else 1;
 # * `U`: key rows in flight a stream: 4 with one query row (fp16 keys, or 16-byte loads),
-#   else 2.
+#   else 2;
+# * `MMA`: 0, or, for fp16 caches with several rows, d = 64 or 128 and 16-byte rows, the
+#   tensor-core partial of the next section (1: fp16 queries, 2: float32 queries in two
+#   fp16 parts).
 #
 # In the simulator a block has 32 threads (one warp), on a GPU 128; below each plan, the
 # same plan with 128 threads: its streams and keys a step.
 
 # %%
 for args, what in (((128, 1, 4, True), "fp32 KV, Nq = 1, MHA"), ((128, 1, 2, True), "fp16 KV, Nq = 1, MHA"),
-                   ((128, 4, 2, True), "fp16 KV, 4 rows (e.g. GQA g = 4)"), ((128, 16, 4, True), "fp32 KV, 16 rows"),
-                   ((100, 1, 2, False), "fp16 KV, d = 100: 200-byte rows, VEC = 1")):
+                   ((128, 4, 4, True), "fp32 KV, 4 rows (e.g. GQA g = 4)"), ((128, 16, 4, True), "fp32 KV, 16 rows"),
+                   ((100, 1, 2, False), "fp16 KV, d = 100: 200-byte rows, VEC = 1"),
+                   ((128, 4, 2, True), "fp16 KV, 4 rows: tensor cores (below)")):
     p = plan(*args)
     gpu = replace(p, threads=128)
     print(f"plan{args}: {p}  | {what}")
-    print(f"{'':>16}128 threads: {gpu.streams} streams of {gpu.LK} lanes, {gpu.keys_per_step} keys a step, "
-          f"{p.RT * p.D // p.LK} O registers a thread")
+    if p.MMA:
+        print(f"{'':>16}128 threads: 4 warps of {p.U} keys a step, {p.D // 8 * 4} O registers a thread "
+              f"({p.D // 8} accumulator tiles of 16 x 8)")
+    else:
+        print(f"{'':>16}128 threads: {gpu.streams} streams of {gpu.LK} lanes, {gpu.keys_per_step} keys a step, "
+              f"{p.RT * p.D // p.LK} O registers a thread")
+
+# %% [markdown]
+# ### Grouped rows on tensor cores
+#
+# With $g$ query rows a KV head (GQA, or $N_q > 1$), every K and V element a lane loads
+# feeds $g$ rows' FMAs for S and $g$ more for O, plus the row sums across lanes. With fp16
+# caches at 3 TB/s that is more arithmetic than the FMA units issue: the kernel above
+# reaches about half the bandwidth there (section 8). A **tensor core** multiplies a
+# 16 x 16 fp16 tile by a 16 x 8 one, accumulating in fp32, in one warp-wide instruction
+# (`mma.sync.m16n8k16`, 4096 FLOPs). Numba has no tensor-core API;
+# `kernels/base/mma.py` reaches the instruction through a small `@intrinsic` that emits it
+# as inline PTX, and runs an emulation of it in the simulator. No lane holds a whole
+# operand: each holds a **fragment**, at positions the PTX ISA fixes. The picture is drawn
+# from the module's own position table (the one its emulation and tests use):
+
+# %%
+from kernels.base import mma as tc
+
+fig, axes = plt.subplots(1, 3, figsize=(12, 4.2), gridspec_kw={"width_ratios": [16, 8, 8]})
+for ax, (name, position, count, shape) in zip(axes, (("A (16 x 16, fp16): a[0..7]", tc.a_position, 8, (16, 16)),
+                                                    ("B (16 x 8, fp16): b[0..3]", tc.b_position, 4, (16, 8)),
+                                                    ("C, D (16 x 8, fp32): c[0..3]", tc.c_position, 4, (16, 8)))):
+    owner = np.zeros(shape, int)
+    for lane in range(32):
+        for i in range(count):
+            owner[position(lane, i)] = lane
+    ax.imshow(owner % 4, cmap="Pastel1", vmin=0, vmax=8)
+    for (r, c), lane in np.ndenumerate(owner):
+        ax.text(c, r, str(lane), ha="center", va="center", fontsize=6)
+    ax.set_title(name, fontsize=9)
+    ax.set_xticks([]), ax.set_yticks([])
+fig.suptitle("which lane holds which element (colour: lane % 4, the lane's place in its quad)", fontsize=9)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Lanes 4g .. 4g + 3 (a **quad**) hold rows g and g + 8 of the accumulator: a row max is a
+# max over 4 lanes (2 shuffles). The tensor-core partial (`make_attend_key_range_mma`)
+# gives each warp 16 keys a step:
+#
+# * **S = q K^T**: two 16 x 8 tiles (keys 0-7 and 8-15), D / 16 mma each. The block's RT
+#   rows fill the 16 rows of A (zeros past them: 12 of 16 rows are idle at g = 4, and the
+#   tensor cores still have room to spare).
+# * **The order inside a dot product is free**, so the kernel chooses it: lane (g, t) of a
+#   quad reads **consecutive** head-dim elements, d = t·D/4 + 4s + (0..3) in k-step s, for
+#   both q and K. Every K load is a 16-byte load, as in the FMA kernel.
+# * **Softmax on the fragments**: scale to base 2, mask, row max over the quad, rescale O
+#   and l, P = $2^{S - m}$, all on the 4 scores a lane holds per row.
+# * **O += P V**: the two S tiles' accumulators sit exactly where the A operand of the next
+#   mma (16 x 16, keys as k) needs them, so P goes from fp32 to fp16 registers and into
+#   the mma without shared memory. V is the B operand (keys x d); the order of O's columns
+#   is free too, as long as they are written back right: lane group g reads d = g·D/8 + j
+#   for its 16 output tiles j, again 16-byte loads, and two keys' halves are paired into
+#   one register with a shift and a mask.
+# * **Accuracy: two fp16 parts.** K and V are exact in fp16; float32 queries and the
+#   weights P are not. FlashAttention rounds P to fp16 (relative error $2^{-12}$); this
+#   kernel writes $x = x_{hi} + x_{lo}$, both fp16, and runs two mma: the result meets the
+#   same float32 tolerance as the FMA kernel (the tests hold it to that: a planted bug
+#   that keeps only $P_{hi}$ fails them).
+
+# %%
+show_source(make_attend_key_range_mma, "# ---- S = q K^T on the tensor cores", "sc[nt, i] = x")
+
+# %% [markdown]
+# Against the oracle, in whatever runs this notebook (GPU or simulator): GQA 8/2 with an
+# fp16 cache of d = 64 and ragged lengths, float32 queries.
+
+# %%
+q_tc = random_array(np.random.default_rng(1), (2, 8, 1, 64), 0.3)
+k_tc = random_array(np.random.default_rng(2), (2, 2, 40, 64), 0.3, np.float16)
+v_tc = random_array(np.random.default_rng(3), (2, 2, 40, 64), 1.0, np.float16)
+print("plan:", plan(64, 4, 2, True))
+o_tc, lse_tc = decode_attention(q_tc, k_tc, v_tc, cache_lengths=[40, 17])
+exact_tc = ref.decode_attention(q_tc, k_tc, v_tc, [40, 17])
+base_tc = ref.decode_attention(q_tc, k_tc, v_tc, [40, 17], dtype=np.float32)
+assert_close(o_tc, exact_tc[0], base_tc[0], name="O")
+assert_close(lse_tc, exact_tc[1], base_tc[1], name="L")
+print("tensor-core partial: O and L within the float32 tolerance of the oracle")
 
 # %% [markdown]
 # ## 6. Stream-K (Lean Attention)
@@ -641,9 +728,10 @@ print("with n = 1 and Nq = 2 (sequence 2 above), query 0 sees no key:", ref.caus
 # %% [markdown]
 # ### fp16 caches
 #
-# K and V stored in float16 halve the bytes and so the floor; the kernel converts each
-# element to float32 as it loads it, and computes in float32. The launcher takes fp32 or
-# fp16 caches (one dtype for both); Q may be either.
+# K and V stored in float16 halve the bytes and so the floor; the FMA kernel converts each
+# element to float32 as it loads it, and computes in float32 (grouped rows take the tensor
+# cores, section 5, with float32 accumulation). The launcher takes fp32 or fp16 caches
+# (one dtype for both); Q may be either.
 
 # %%
 for itemsize, name in ((4, "fp32"), (2, "fp16")):
@@ -669,7 +757,8 @@ for itemsize, name in ((4, "fp32"), (2, "fp16")):
 # runs a step). The table below gives TB/s (`gbps` / 1000) per configuration; "best SDPA"
 # is SDPA flash for fp16 caches and the better of SDPA memory-efficient and math for fp32;
 # on the ragged batch the peers run on the batch padded to 128k keys (SDPA takes no cache
-# lengths) and are credited only the cached bytes; `-`: not measured.
+# lengths) and are credited only the cached bytes; "FMA units" is the GQA fp16 rows'
+# stream-K plan with `tensor_cores=False`; `-`: not measured.
 
 # %%
 import csv
@@ -718,7 +807,8 @@ if csv_path.exists():
         ("B=4 Hq=32 Hkv=8 N=128k+8k+8k+8k", "ragged GQA, 128k+8k+8k+8k"),
     ]
     columns = [("split-K prep", "prepare_decode split-k (run)"), ("stream-K prep", "prepare_decode stream-k (run)"),
-               ("split-K 1 call", "decode_attention split-k"), ("stream-K 1 call", "decode_attention stream-k")]
+               ("split-K 1 call", "decode_attention split-k"), ("stream-K 1 call", "decode_attention stream-k"),
+               ("FMA units prep", "prepare_decode stream-k, FMA units (run)")]
     cell = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
     print("\nTB/s, Nq = 1, d = 128, 32 query heads (MHA) unless stated")
     print(f"{'config':<27}{'KV':<6}" + "".join(f"{name:>16}" for name, _ in columns)
@@ -775,51 +865,55 @@ if csv_path.exists():
 
 # %% [markdown]
 # What the H100 says (one run; every number is in the CSV; "prepared" is `prepare_decode`
-# run again, one call is `decode_attention`; the read bandwidth of the same run is 3.01 TB/s):
+# run again, one call is `decode_attention`; the read bandwidth of the same run is 3.06 TB/s):
 #
 # * **MHA at the bandwidth, fp32 and fp16.** From B·N = 64k keys up, the prepared kernels
-#   stream 2.83 to 3.11 TB/s, 94 to 103% of the read bandwidth (a sum over 4 GiB is a
-#   reference, not a ceiling), with either cache dtype: B = 1 at 128k 2.98 (fp32) and 2.89
-#   (fp16) TB/s, at 512k 3.03 and 3.00.
-# * **fp16 caches: level with or ahead of SDPA flash at every MHA point.** 1.37 against 0.90
-#   TB/s at B = 1, 4k; 2.26 against 1.78 at 16k; 2.89 against 2.68 at 128k; 3.00 against 2.93
-#   at 512k; 3.03 against 2.54 at B = 16, 64k; 2.94 against 2.92 at H = 40.
-# * **fp32 caches: 2.2 to 2.9x the best SDPA fp32 backend** (memory-efficient or math):
-#   1.81 against 0.63 TB/s at B = 1, 4k; 2.98 against 1.19 at 128k; 3.11 against 1.39 at
+#   stream 2.80 to 3.09 TB/s, 91 to 101% of the read bandwidth (a sum over 4 GiB is a
+#   reference, not a ceiling), with either cache dtype: B = 1 at 128k 3.01 (fp32) and 2.93
+#   (fp16) TB/s, at 512k 3.03 and 3.03.
+# * **fp16 caches: ahead of SDPA flash at every point, MHA and GQA** (with the better of
+#   the two schedules): 1.32 against 0.68 TB/s at B = 1, 4k; 2.26 against 1.52 at 16k; 2.93
+#   against 2.79 at 128k; 3.03 against 2.97 at 512k; 3.04 against 2.46 at B = 16, 64k; 2.95
+#   against 2.83 at H = 40; GQA 32/8 2.26 against 2.22 at B = 1, 128k and 3.05 against 2.95
+#   at B = 16, 64k.
+# * **fp32 caches: 2.2 to 2.4x the best SDPA fp32 backend** (memory-efficient or math):
+#   1.79 against 0.77 TB/s at B = 1, 4k; 3.01 against 1.23 at 128k; 3.09 against 1.38 at
 #   B = 64, 16k. Plain PyTorch, which reads K and V as two matrix products, is the nearest
-#   fp32 peer (1.08 to 2.25 TB/s).
-# * **Small contexts need the prepared call.** At B = 1, 4k the prepared kernels take 0.074
-#   ms (fp32) and 0.049 ms (fp16), 1.8 and 1.4 TB/s; one `decode_attention` call costs about
+#   fp32 peer (1.53 to 2.27 TB/s).
+# * **Small contexts need the prepared call.** At B = 1, 4k the prepared kernels take 0.075
+#   ms (fp32) and 0.051 ms (fp16), 1.8 and 1.3 TB/s; one `decode_attention` call costs about
 #   1.3 ms there, nearly all of it host work (checks, plan, outputs, binding the launches),
 #   so a serving loop plans once and runs every step (`prepare_decode`). The prepared call
 #   is itself one driver launch a kernel: `kernels.base.runtime.bind_launch` does Numba's
 #   per-launch work (typing the arguments, finding the compiled kernel, flattening each
 #   array into pointer, shape and strides) once.
 # * **Stream-K wins where the work is uneven.** On the ragged GQA batch {128k, 8k, 8k, 8k}
-#   it takes 0.50 ms against split-K's 1.27 (fp32) and 0.42 against 1.26 (fp16); 0.50 ms is
-#   1.18x the floor of the bytes actually cached. On uniform batches neither wins
-#   everywhere: split-K is ahead by 1 to 3% at B = 1 up to 16k keys and by 11% on GQA fp32
-#   at B = 1; stream-K by 2 to 3% from 64k up and by 10% at B = 16, 64k, fp16.
-# * **GQA with fp16 caches is not at the bandwidth.** With 4 query rows a KV head, every K
-#   and V element feeds 8 FMAs (4 rows, S and O), on top of the per-row sums and the
-#   softmax: at 3 TB/s of fp16 that is most of the SMs' instruction issue. The prepared
-#   kernels reach 2.23 (fp32, B = 1, 128k) and 2.81 (fp32, B = 16, 64k) TB/s, but 1.44 and
-#   1.71 with fp16 caches, where SDPA flash, which runs the group's rows through tensor
-#   cores, reaches 2.01 and 2.94. The tensor-core chapter is where this gap closes.
+#   it takes 0.50 ms against split-K's 1.31 (fp32) and 0.27 against 0.40 (fp16): 1.21x
+#   and 1.31x the floor of the bytes actually cached. On uniform batches neither wins
+#   everywhere: split-K is ahead by 1 to 5% up to 16k keys at B = 1 and on GQA fp16;
+#   stream-K by 2 to 3% from 64k up at B = 1, by 15% on GQA fp32 at B = 1, and by 11% at
+#   B = 16, 64k, fp16 MHA.
+# * **GQA with fp16 caches runs on tensor cores.** With 4 query rows a KV head every K and
+#   V element feeds 8 FMAs plus per-row sums and softmax: on the FMA units the same plan
+#   reaches 1.49 TB/s (B = 1, 128k) and 1.70 (B = 16, 64k), bound by instruction issue. On
+#   tensor cores (section 5) the group's rows take 2.26 and 3.05 TB/s: 1.5 and 1.8x. Two
+#   gaps remain: at B = 1, 128k both we and SDPA flash are at 74% of the read bandwidth
+#   (about 60 us over the floor, the fixed costs of a short pass over a small cache), and
+#   the fp32 GQA rows, which stay on the FMA units, reach 2.50 (82%) and 2.80 TB/s (91%).
 # * **A trick that did not pay here.** Rescaling l and O only when a row's max grows (the
 #   factor is otherwise $2^0 = 1$) skips RT·CPL multiplies a step, and measured slower in a
 #   separate run: GQA 32/8 fp32 at B = 16, 64k from 3.06 to 3.49 ms, the ragged batch from
 #   0.50 to 0.57 ms, MHA unchanged. The branch for each row costs more than the multiplies
 #   it skips, so the kernel rescales every step.
-# * **Against chapter 4** at B = 1, H = 32, N = 128k, fp32: 1.44 ms (prepared stream-K)
-#   against 38.15 ms for `flash_attention`, whose grid starves at $N_q = 1$: 26.5x less time.
+# * **Against chapter 4** at B = 1, H = 32, N = 128k, fp32: 1.43 ms (prepared stream-K)
+#   against 38.07 ms for `flash_attention`, whose grid starves at $N_q = 1$: 26.7x less time.
 #
 # Every row of the CSV, with the fraction of the read bandwidth and the floor (K and V bytes
 # over the read bandwidth):
 
 # %%
 if csv_path.exists():
-    print(f"{'kernel':<38}{'config':<46}{'ms':>10}{'GB/s':>9}{'% read bw':>11}{'floor ms':>10}")
+    print(f"{'kernel':<44}{'config':<46}{'ms':>10}{'GB/s':>9}{'% read bw':>11}{'floor ms':>10}")
     for r in table:
         extra = extra_of(r)
         cells = []
@@ -833,7 +927,7 @@ if csv_path.exists():
                 cells.append(format(float(extra[key]), f"{width}.3g"))
             except (KeyError, ValueError):
                 cells.append(" " * (width - 1) + "-")
-        print(f"{r['kernel']:<38.38}{r['config']:<46.46}" + "".join(cells))
+        print(f"{r['kernel']:<44.44}{r['config']:<46.46}" + "".join(cells))
 
 # %% [markdown]
 # ## 9. Exercises
