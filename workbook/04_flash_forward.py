@@ -542,7 +542,7 @@ if png.exists():
 # and the softmax. What that means here:
 #
 # * Every product in our kernel runs on the fp32 FMA units (Numba exposes no tensor-core
-#   instruction). So at d = 64, where the fused forward is level with the memory-efficient
+#   API; chapter 7 reaches the instruction through inline PTX). So at d = 64, where the fused forward is level with the memory-efficient
 #   kernel (34.1 against 34.4 TFLOP/s in this chapter's run; 1.02x faster in chapter 6's,
 #   where both ran again), a kernel on the FMA units alone keeps pace with a tensor-core
 #   kernel that spends three TF32 products per fp32 product.
