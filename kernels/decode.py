@@ -1058,10 +1058,10 @@ def io_model_bytes(B: int, hq: int, hkv: int, n_q: int, n_keys, d: int, *, kv_it
 # --------------------------------------------------------------------------- sm_90 PTX check
 
 def ptx_targets():
-    """(kernel, signature) pairs for ``kernels.base.ptx_check``: stream-K on fp32 and fp16
-    caches, 16-byte and one-element loads, MHA and grouped rows, on the FMA units and on
-    tensor cores; split-K and its combine on the production MHA shapes (split-K shares
-    stream-K's device function)."""
+    """(kernel, signature) pairs for ``kernels.base.ptx_check``: stream-K on fp32 caches
+    (16-byte and one-element loads, MHA and grouped rows), on fp16 caches (MHA with 16-byte
+    loads on the FMA units, grouped rows on tensor cores); split-K and its combine on the
+    production MHA shapes (split-K shares stream-K's device function)."""
     from numba import types
 
     f32_3, f16_3 = types.float32[:, :, ::1], types.float16[:, :, ::1]
@@ -1069,7 +1069,9 @@ def ptx_targets():
     scalars = (types.int32, types.int32, types.float32, types.int32)
     out = []
     for kv in (f32_3, f16_3):
-        for d, rows, wide in ((128, 1, True), (128, 1, False), (128, 16, True), (64, 4, True)):
+        # (fp16 caches with grouped rows go to tensor cores: their FMA plans only by request)
+        shapes = ((128, 1, True), (128, 1, False), (128, 16, True), (64, 4, True)) if kv is f32_3 else ((128, 1, True),)
+        for d, rows, wide in shapes:
             p = plan(d, rows, 2 if kv is f16_3 else 4, wide, tensor_cores=False)
             label = f"{'fp16' if kv is f16_3 else 'fp32'} KV, d={d}, {rows} rows ({p})"
             if (d, rows, wide) == (128, 1, True):
