@@ -51,6 +51,11 @@ def main(only):
         for (mm, kk, nn) in [(129, 67, 131), (1, 1, 1), (256, 256, 256)]:
             for rung in (1, 2, 3):
                 m.matmul(rand(rng, mm, kk), rand(rng, kk, nn), rung=rung)
+        # rung 4 (tensor cores): ragged (element copies), aligned (cp.async), both tilings
+        for mm, nn, kk in [(130, 70, 50), (128, 136, 96)]:
+            a16, b16 = rand(rng, mm, kk).astype(np.float16), rand(rng, kk, nn).astype(np.float16)
+            for tiles in (m.MMA_TILES_GPU, (64, 64, 32, 32, 32)):
+                m.matmul_tensor_cores(a16, b16, tiles=tiles)
         ran.append("tiled_matmul")
     if want("online_softmax") and (m := have("online_softmax")):
         for shape in [(7, 1), (5, 1000), (3, 4097), (2, 0)]:

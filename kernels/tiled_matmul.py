@@ -49,7 +49,7 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from kernels.base.runtime import ArrayKind, cdiv, check_array, device_empty, is_device_array, on_simulator, to_device
 
-__all__ = ["matmul", "make_naive", "make_shared_tiles", "make_register_tiles", "RUNG3_CONFIGS",
+__all__ = ["matmul", "matmul_tensor_cores", "make_mma_tiles", "MMA_TILES_GPU", "MMA_TILES_SIM", "make_naive", "make_shared_tiles", "make_register_tiles", "RUNG3_CONFIGS",
            "RUNG3_DEFAULT", "default_tiles", "global_bytes", "load_tile", "tiled_matmul_numpy",
            "TileCase", "tile_cases", "check_tile_load", "ptx_targets"]
 
@@ -373,6 +373,176 @@ def matmul(a, b, *, rung: int = 3, out=None, block=None, tile=None, register_til
     return kind.give_back(dc) if out is None else out
 
 
+# --------------------------------------------------------------------------- rung 4: tensor cores
+
+# (BM, BN, BK, WM, WN): a block's C tile, its K step, each warp's C tile.
+MMA_TILES_GPU = (128, 128, 32, 64, 32)        # 8 warps of 64 x 32: 4 x 4 mma tiles a warp
+MMA_TILES_SIM = (32, 32, 16, 16, 16)          # 4 warps (every thread is a Python thread)
+
+
+@functools.lru_cache(maxsize=None)
+def make_mma_tiles(BM: int, BN: int, BK: int, WM: int, WN: int):
+    """Rung 4: C (M, N) float32 = A (M, K) @ B (K, N), A and B float16, on tensor cores.
+
+    Rung 3's structure with mma.sync (``kernels.base.mma``) in place of each thread's FMAs:
+    the block stages BM x BK of A and BK x BN of B in shared memory (two stages: cp.async
+    fills one while the warps compute on the other); each warp owns a WM x WN tile of C as
+    (WM/16) x (WN/8) accumulator fragments, and per 16 of K it loads its A fragments with
+    ldmatrix and its B fragments with ldmatrix.trans (B is row-major: k runs down), then
+    runs (WM/16)(WN/8) mma. Shared rows are padded by 8 halves (16 bytes), so that the 8
+    row addresses of an ldmatrix fall in different banks. Ragged M, N, K: chunks that
+    reach past the matrix are copied element by element with zeros beyond it (as are all
+    chunks when ``aligned`` is 0: rows not 16-byte aligned)."""
+    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, ldmatrix,
+                                  ldmatrix_trans, mma_f16)
+    from numba.core.types import float16
+
+    WARPS_N = BN // WN
+    THREADS = 32 * (BM // WM) * WARPS_N
+    MT, NT, KS = WM // 16, WN // 8, BK // 16
+    SA, SB = BK + 8, BN + 8
+    A_CHUNKS, B_CHUNKS = BM * BK // 8, BK * BN // 8       # 16-byte chunks (8 halves) of a stage
+
+    @cuda.jit(device=True, inline=True)
+    def stage_in(src, dst, rows, cols, r0, c0, chunks_per_row, chunks, tid, aligned):
+        """src[r0 + r, c0 + c ...] -> dst[r, c ...], one 16-byte chunk at a time."""
+        for ch in range(tid, chunks, THREADS):
+            r = ch // chunks_per_row
+            c = (ch % chunks_per_row) * 8
+            row = r0 + r
+            col = c0 + c
+            if aligned != 0 and row < rows and col + 8 <= cols:
+                cp_async(dst, r, c, src, row, col)
+            else:
+                for e in range(8):
+                    x = float16(0.0)
+                    if row < rows and col + e < cols:
+                        x = src[row, col + e]
+                    dst[r, c + e] = x
+
+    @cuda.jit(fastmath=True)
+    def mma_tile_kernel(a, b, c, aligned):
+        M, K = a.shape
+        N = b.shape[1]
+        tid = int32(cuda.threadIdx.x)
+        warp = tid // 32
+        lane = tid % 32
+        wm = (warp // WARPS_N) * WM                # this warp's C tile, inside the block's
+        wn = (warp % WARPS_N) * WN
+        m0 = int32(cuda.blockIdx.y) * BM
+        n0 = int32(cuda.blockIdx.x) * BN
+        As = cuda.shared.array((2, BM, SA), float16, alignment=16)
+        Bs = cuda.shared.array((2, BK, SB), float16, alignment=16)
+        acc = cuda.local.array((MT, NT, 4), float32)
+        for i in range(MT):
+            for j in range(NT):
+                for e in range(4):
+                    acc[i, j, e] = float32(0.0)
+        af = cuda.local.array((MT, 4), uint32)
+        bf = cuda.local.array((NT, 2), uint32)
+        # ldmatrix: lane 8 q + r gives row r of 8 x 8 matrix q (q: rows +0/+8, columns +0/+8)
+        lr = (lane // 8) % 2 * 8 + lane % 8
+        lc = (lane // 16) * 8
+
+        n_k = (K + BK - 1) // BK
+        stage_in(a, As[0], M, K, m0, 0, BK // 8, A_CHUNKS, tid, aligned)
+        stage_in(b, Bs[0], K, N, 0, n0, BN // 8, B_CHUNKS, tid, aligned)
+        cp_async_commit()
+        for kt in range(n_k):
+            if kt + 1 < n_k:                       # the next stage flies while this one is used
+                nxt = (kt + 1) % 2
+                stage_in(a, As[nxt], M, K, m0, (kt + 1) * BK, BK // 8, A_CHUNKS, tid, aligned)
+                stage_in(b, Bs[nxt], K, N, (kt + 1) * BK, n0, BN // 8, B_CHUNKS, tid, aligned)
+            cp_async_commit()                      # (empty on the last step: the count stays right)
+            cp_async_wait_prior()                  # this stage's copies are done ...
+            cuda.syncthreads()                     # ... every thread's
+            st = kt % 2
+            for ks in range(KS):
+                for i in range(MT):
+                    x = ldmatrix(As[st], wm + i * 16 + lr, ks * 16 + lc)
+                    for e in range(4):
+                        af[i, e] = x[e]
+                for j in range(NT // 2):
+                    x = ldmatrix_trans(Bs[st], ks * 16 + lr, wn + j * 16 + lc)
+                    bf[2 * j, 0] = x[0]
+                    bf[2 * j, 1] = x[1]
+                    bf[2 * j + 1, 0] = x[2]
+                    bf[2 * j + 1, 1] = x[3]
+                for i in range(MT):
+                    for j in range(NT):
+                        d = mma_f16((af[i, 0], af[i, 1], af[i, 2], af[i, 3]), (bf[j, 0], bf[j, 1]),
+                                    (acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3]))
+                        for e in range(4):
+                            acc[i, j, e] = d[e]
+            cuda.syncthreads()                     # this stage is refilled two steps on
+        cp_async_wait_all()
+        # C from the accumulator fragments: element e of tile (i, j) is row group + 8 (e // 2),
+        # column 2 t + e % 2 of the tile
+        group = lane // 4
+        t = lane % 4
+        for i in range(MT):
+            for j in range(NT):
+                for e in range(4):
+                    row = m0 + wm + i * 16 + group + 8 * (e // 2)
+                    col = n0 + wn + j * 8 + 2 * t + e % 2
+                    if row < M and col < N:
+                        c[row, col] = acc[i, j, e]
+
+    mma_tile_kernel.threads = THREADS
+    return mma_tile_kernel
+
+
+def _check_mma_tiles(tiles):
+    if (not isinstance(tiles, tuple) or len(tiles) != 5
+            or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1 for x in tiles)):
+        raise ValueError(f"tiles: expected (BM, BN, BK, WM, WN) positive ints, got {tiles!r}")
+    BM, BN, BK, WM, WN = tiles
+    threads = 32 * (BM // WM) * (BN // WN) if WM and WN else 0
+    if (BM % WM or BN % WN or WM % 16 or WN % 16 or BK % 16 or not 32 <= threads <= 1024
+            or 2 * 2 * (BM * (BK + 8) + BK * (BN + 8)) > 48 * 1024):
+        raise ValueError("tiles: expected WM | BM, WN | BN, WM, WN and BK multiples of 16, 1 to 32 warps and at "
+                         f"most 48 KB of shared memory; got {tiles!r}")
+
+
+def matmul_tensor_cores(a, b, *, out=None, tiles=None):
+    """C = A @ B on tensor cores: A (M, K) and B (K, N) float16, row-major; C float32.
+
+    Rung 4 of the ladder (``make_mma_tiles``): fp16 products, exact in float32, summed in
+    float32 by the tensor cores. ``tiles`` = (BM, BN, BK, WM, WN), by default
+    ``MMA_TILES_GPU`` on a GPU and ``MMA_TILES_SIM`` in the simulator. NumPy in, NumPy
+    out; device arrays in, device array out (``out``: a float32 (M, N) device array)."""
+    (M, K), _ = check_array(a, "a", ndim=2, dtypes=(np.float16,))
+    (K2, N), _ = check_array(b, "b", ndim=2, dtypes=(np.float16,))
+    if K2 != K:
+        raise ValueError(f"b: expected {K} rows (the inner dimension, a.shape[1]), got shape {(K2, N)}")
+    for name, size in (("a", M * K), ("b", K * N), ("c", M * N)):
+        if size >= 2**31:
+            raise ValueError(f"{name}: expected fewer than 2**31 elements (int32 indexing), got {size}")
+    tiles = (MMA_TILES_SIM if on_simulator() else MMA_TILES_GPU) if tiles is None else tuple(tiles)
+    _check_mma_tiles(tiles)
+    if out is not None:
+        if not is_device_array(out):
+            raise TypeError(f"out: expected a device array, got {type(out).__name__}")
+        (om, on), _ = check_array(out, "out", ndim=2)
+        if (om, on) != (M, N):
+            raise ValueError(f"out: expected shape {(M, N)}, got {(om, on)}")
+    kind = ArrayKind(a)
+    da, db = to_device(a, "a"), to_device(b, "b")
+    dc = device_empty((M, N)) if out is None else to_device(out, "out")
+    if M == 0 or N == 0:
+        return kind.give_back(dc) if out is None else out
+    if K == 0:
+        dc[:, :] = 0
+        return kind.give_back(dc) if out is None else out
+    from kernels.base.wide_loads import is_aligned
+
+    BM, BN = tiles[0], tiles[1]
+    kern = make_mma_tiles(*(int(x) for x in tiles))
+    aligned = np.int32(is_aligned(da, K, 2) and is_aligned(db, N, 2))
+    kern[(cdiv(N, BN), cdiv(M, BM)), kern.threads](da, db, dc, aligned)
+    return kind.give_back(dc) if out is None else out
+
+
 # --------------------------------------------------------------------------- counting
 
 def global_bytes(m: int, n: int, k: int, *, rung: int, tile: int = 32, bm: int = 128, bn: int = 128) -> int:
@@ -480,4 +650,8 @@ def ptx_targets():
     ]
     for name, cfg in RUNG3_CONFIGS.items():
         targets.append((f"matmul rung 3 fp32 {name}", make_register_tiles(*cfg), SIG3))
+    from numba import types
+
+    targets.append((f"matmul rung 4 fp16 tensor cores {MMA_TILES_GPU}", make_mma_tiles(*MMA_TILES_GPU),
+                    (types.float16[:, ::1], types.float16[:, ::1], types.float32[:, ::1], types.int32)))
     return targets

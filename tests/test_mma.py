@@ -203,6 +203,7 @@ def _copy_kernel(src, out):
     s = cuda.shared.array((4, 64), np.float16)
     mma.cp_async(s, t // 8, (t % 8) * 8, src, t // 8, (t % 8) * 8)
     mma.cp_async_commit()
+    mma.cp_async_wait_prior()
     mma.cp_async_wait_all()
     cuda.syncthreads()
     w = mma.load_words(src, t // 8, (t % 8) * 8)

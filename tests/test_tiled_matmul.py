@@ -12,12 +12,15 @@ from kernels import reference as ref
 from kernels.base.runtime import on_simulator
 from kernels.base.testing import assert_close, matmul_floor, random_array
 from kernels.tiled_matmul import (
+    MMA_TILES_GPU,
+    MMA_TILES_SIM,
     RUNG3_CONFIGS,
     TileCase,
     check_tile_load,
     global_bytes,
     load_tile,
     matmul,
+    matmul_tensor_cores,
     tile_cases,
 )
 
@@ -186,3 +189,49 @@ def test_global_bytes_per_rung():
     assert global_bytes(m, n, k, rung=2, tile=16) == 4 * (m * k * 3 + k * n * 4 + m * n)
     assert global_bytes(m, n, k, rung=3, bm=32, bn=32) == 4 * (m * k * 2 + k * n * 2 + m * n)
     assert global_bytes(m, n, k, rung=0) == 4 * (m * k + k * n + m * n)
+
+
+# --------------------------------------------------------------------------- rung 4: tensor cores
+
+MMA_TILES = [MMA_TILES_SIM, (16, 32, 32, 16, 16)] + ([] if SIM else [MMA_TILES_GPU, (64, 64, 32, 32, 32)])
+
+
+@st.composite
+def mma_cases(draw, max_dim=48 if SIM else 700):
+    m, k, n = (draw(st.integers(0, max_dim)) for _ in range(3))
+    if draw(st.booleans()):                       # 16-byte rows (cp.async) or not (element copies)
+        k, n = -(-k // 8) * 8, -(-n // 8) * 8
+    magnitude = draw(st.sampled_from([0.01, 1.0, 100.0]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    a = random_array(rng, (m, k), magnitude).astype(np.float16)
+    b = random_array(rng, (k, n)).astype(np.float16)
+    return a, b, draw(st.sampled_from(MMA_TILES))
+
+
+def check_mma(a, b, tiles):
+    got = matmul_tensor_cores(a, b, tiles=tiles)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == (a.shape[0], b.shape[1])
+    # the oracle on the fp16 inputs (the products are exact; the sums float32)
+    assert_close(got, ref.matmul(a, b), ref.matmul(a, b, dtype=np.float32), name="C (rung 4, tensor cores)",
+                 floor=matmul_floor(a, b))
+
+
+@given(mma_cases())
+@example((np.ones((1, 1), np.float16), np.ones((1, 1), np.float16), MMA_TILES_SIM)).via("1 x 1 x 1")
+@example((np.ones((33, 40), np.float16), np.full((40, 17), 0.5, np.float16), MMA_TILES_SIM)).via("ragged")
+@example((np.ones((3, 0), np.float16), np.ones((0, 4), np.float16), MMA_TILES_SIM)).via("K = 0: C is zeros")
+def test_tensor_core_rung_matches_oracle(case):
+    check_mma(*case)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(a=np.ones((2, 3), np.float32)), TypeError, "a: expected dtype"),
+    (dict(b=np.ones((4, 2), np.float16)), ValueError, "b: expected 3 rows"),
+    (dict(tiles=(32, 32, 8, 16, 16)), ValueError, "tiles: expected"),
+    (dict(tiles=(32, 32, 16, 16)), ValueError, "tiles: expected"),
+])
+def test_tensor_core_rung_bad_input(kwargs, error, match):
+    args = dict(a=np.ones((2, 3), np.float16), b=np.ones((3, 2), np.float16))
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        matmul_tensor_cores(args.pop("a"), args.pop("b"), **args)

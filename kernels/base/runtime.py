@@ -70,7 +70,8 @@ from numba import cuda  # noqa: E402  (must come after the simulator switch)
 def _make_simulated_shared_arrays_thread_safe():
     """The simulator gives each ``cuda.shared.array`` line one NumPy array per block, found by
     a look-up-then-create that is not locked: two simulated threads can race and end up with
-    different "shared" arrays (seen about once in a few thousand launches). Do it under a lock."""
+    different "shared" arrays (seen about once in a few thousand launches). Do it under a lock.
+    (It also refuses an ``alignment``, which the GPU honours: accept it here.)"""
     import sys
     import threading
 
@@ -85,8 +86,8 @@ def _make_simulated_shared_arrays_thread_safe():
     lock = threading.Lock()
 
     def array(self, shape, dtype, alignment=None):
-        if alignment is not None:
-            raise RuntimeError("Array alignment is not supported in cudasim")
+        # (alignment: NumPy's allocations are already aligned to 16 bytes or more, which is
+        # what the kernels ask for: 16-byte loads, ldmatrix, cp.async)
         if isinstance(dtype, types.Type):
             dtype = numpy_support.as_dtype(dtype)
         if shape == 0:  # dynamic shared memory: one buffer for the whole block

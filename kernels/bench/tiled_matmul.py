@@ -1,4 +1,4 @@
-"""Chapter 2's bench: the three rungs of the tiled matmul against cuBLAS, in one run.
+"""Chapter 2's bench: the rungs of the tiled matmul against cuBLAS, in one run.
 
 C = A @ B, float32, row-major. Sizes (M, N, K): 4096^3 always; without ``--quick`` also
 2048^3, 8192^3 and a ragged (4000, 3999, 4001), where no tile divides anything. Every size
@@ -22,6 +22,9 @@ the sweep carry their tiling in the label. ``model_bytes`` is what the kernel's 
 input re-read once per tile across); for the peers the compulsory M K + K N + M N floats.
 Our kernels are timed as bare launches on preallocated device arrays; each result is
 checked against the float64 oracle on a few rows and columns before it is timed.
+
+Rung 4 (tensor cores, ``matmul_tensor_cores``): fp16 A and B, fp32 C, at 4096^3 (every
+tiling of ``MMA_CONFIGS``) and 8192^3, against cuBLAS fp16 (CuPy, torch.matmul; fp16 out).
 """
 
 from __future__ import annotations
@@ -42,8 +45,11 @@ from kernels.tiled_matmul import (  # noqa: E402
     global_bytes,
     make_naive,
     make_register_tiles,
+    make_mma_tiles,
     make_shared_tiles,
     matmul,
+    matmul_tensor_cores,
+    MMA_TILES_GPU,
 )
 
 CHAPTER = 2
@@ -207,6 +213,79 @@ def run(ctx) -> list[Result]:
                 r.note += f"; {cublas_ms / r.median_ms:.3f}x cuBLAS's speed"
         results.extend(rows)
         del sets, views, flat
+        if cp is not None:
+            cp.get_default_memory_pool().free_all_blocks()
+    results.extend(_tensor_core_rung(ctx, cp, torch))
+    return results
+
+
+# Rung 4's candidate tilings (BM, BN, BK, WM, WN) at the reference size.
+MMA_CONFIGS = {"128x128x32 w64x32": MMA_TILES_GPU, "64x64x32 w32x32": (64, 64, 32, 32, 32),
+               "128x64x32 w64x32": (128, 64, 32, 64, 32)}
+
+
+def _tensor_core_rung(ctx, cp, torch):
+    """Rung 4: fp16 A and B, fp32 C, on tensor cores; peers cuBLAS fp16 (CuPy, torch)."""
+    results = []
+    sizes = [(32, 32, 16)] if ctx.simulator else ([(4096, 4096, 4096)] if ctx.quick
+                                                  else [(4096, 4096, 4096), (8192, 8192, 8192)])
+    for index, (m, n, k) in enumerate(sizes):
+        config = f"M={m} N={n} K={k} fp16"
+        flops = 2.0 * m * n * k
+        rng = np.random.default_rng(400)
+        a_host = rng.standard_normal((m, k)).astype(np.float16)
+        b_host = rng.standard_normal((k, n)).astype(np.float16)
+        a, b = cuda.to_device(a_host), cuda.to_device(b_host)
+        c = cuda.device_array((m, n), np.float32)
+        sets = [(a, b, c)]
+        base = dict(N=m) if m == n == k else {}
+        rows = []
+        cublas_ms = None
+        if cp is not None:
+            ca, cb = cp.asarray(a), cp.asarray(b)
+            cc = cp.empty((m, n), cp.float16)
+            r = ctx.measure(CHAPTER, "peer: cuBLAS (CuPy) fp16", config, lambda a, b, c: cp.matmul(a, b, out=c),
+                            [(ca, cb, cc)], flops=flops, model_bytes=2.0 * (m * k + k * n + m * n), is_peer=True,
+                            peak_memory=False, note="cupy.matmul of fp16 (tensor cores; fp16 out)", extra=dict(base))
+            cublas_ms = r.median_ms
+            rows.append(r)
+        if torch is not None:
+            ta, tb = torch.as_tensor(a, device="cuda"), torch.as_tensor(b, device="cuda")
+            tc = torch.empty((m, n), device="cuda", dtype=torch.float16)
+            rows.append(ctx.measure(CHAPTER, "peer: torch.matmul fp16", config,
+                                    lambda a, b, c: torch.matmul(a, b, out=c), [(ta, tb, tc)], flops=flops,
+                                    model_bytes=2.0 * (m * k + k * n + m * n), is_peer=True, peak_memory=False,
+                                    note="fp16 in and out (tensor cores)", extra=dict(base)))
+        configs = {"sim 32x32x16 w16x16": None} if ctx.simulator else (
+            MMA_CONFIGS if index == 0 else {"128x128x32 w64x32": MMA_TILES_GPU})
+        for name, tiles in configs.items():
+            tiles = tiles or (32, 32, 16, 16, 16)
+            kern = make_mma_tiles(*tiles)
+            grid = (cdiv(n, tiles[1]), cdiv(m, tiles[0]))
+
+            def rung4(a, b, c, kern=kern, grid=grid):
+                kern[grid, kern.threads](a, b, c, np.int32(1))
+
+            rung4(*sets[0])
+            _check(c, a_host.astype(np.float32), b_host.astype(np.float32), f"rung 4 {name}")
+            is_default = ctx.simulator or tiles == MMA_TILES_GPU
+            label = "rung 4 (tensor cores)" if is_default else f"rung 4 (tensor cores) {name}"
+            rows.append(ctx.measure(CHAPTER, label, config, rung4, sets, flops=flops,
+                                    model_bytes=2.0 * (m * k * cdiv(n, tiles[1]) + k * n * cdiv(m, tiles[0]))
+                                    + 4.0 * m * n, peak_memory=False,
+                                    note=f"mma.sync m16n8k16: BM={tiles[0]} BN={tiles[1]} BK={tiles[2]}, "
+                                         f"warp tile {tiles[3]}x{tiles[4]}, {kern.threads} threads",
+                                    extra=dict(base) if is_default else {}))
+        if index == 0:
+            rows.append(ctx.measure(CHAPTER, "matmul_tensor_cores() launcher (rung 4)", config,
+                                    lambda a, b, c: matmul_tensor_cores(a, b), sets, flops=flops,
+                                    model_bytes=2.0 * (m * k + k * n) + 4.0 * m * n, peak_memory=False,
+                                    note="argument checks and the output allocation included"))
+        for r in rows:
+            if cublas_ms:
+                r.note += f"; {cublas_ms / r.median_ms:.3f}x cuBLAS fp16's speed"
+        results.extend(rows)
+        del sets, a, b, c
         if cp is not None:
             cp.get_default_memory_pool().free_all_blocks()
     return results
