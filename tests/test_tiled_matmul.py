@@ -235,3 +235,13 @@ def test_tensor_core_rung_bad_input(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         matmul_tensor_cores(args.pop("a"), args.pop("b"), **args)
+
+
+@pytest.mark.skipif(SIM, reason="K = 4096 is for the GPU")
+def test_tensor_core_rung_long_k():
+    # One chain of mma over all of K let the tensor core's truncating float32 sums drift to 13x
+    # NumPy's float32 error at K = 4096 (measured on the H100); the two-level sums meet the rule.
+    rng = np.random.default_rng(17)
+    a = rng.standard_normal((64, 4096)).astype(np.float16)
+    b = rng.standard_normal((4096, 72)).astype(np.float16)
+    check_mma(a, b, MMA_TILES_GPU)
