@@ -42,7 +42,7 @@ import numpy as np
 import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
 from kernels import reference as ref
 from kernels.base.runtime import device_name, on_simulator
-from kernels.base.testing import assert_close, check_exercise
+from kernels.base.testing import assert_close, check_exercise, matmul_floor
 from kernels.tiled_matmul import (
     RUNG3_CONFIGS,
     RUNG3_DEFAULT,
@@ -267,12 +267,45 @@ print(f"{c_.device} fp32 ridge: {c_.fp32_tflops:.1f} TFLOP/s / {c_.hbm_tbs:.2f} 
 # instructions alone keep it far from the FMA ceiling. Rung 2 is above the HBM ridge but
 # bound by shared-memory traffic. Rung 3 is above the ridge with 8x fewer shared loads per
 # FMA: it is limited by how well the inner loop keeps the FMA units fed.
+
+# %% [markdown]
+# ### A fourth rung: tensor cores
+#
+# Rung 3's FMAs are the H100's fp32 units, whose ceiling (cuBLAS fp32) is about 51 TFLOP/s.
+# Its tensor cores multiply fp16 tiles: one warp-wide `mma.sync.m16n8k16` is a 16 x 16 by
+# 16 x 8 product, fp32 sums. Numba has no API for them; `kernels/base/mma.py` emits the
+# instruction as inline PTX (and emulates it in the simulator). Rung 4
+# (`matmul_tensor_cores`, `make_mma_tiles`) keeps rung 3's shape: a block stages BM x BK of
+# A and BK x BN of B in shared memory (two stages, filled by `cp.async` while the other is
+# used), each warp owns a WM x WN tile of C as accumulator fragments, loads its operand
+# fragments with `ldmatrix`, and runs the mma. One thing is new: the tensor core's own
+# float32 sums truncate, and over K = 4096 in one chain their error reached 13 times NumPy's
+# float32 error on the H100, so each stage's sums start from zero and are added to C's in
+# float32 (two-level sums, as chapter 5's backward does). fp16 inputs, float32 output,
+# against the oracle on the fp16 inputs:
+
+# %%
+from kernels.tiled_matmul import matmul_tensor_cores
+
+a16 = np.random.default_rng(4).standard_normal((37, 40)).astype(np.float16)
+b16 = np.random.default_rng(5).standard_normal((40, 21)).astype(np.float16)
+c16 = matmul_tensor_cores(a16, b16)
+assert_close(c16, ref.matmul(a16, b16), ref.matmul(a16, b16, dtype=np.float32), name="C (rung 4)",
+             floor=matmul_floor(a16, b16))
+print("rung 4 (tensor cores): C within the float32 tolerance of the oracle, dtype", c16.dtype)
+
+# %% [markdown]
+# On the H100 (section 8's table, fp16 rows) rung 4 reaches about 100 TFLOP/s at 4096³ and
+# 8192³: twice the fp32 FMA ceiling, and 0.16x cuBLAS fp16 (645 to 703 TFLOP/s, which uses
+# Hopper's warpgroup `wgmma`, deeper pipelines and larger tiles). Closing that distance is
+# beyond this chapter.
 #
 # ## 8. Results on the H100
 #
 # `python -m kernels --chapters 2` measures all three rungs, every candidate rung-3 tiling
 # (at 4096³) and the launcher against cuBLAS (CuPy) and `torch.matmul`, TF32 off, in the same
-# run. The ratio to cuBLAS is computed from the rows of the same size:
+# run; and rung 4 (fp16 in) against cuBLAS fp16. The ratio to cuBLAS is computed from the
+# rows of the same size and dtype ("% FMA" is against the fp32 FMA ceiling: rung 4 passes it):
 
 # %%
 from pathlib import Path
