@@ -186,6 +186,15 @@ MUTANTS += [
            (("                acc += a[row, k] * b[k, col]\n",
              _veltkamp("acc + a[row, k] * b[k, col]", 22, " " * 16, "acc") + "   # PLANTED: the sum kept to 22 bits\n"),),
            T2, CH2_ORACLE, "rung 1: the running sum rounded to 22 bits at every step: 4x float32's rounding error"),
+    Mutant("ch2-mma-b-tiles-swapped", 2, MATMUL,
+           (("                    bf[2 * j, 0] = x[0]\n                    bf[2 * j, 1] = x[1]\n",
+             "                    bf[2 * j, 0] = x[2]\n                    bf[2 * j, 1] = x[3]\n"),),
+           T2, "test_tensor_core_rung_matches_oracle",
+           "rung 4: ldmatrix.trans's second n8 tile taken for the first (C's columns mixed up)"),
+    Mutant("ch2-mma-stage-sums-dropped", 2, MATMUL,
+           (("                        acc[i, j, e] += part[i, j, e]", "                        acc[i, j, e] = part[i, j, e]"),),
+           T2, "test_tensor_core_rung_matches_oracle",
+           "rung 4: each stage's sums replace C's instead of adding to them (only the last BK of K counts)"),
 ]
 
 FORWARD = "kernels.flash_forward"
