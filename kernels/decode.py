@@ -906,7 +906,9 @@ def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal=False, s
     launches; ``splits`` overrides ``split_count``) or "stream-k" (one launch; ``blocks``
     overrides the persistent grid of SMs x blocks per SM). ``tensor_cores``: float16 caches
     with several query rows a KV head (GQA, or Nq > 1), d = 64 or 128, take the products on
-    tensor cores (``plan``); False keeps them on the FMA units.
+    tensor cores (``plan``); False keeps them on the FMA units. There float32 queries are
+    split into two fp16 parts, so their entries must stay within fp16's range (|q| < 65504;
+    beyond it S overflows): for larger queries pass ``tensor_cores=False``.
 
     Returns (o, lse): o (B, Hq, Nq, d) and lse (B, Hq, Nq), float32, like ``flash_attention``.
     """
