@@ -323,6 +323,25 @@ def _check_tiles(rung, block, tile, register_tiles):
                 f"share the BM*BK and BK*BN tile loads, TM and TN at most 4 or multiples of 4; got {register_tiles}")
 
 
+def _check_operands(a, b, out, dtype):
+    """(M, N, K) of C = A @ B, after checking A (M, K) and B (K, N) of ``dtype``, int32
+    indexing, and ``out`` (None, or a float32 (M, N) device array); errors name the argument."""
+    (M, K), _ = check_array(a, "a", ndim=2, dtypes=(dtype,))
+    (K2, N), _ = check_array(b, "b", ndim=2, dtypes=(dtype,))
+    if K2 != K:
+        raise ValueError(f"b: expected {K} rows (the inner dimension, a.shape[1]), got shape {(K2, N)}")
+    for name, size in (("a", M * K), ("b", K * N), ("c", M * N)):
+        if size >= 2**31:
+            raise ValueError(f"{name}: expected fewer than 2**31 elements (int32 indexing), got {size}")
+    if out is not None:
+        if not is_device_array(out):
+            raise TypeError(f"out: expected a device array, got {type(out).__name__}")
+        (om, on), _ = check_array(out, "out", ndim=2)
+        if (om, on) != (M, N):
+            raise ValueError(f"out: expected shape {(M, N)}, got {(om, on)}")
+    return M, N, K
+
+
 def matmul(a, b, *, rung: int = 3, out=None, block=None, tile=None, register_tiles=None):
     """C = A @ B for float32 row-major 2-D A (M, K) and B (K, N), on the GPU.
 
@@ -334,24 +353,12 @@ def matmul(a, b, *, rung: int = 3, out=None, block=None, tile=None, register_til
     """
     if isinstance(rung, bool) or rung not in (1, 2, 3):
         raise ValueError(f"rung: expected 1, 2 or 3, got {rung!r}")
-    (M, K), _ = check_array(a, "a", ndim=2)
-    (K2, N), _ = check_array(b, "b", ndim=2)
-    if K2 != K:
-        raise ValueError(f"b: expected {K} rows (the inner dimension, a.shape[1]), got shape {(K2, N)}")
-    for name, size in (("a", M * K), ("b", K * N), ("c", M * N)):
-        if size >= 2**31:
-            raise ValueError(f"{name}: expected fewer than 2**31 elements (int32 indexing), got {size}")
+    M, N, K = _check_operands(a, b, out, np.float32)
     defaults = default_tiles(rung)
     block = defaults.get("block") if block is None else tuple(block)
     tile = defaults.get("tile") if tile is None else tile
     register_tiles = defaults.get("register_tiles") if register_tiles is None else tuple(register_tiles)
     _check_tiles(rung, block, tile, register_tiles)
-    if out is not None:
-        if not is_device_array(out):
-            raise TypeError(f"out: expected a device array, got {type(out).__name__}")
-        (om, on), _ = check_array(out, "out", ndim=2)
-        if (om, on) != (M, N):
-            raise ValueError(f"out: expected shape {(M, N)}, got {(om, on)}")
 
     kind = ArrayKind(a)
     da = to_device(a, "a")
@@ -523,21 +530,9 @@ def matmul_tensor_cores(a, b, *, out=None, tiles=None):
     float32 by the tensor cores. ``tiles`` = (BM, BN, BK, WM, WN), by default
     ``MMA_TILES_GPU`` on a GPU and ``MMA_TILES_SIM`` in the simulator. NumPy in, NumPy
     out; device arrays in, device array out (``out``: a float32 (M, N) device array)."""
-    (M, K), _ = check_array(a, "a", ndim=2, dtypes=(np.float16,))
-    (K2, N), _ = check_array(b, "b", ndim=2, dtypes=(np.float16,))
-    if K2 != K:
-        raise ValueError(f"b: expected {K} rows (the inner dimension, a.shape[1]), got shape {(K2, N)}")
-    for name, size in (("a", M * K), ("b", K * N), ("c", M * N)):
-        if size >= 2**31:
-            raise ValueError(f"{name}: expected fewer than 2**31 elements (int32 indexing), got {size}")
+    M, N, K = _check_operands(a, b, out, np.float16)
     tiles = (MMA_TILES_SIM if on_simulator() else MMA_TILES_GPU) if tiles is None else tuple(tiles)
     _check_mma_tiles(tiles)
-    if out is not None:
-        if not is_device_array(out):
-            raise TypeError(f"out: expected a device array, got {type(out).__name__}")
-        (om, on), _ = check_array(out, "out", ndim=2)
-        if (om, on) != (M, N):
-            raise ValueError(f"out: expected shape {(M, N)}, got {(om, on)}")
     kind = ArrayKind(a)
     da, db = to_device(a, "a"), to_device(b, "b")
     dc = device_empty((M, N)) if out is None else to_device(out, "out")

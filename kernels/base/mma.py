@@ -140,24 +140,25 @@ def _pack_pairs(bits) -> np.ndarray:
     return (bits[..., 0::2] | (bits[..., 1::2] << 16)).astype(np.uint32)
 
 
+def _fragment(x, kind, position, position_tf32, halves):
+    """Every lane's registers for an operand: element i of lane l is x[position(l, i)], two
+    fp16/bf16 halves a register (``halves`` of them a lane), or one tf32 a register."""
+    x = np.asarray(x, np.float32)
+    if kind == "tf32":
+        return np.array([[tf32_bits(x[position_tf32(l, i)]) for i in range(halves // 2)] for l in range(32)],
+                        np.uint32)
+    conv = half_bits if kind == "f16" else bf16_bits
+    return _pack_pairs(np.array([[conv(x[position(l, i)]) for i in range(halves)] for l in range(32)], np.uint32))
+
+
 def fragment_a(a, kind: str = "f16") -> np.ndarray:
     """The registers every lane holds for A (16x16 f16/bf16, or 16x8 tf32): (32, 4) uint32."""
-    a = np.asarray(a, np.float32)
-    if kind == "tf32":
-        return np.array([[tf32_bits(a[a_position_tf32(l, i)]) for i in range(4)] for l in range(32)], np.uint32)
-    conv = half_bits if kind == "f16" else bf16_bits
-    halves = np.array([[conv(a[a_position(l, i)]) for i in range(8)] for l in range(32)], np.uint32)
-    return _pack_pairs(halves)
+    return _fragment(a, kind, a_position, a_position_tf32, 8)
 
 
 def fragment_b(b, kind: str = "f16") -> np.ndarray:
     """The registers every lane holds for B (16x8 f16/bf16, or 8x8 tf32): (32, 2) uint32."""
-    b = np.asarray(b, np.float32)
-    if kind == "tf32":
-        return np.array([[tf32_bits(b[b_position_tf32(l, i)]) for i in range(2)] for l in range(32)], np.uint32)
-    conv = half_bits if kind == "f16" else bf16_bits
-    halves = np.array([[conv(b[b_position(l, i)]) for i in range(4)] for l in range(32)], np.uint32)
-    return _pack_pairs(halves)
+    return _fragment(b, kind, b_position, b_position_tf32, 4)
 
 
 def fragment_c(c) -> np.ndarray:
