@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,13 +67,14 @@ from kernels.base.fused import (FASTMATH, LOG2E, MASKED, MINUS_INF, make_row_red
                                 padded_head_dim)
 from kernels.base.runtime import (
     ArrayKind,
-    bind_launch,
+    LaunchTemplate,
     cdiv,
     check_array,
     check_flag,
     check_int,
     check_scale,
     device_empty,
+    device_pointer,
     is_device_array,
     on_simulator,
     to_device,
@@ -80,7 +82,7 @@ from kernels.base.runtime import (
 from kernels.base.wide_loads import WIDE_BYTES, is_aligned, make_load
 from kernels.online_softmax import merge_state
 
-__all__ = ["decode_attention", "prepare_decode", "PreparedDecode", "DecodePlan", "plan", "make_attend_key_range_mma", "split_count", "wave_efficiency", "stream_k_schedule",
+__all__ = ["decode_attention", "prepare_decode", "PreparedDecode", "DecodeCall", "DecodeLaunches", "DecodePlan", "plan", "make_attend_key_range_mma", "split_count", "wave_efficiency", "stream_k_schedule",
            "StreamKSchedule", "check_schedule", "gpu_slots", "key_tile", "split_ranges", "merge_partials_numpy", "decode_numpy", "make_split_k",
            "make_combine", "make_stream_k", "io_model_bytes", "ptx_targets", "MAX_QUERIES"]
 
@@ -837,13 +839,6 @@ def _host_lengths(cache_lengths, B: int, n_max: int) -> np.ndarray:
     return host
 
 
-@functools.lru_cache(maxsize=256)
-def _lengths_on_device(lengths: tuple, device_id: int):
-    """The lengths as a device int32 array, made once for each batch composition (a copy
-    to the device every call would be a synchronous transfer every decode step)."""
-    return cuda.to_device(np.asarray(lengths, np.int32))
-
-
 _workspaces: dict = {}
 
 
@@ -880,65 +875,51 @@ def gpu_slots(kernel, args, threads: int = GPU_THREADS) -> int:
     return _slots[key]
 
 
-@functools.lru_cache(maxsize=64)
-def _device_schedule(tiles_key: tuple, blocks: int, key_tile: int, lengths_key: tuple, heads_per_batch: int,
-                     items_per_head: int, device_id: int = 0):
-    """The stream-K schedule on the device (cached: a batch's schedule is built once)."""
-    sched = stream_k_schedule(tiles_key, blocks)
-    lengths = np.asarray(lengths_key, np.int64)
-    bk = sched.seg_item // items_per_head
-    n_keys = lengths[bk // heads_per_batch]
-    seg_start = np.minimum(sched.seg_tile_start.astype(np.int64) * key_tile, n_keys).astype(np.int32)
-    seg_end = np.minimum(sched.seg_tile_end.astype(np.int64) * key_tile, n_keys).astype(np.int32)
+def _device_schedule(sched: StreamKSchedule, unit: int, lengths: tuple, hkv: int, tiles: int):
+    """The stream-K schedule's arrays on the device, each segment's tile range in keys."""
+    bk = sched.seg_item // tiles
+    n_keys = np.asarray(lengths, np.int64)[bk // hkv]
+    seg_start = np.minimum(sched.seg_tile_start.astype(np.int64) * unit, n_keys).astype(np.int32)
+    seg_end = np.minimum(sched.seg_tile_end.astype(np.int64) * unit, n_keys).astype(np.int32)
     arrays = (sched.cta_first, sched.seg_item, seg_start, seg_end, sched.item_first, sched.item_count)
-    return sched, tuple(cuda.to_device(np.ascontiguousarray(a)) for a in arrays)
+    return tuple(cuda.to_device(np.ascontiguousarray(a)) for a in arrays)
 
 
-def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal=False, scale=None,
-                     schedule="stream-k", splits=None, blocks=None, tensor_cores=True):
-    """Decode attention: Nq (0..16) new queries a sequence against its KV cache.
+@dataclass(frozen=True)
+class DecodeCall:
+    """A decode call, validated: everything its launches depend on but the arrays' contents
+    and addresses. Calls that compare equal share one ``DecodeLaunches`` (cached)."""
 
-    q (B, Hq, Nq, d) float32 or float16; k_cache and v_cache (B, Hkv, Nmax, d), float32 or
-    float16 (one dtype for both), Hkv dividing Hq (query head h reads KV head h // (Hq/Hkv)).
-    ``cache_lengths``: (B,) ints, sequence b's keys are its first cache_lengths[b] rows
-    (None: all Nmax; a device array is copied to the host, which synchronises). ``causal``:
-    query i sees key j iff j <= i + cache_lengths[b] - Nq. ``schedule``: "split-k" (two
-    launches; ``splits`` overrides ``split_count``) or "stream-k" (one launch; ``blocks``
-    overrides the persistent grid of SMs x blocks per SM). ``tensor_cores``: float16 caches
-    with several query rows a KV head (GQA, or Nq > 1), d = 64 or 128, take the products on
-    tensor cores (``plan``); False keeps them on the FMA units. There float32 queries are
-    split into two fp16 parts, so their entries must stay within fp16's range (|q| < 65504;
-    beyond it S overflows): for larger queries pass ``tensor_cores=False``.
+    B: int
+    hq: int
+    hkv: int
+    n_q: int
+    n_max: int
+    d: int
+    q_itemsize: int
+    kv_itemsize: int
+    lengths: tuple                                # the B cache lengths
+    causal: bool
+    scale: float
+    schedule: str
+    splits: int | None
+    blocks: int | None
+    tensor_cores: bool
+    wide: bool                                    # every K and V row on a 16-byte boundary
+    device: int
 
-    Returns (o, lse): o (B, Hq, Nq, d) and lse (B, Hq, Nq), float32, like ``flash_attention``.
-    """
-    return prepare_decode(q, k_cache, v_cache, cache_lengths=cache_lengths, causal=causal, scale=scale,
-                          schedule=schedule, splits=splits, blocks=blocks, tensor_cores=tensor_cores)()
+    @property
+    def BK(self) -> int:                          # (batch, KV head) pairs
+        return self.B * self.hkv
 
-
-class PreparedDecode:
-    """A decode call planned once and run many times (``prepare_decode``).
-
-    Planned: the tile shapes, the split count or the stream-K schedule, the workspaces and
-    the outputs. Each call launches the kernels again on the same q, k_cache and v_cache
-    (a serving loop writes the new queries and keys into those buffers in place between
-    steps) and returns (o, lse): on the device, the same two arrays every call.
-    ``splits`` / ``blocks``: what the plan chose (None where it does not apply)."""
-
-    def __init__(self, launches, give_back, splits=None, blocks=None):
-        self.launches, self._give_back = launches, give_back
-        self.splits, self.blocks = splits, blocks
-
-    def __call__(self):
-        for launch in self.launches:
-            launch()
-        return self._give_back()
+    @property
+    def rows(self) -> int:                        # a KV head's query rows: (head of the group, query)
+        return self.hq // self.hkv * self.n_q
 
 
-def prepare_decode(q, k_cache, v_cache, *, cache_lengths=None, causal=False, scale=None,
-                   schedule="stream-k", splits=None, blocks=None, tensor_cores=True) -> PreparedDecode:
-    """``decode_attention``'s plan, made once: the arguments are the same; call the result
-    to run it (as FlashInfer's plan/run: the per-call host work is then only the launches)."""
+def _check_call(q, k_cache, v_cache, cache_lengths, causal, scale, schedule, splits, blocks,
+                tensor_cores) -> DecodeCall:
+    """Every argument of ``decode_attention`` checked, before any launch, naming the argument."""
     qs, q_dtype = check_array(q, "q", ndim=4, dtypes=(np.float32, np.float16))
     ks, kv_dtype = check_array(k_cache, "k_cache", ndim=4, dtypes=(np.float32, np.float16))
     vs, v_dtype = check_array(v_cache, "v_cache", ndim=4, dtypes=(np.float32, np.float16))
@@ -970,81 +951,196 @@ def prepare_decode(q, k_cache, v_cache, *, cache_lengths=None, causal=False, sca
         raise ValueError("splits: only for schedule='split-k'")
     if blocks is not None and schedule != "stream-k":
         raise ValueError("blocks: only for schedule='stream-k'")
-    lengths_host = _host_lengths(cache_lengths, B, n_max)
-    lengths = _lengths_on_device(tuple(lengths_host.tolist()), 0 if on_simulator() else cuda.get_current_device().id)
+    lengths = tuple(_host_lengths(cache_lengths, B, n_max).tolist())
+    itemsize = kv_dtype.itemsize
+    # a host cache is copied into a fresh (aligned) device buffer; a device one is used where it is
+    wide = all(is_aligned(x, d, itemsize) if is_device_array(x) else (d * itemsize) % WIDE_BYTES == 0
+               for x in (k_cache, v_cache))
+    device = 0 if on_simulator() else cuda.get_current_device().id
+    return DecodeCall(B, hq, hkv, n_q, n_max, d, q_dtype.itemsize, itemsize, lengths, causal, scale, schedule,
+                      splits, blocks, tensor_cores, wide, device)
+
+
+def _views(c: DecodeCall, q, k, v, o, lse) -> dict:
+    """Numba device views of a call's arrays in the kernels' shapes (q (B*Hkv, g*Nq, d), ...)."""
+    return dict(q=to_device(q, "q").reshape(c.BK, c.rows, c.d),
+                k=to_device(k, "k_cache").reshape(c.BK, c.n_max, c.d),
+                v=to_device(v, "v_cache").reshape(c.BK, c.n_max, c.d),
+                o=to_device(o, "o").reshape(c.BK, c.rows, c.d), lse=to_device(lse, "lse").reshape(c.BK, c.rows))
+
+
+class DecodeLaunches:
+    """The launches of one ``DecodeCall``, made once: tile shapes (``plan``), the split
+    count or the stream-K schedule, the cache lengths and the schedule on the device,
+    workspaces, and each kernel's ``LaunchTemplate``. A call passes only its arrays
+    (q, k, v, o, lse). ``splits`` / ``blocks``: what was chosen (None where it does not apply)."""
+
+    def __init__(self, call: DecodeCall, views: dict):
+        self.call, self.splits, self.blocks = call, None, None
+        c = call
+        self.p = plan(c.d, c.rows, c.kv_itemsize, wide=c.wide, q_itemsize=c.q_itemsize,
+                      tensor_cores=c.tensor_cores)
+        self.tiles = cdiv(c.rows, self.p.RT)
+        self.lengths = cuda.to_device(np.asarray(c.lengths, np.int32))
+        self.common = (np.int32(c.n_q), np.int32(c.d), np.float32(c.scale), np.int32(c.causal))
+        self.templates = self._split_k(views) if c.schedule == "split-k" else self._stream_k(views)
+
+    def operands(self, q, k, v, o, lse) -> dict:
+        """What a launch takes in the slots: the views in the simulator, their data
+        pointers on the GPU (no Numba array is made: the template has shapes and strides)."""
+        if on_simulator():
+            return _views(self.call, q, k, v, o, lse)
+        return dict(q=device_pointer(q, "q"), k=device_pointer(k, "k_cache"), v=device_pointer(v, "v_cache"),
+                    o=device_pointer(o, "o"), lse=device_pointer(lse, "lse"))
+
+    def __call__(self, operands: dict):
+        for launch in self.templates:
+            launch(**operands)
+
+    def _split_k(self, views):
+        p, c, d = self.p, self.call, self.call.d
+        kernel = make_split_k(*p.key)
+        slots = dict(q=0, k=1, v=2, o=5, lse=6)
+        dummy = _workspace("one-partial", (1, p.RT, d))
+        args = (views["q"], views["k"], views["v"], dummy, dummy[:, :, 0], views["o"], views["lse"], self.lengths,
+                *self.common)
+        splits = c.splits
+        if splits is None:
+            splits = split_count(c.BK * self.tiles, max(c.lengths, default=0), gpu_slots(kernel, args, p.threads))
+        self.splits = splits
+        if splits == 1:
+            return [LaunchTemplate(kernel, (1, self.tiles, c.BK), p.threads, args, slots)]
+        o_part = _workspace("o_part", (c.BK * self.tiles * splits, p.RT, d))
+        l_part = _workspace("l_part", (c.BK * self.tiles * splits, p.RT))
+        args = args[:3] + (o_part, l_part) + args[5:]
+        combine = make_combine(p.D, p.RT, p.threads)
+        return [LaunchTemplate(kernel, (splits, self.tiles, c.BK), p.threads, args, slots),
+                LaunchTemplate(combine, (self.tiles, c.BK), p.threads,
+                               (o_part, l_part, views["o"], views["lse"], np.int32(splits), self.common[1]),
+                               dict(o=2, lse=3))]
+
+    def _stream_k(self, views):
+        p, c = self.p, self.call
+        kernel = make_stream_k(*p.key)
+        unit = key_tile(p)
+        # work items: (batch, KV head, row tile), in that order; each has ceil(length / unit) tiles
+        n_keys = np.repeat(np.asarray(c.lengths, np.int64), c.hkv)            # per (batch, KV head)
+        tiles_per_item = np.repeat(-(-n_keys // unit), self.tiles)
+        blocks = c.blocks
+        if blocks is None:
+            probe = _workspace("probe", (2,), np.int32)
+            blocks = gpu_slots(kernel, (views["q"], views["k"], views["v"], views["o"], views["lse"], views["o"],
+                                        views["lse"], self.lengths, *self.common, np.int32(self.tiles),
+                                        probe, probe, probe, probe, probe, probe, probe), p.threads)
+            blocks = max(1, min(blocks, int(tiles_per_item.sum()) or 1))
+        self.blocks = blocks
+        sched = stream_k_schedule(tiles_per_item, blocks)
+        self.schedule = _device_schedule(sched, unit, c.lengths, c.hkv, self.tiles)
+        n_seg = len(sched.seg_item)
+        o_part = _workspace("o_part", (max(n_seg, 1), p.RT, c.d))
+        l_part = _workspace("l_part", (max(n_seg, 1), p.RT))
+        counters = _workspace("counters", (max(len(tiles_per_item), 1),), np.int32, zero=True)
+        args = (views["q"], views["k"], views["v"], o_part, l_part, views["o"], views["lse"], self.lengths,
+                *self.common, np.int32(self.tiles), *self.schedule, counters)
+        return [LaunchTemplate(kernel, blocks, p.threads, args, dict(q=0, k=1, v=2, o=5, lse=6))]
+
+
+_launches: OrderedDict = OrderedDict()
+MAX_CACHED_CALLS = 64
+
+
+def _launches_for(call: DecodeCall, q, k, v, o, lse) -> DecodeLaunches:
+    """The launches of ``call``, from the cache (the most recent MAX_CACHED_CALLS calls) or
+    made now with these arrays. They hold no array of the call's own."""
+    launches = _launches.get(call)
+    if launches is None:
+        views = _views(call, q, k, v, o, lse)
+        launches = _launches[call] = DecodeLaunches(call, views)
+        if len(_launches) > MAX_CACHED_CALLS:
+            _launches.popitem(last=False)
+    else:
+        _launches.move_to_end(call)
+    return launches
+
+
+def decode_attention(q, k_cache, v_cache, *, cache_lengths=None, causal=False, scale=None,
+                     schedule="stream-k", splits=None, blocks=None, tensor_cores=True):
+    """Decode attention: Nq (0..16) new queries a sequence against its KV cache.
+
+    q (B, Hq, Nq, d) float32 or float16; k_cache and v_cache (B, Hkv, Nmax, d), float32 or
+    float16 (one dtype for both), Hkv dividing Hq (query head h reads KV head h // (Hq/Hkv)).
+    ``cache_lengths``: (B,) ints, sequence b's keys are its first cache_lengths[b] rows
+    (None: all Nmax; a device array is copied to the host, which synchronises). ``causal``:
+    query i sees key j iff j <= i + cache_lengths[b] - Nq. ``schedule``: "split-k" (two
+    launches; ``splits`` overrides ``split_count``) or "stream-k" (one launch; ``blocks``
+    overrides the persistent grid of SMs x blocks per SM). ``tensor_cores``: float16 caches
+    with several query rows a KV head (GQA, or Nq > 1), d = 64 or 128, take the products on
+    tensor cores (``plan``); False keeps them on the FMA units. There float32 queries are
+    split into two fp16 parts, so their entries must stay within fp16's range (|q| < 65504;
+    beyond it S overflows): for larger queries pass ``tensor_cores=False``.
+
+    The launches of a call are planned once and kept (``DecodeLaunches``, the last 64 calls'
+    shapes, cache lengths and options): the next call with the same ones (the next layer of
+    the model in the same decode step) only launches. Results are new arrays every call.
+
+    Returns (o, lse): o (B, Hq, Nq, d) and lse (B, Hq, Nq), float32, like ``flash_attention``.
+    """
+    call = _check_call(q, k_cache, v_cache, cache_lengths, causal, scale, schedule, splits, blocks, tensor_cores)
     kind = ArrayKind(q)
+    o = kind.new((call.B, call.hq, call.n_q, call.d))
+    lse = kind.new((call.B, call.hq, call.n_q))
+    if call.BK and call.rows:
+        q, k_cache, v_cache = (x if is_device_array(x) else to_device(x, name)
+                               for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+        launches = _launches_for(call, q, k_cache, v_cache, o, lse)
+        launches(launches.operands(q, k_cache, v_cache, o, lse))
+    return kind.result(o), kind.result(lse)
 
-    group = hq // hkv
-    rows = group * n_q                            # a KV head's query rows: (head of the group, query)
-    BK = B * hkv
-    o = kind.empty((BK, rows, d), np.float32)
-    lse = kind.empty((BK, rows), np.float32)
-    launches, chosen = [], {}
-    if BK > 0 and rows > 0:
-        itemsize = np.dtype(kv_dtype).itemsize
-        qd = to_device(q, "q").reshape(BK, rows, d)
-        kd = to_device(k_cache, "k_cache").reshape(BK, n_max, d)
-        vd = to_device(v_cache, "v_cache").reshape(BK, n_max, d)
-        p = plan(d, rows, itemsize, wide=is_aligned(kd, d, itemsize) and is_aligned(vd, d, itemsize),
-                 q_itemsize=np.dtype(q_dtype).itemsize, tensor_cores=tensor_cores)
-        tiles = cdiv(rows, p.RT)
-        common = (np.int32(n_q), np.int32(d), np.float32(scale), np.int32(causal))
-        if schedule == "split-k":
-            launches, chosen["splits"] = _split_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, common,
-                                                  splits)
-        else:
-            launches, chosen["blocks"] = _stream_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, hkv,
-                                                   common, blocks)
-    o4, l3 = o.reshape(B, hq, n_q, d), lse.reshape(B, hq, n_q)
+
+class PreparedDecode:
+    """A decode call planned once and run many times (``prepare_decode``).
+
+    Each call launches the kernels again on the same q, k_cache and v_cache (a serving loop
+    writes the new queries and keys into those buffers in place between steps) and returns
+    (o, lse): on the device, the same two arrays every call. ``splits`` / ``blocks``: what
+    the plan chose (None where it does not apply)."""
+
+    def __init__(self, launches, operands, held, give_back):
+        self.launches, self._operands, self._held, self._give_back = launches, operands, held, give_back
+        self.splits = launches.splits if launches is not None else None
+        self.blocks = launches.blocks if launches is not None else None
+
+    def __call__(self):
+        if self.launches is not None:
+            self.launches(self._operands)
+        return self._give_back()
+
+
+def prepare_decode(q, k_cache, v_cache, *, cache_lengths=None, causal=False, scale=None,
+                   schedule="stream-k", splits=None, blocks=None, tensor_cores=True) -> PreparedDecode:
+    """``decode_attention``'s plan, made once: the arguments are the same; call the result
+    to run it (as FlashInfer's plan/run: the per-call host work is then only the launches)."""
+    call = _check_call(q, k_cache, v_cache, cache_lengths, causal, scale, schedule, splits, blocks, tensor_cores)
+    kind = ArrayKind(q)
+    o = kind.new((call.B, call.hq, call.n_q, call.d))
+    lse = kind.new((call.B, call.hq, call.n_q))
+    held = tuple(x if is_device_array(x) else to_device(x, name)
+                 for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    launches = operands = None
+    if call.BK and call.rows:
+        launches = _launches_for(call, *held, o, lse)
+        operands = launches.operands(*held, o, lse)
     if kind.on_device:                            # the same device arrays every call
-        out = (kind.give_back(o4), kind.give_back(l3))
-        give_back = lambda: out                   # noqa: E731
+        give_back = lambda: (o, lse)              # noqa: E731
     else:                                         # NumPy in: a fresh host copy every call
-        give_back = lambda: (kind.give_back(o4), kind.give_back(l3))  # noqa: E731
-    return PreparedDecode(launches, give_back, **chosen)
-
-
-def _split_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, common, splits):
-    BK = kd.shape[0]
-    kernel = make_split_k(*p.key)
-    dummy = _workspace("one-partial", (1, p.RT, o.shape[2]))
-    args = (qd, kd, vd, dummy, dummy[:, :, 0], o, lse, lengths, *common)
-    if splits is None:
-        splits = split_count(BK * tiles, int(lengths_host.max(initial=0)), gpu_slots(kernel, args, p.threads))
-    if splits == 1:
-        return [bind_launch(kernel, (1, tiles, BK), p.threads, args)], 1
-    o_part = _workspace("o_part", (BK * tiles * splits, p.RT, o.shape[2]))
-    l_part = _workspace("l_part", (BK * tiles * splits, p.RT))
-    return [bind_launch(kernel, (splits, tiles, BK), p.threads, (qd, kd, vd, o_part, l_part, o, lse, lengths, *common)),
-            bind_launch(make_combine(p.D, p.RT, p.threads), (tiles, BK), p.threads,
-                    (o_part, l_part, o, lse, np.int32(splits), common[1]))], splits
+        give_back = lambda: (o.copy_to_host(), lse.copy_to_host())  # noqa: E731
+    return PreparedDecode(launches, operands, held + (o, lse), give_back)
 
 
 def key_tile(p: DecodePlan) -> int:
     """Keys a stream-K work unit: two of the block's steps (fine enough to balance, long
     enough that a segment's fixed costs stay small)."""
     return 2 * p.keys_per_step
-
-
-def _stream_k(p, tiles, qd, kd, vd, o, lse, lengths, lengths_host, hkv, common, blocks):
-    kernel = make_stream_k(*p.key)
-    unit = key_tile(p)
-    # work items: (batch, KV head, row tile), in that order; each has ceil(length / unit) tiles
-    n_keys = np.repeat(lengths_host, hkv)                         # per (batch, KV head)
-    tiles_per_item = np.repeat(-(-n_keys // unit), tiles)
-    if blocks is None:
-        probe = _workspace("probe", (2,), np.int32)
-        blocks = gpu_slots(kernel, (qd, kd, vd, o, lse, o, lse, lengths, *common, np.int32(tiles),
-                                    probe, probe, probe, probe, probe, probe, probe), p.threads)
-        blocks = max(1, min(blocks, int(tiles_per_item.sum()) or 1))
-    sched, dev = _device_schedule(tuple(tiles_per_item.tolist()), blocks, unit, tuple(lengths_host.tolist()),
-                                  hkv, tiles, 0 if on_simulator() else cuda.get_current_device().id)
-    n_seg = len(sched.seg_item)
-    o_part = _workspace("o_part", (max(n_seg, 1), p.RT, o.shape[2]))
-    l_part = _workspace("l_part", (max(n_seg, 1), p.RT))
-    counters = _workspace("counters", (max(len(tiles_per_item), 1),), np.int32, zero=True)
-    return [bind_launch(kernel, blocks, p.threads,
-                    (qd, kd, vd, o_part, l_part, o, lse, lengths, *common, np.int32(tiles), *dev, counters))], blocks
 
 
 # --------------------------------------------------------------------------- the IO model
@@ -1063,7 +1159,7 @@ def ptx_targets():
     """(kernel, signature) pairs for ``kernels.base.ptx_check``: stream-K on fp32 caches
     (16-byte and one-element loads, MHA and grouped rows), on fp16 caches (MHA with 16-byte
     loads on the FMA units, grouped rows on tensor cores); split-K and its combine on the
-    production MHA shapes (split-K shares stream-K's device function)."""
+    fp32 MHA shapes (split-K calls stream-K's device function: its other shapes are those)."""
     from numba import types
 
     f32_3, f16_3 = types.float32[:, :, ::1], types.float16[:, :, ::1]
@@ -1076,7 +1172,7 @@ def ptx_targets():
         for d, rows, wide in shapes:
             p = plan(d, rows, 2 if kv is f16_3 else 4, wide, tensor_cores=False)
             label = f"{'fp16' if kv is f16_3 else 'fp32'} KV, d={d}, {rows} rows ({p})"
-            if (d, rows, wide) == (128, 1, True):
+            if (d, rows, wide) == (128, 1, True) and kv is f32_3:
                 out.append((f"split_k {label}", make_split_k(*p.key),
                             (f32_3, kv, kv, f32_3, f32_2, f32_3, f32_2, i32_1, *scalars)))
             out.append((f"stream_k {label}", make_stream_k(*p.key),

@@ -68,7 +68,7 @@ def make_case(b=1, hkv=1, group=1, nq=1, n_max=8, d=4, lengths=None, causal=Fals
 
 
 @st.composite
-def decode_cases(draw, schedules=("split-k", "stream-k")):
+def decode_cases(draw, schedules=("split-k", "stream-k"), kv_dtypes=(np.float32, np.float16)):
     b = draw(st.integers(1, 3))
     hkv = draw(st.integers(1, 3))
     group = draw(st.sampled_from([1, 2, 4] if SIM else [1, 2, 4, 8, 32]))
@@ -84,7 +84,7 @@ def decode_cases(draw, schedules=("split-k", "stream-k")):
                      splits=draw(st.one_of(st.none(), st.integers(1, 6))) if schedule == "split-k" else None,
                      blocks=draw(st.one_of(st.none(), st.integers(1, 7))) if schedule == "stream-k" else None,
                      logit_std=draw(st.sampled_from(LOGIT_STDS)),
-                     kv_dtype=draw(st.sampled_from([np.float32, np.float16])), seed=draw(st.integers(0, 2**31)))
+                     kv_dtype=draw(st.sampled_from(kv_dtypes)), seed=draw(st.integers(0, 2**31)))
 
 
 def decode_floors(case):
@@ -123,22 +123,36 @@ def check(case):
 
 # --------------------------------------------------------------------------- against the oracle
 
-@given(decode_cases())
-@example(make_case())                                                              # one key... of 8
-@example(make_case(n_max=1, lengths=[1]))                                          # a cache of one key
-@example(make_case(b=3, lengths=[8, 0, 1], schedule="split-k", splits=3))          # empty and one-key caches
-@example(make_case(b=2, hkv=2, group=2, nq=3, n_max=13, lengths=[13, 2], causal=True, schedule="stream-k",
-                   blocks=3))                                                      # GQA, causal, len < Nq
-@example(make_case(b=2, hkv=1, group=4, nq=2, n_max=11, d=5, causal=True, kv_dtype=np.float16,
-                   schedule="split-k", splits=4))                                  # MQA, fp16 cache
-@example(make_case(b=1, hkv=2, nq=2, n_max=9, d=3, logit_std=1e4, lengths=[9], schedule="stream-k",
-                   blocks=5))                                                      # logits ~ 1e4
-@example(make_case(b=1, hkv=1, nq=0, n_max=5))                                     # Nq = 0
-@example(make_case(b=2, hkv=1, group=2, nq=2, n_max=9, d=64, lengths=[9, 3], causal=True, kv_dtype=np.float16,
-                   schedule="split-k", splits=2))                                   # 16-byte loads: 8 fp16
-@example(make_case(b=1, hkv=1, group=2, n_max=7, d=28, lengths=[6], schedule="stream-k", blocks=3))  # 4 fp32, d < D
-def test_matches_oracle(case):
+HARD_CASES = [
+    make_case(),                                                                          # one key... of 8
+    make_case(n_max=1, lengths=[1]),                                                      # a cache of one key
+    make_case(b=3, lengths=[8, 0, 1], schedule="split-k", splits=3),                      # empty and one-key caches
+    make_case(b=2, hkv=2, group=2, nq=3, n_max=13, lengths=[13, 2], causal=True, schedule="stream-k",
+              blocks=3),                                                                  # GQA, causal, len < Nq
+    make_case(b=2, hkv=1, group=4, nq=2, n_max=11, d=5, causal=True, kv_dtype=np.float16,
+              schedule="split-k", splits=4),                                              # MQA, fp16 cache
+    make_case(b=1, hkv=2, nq=2, n_max=9, d=3, logit_std=1e4, lengths=[9], schedule="stream-k",
+              blocks=5),                                                                  # logits ~ 1e4
+    make_case(b=1, hkv=1, nq=0, n_max=5),                                                 # Nq = 0
+    make_case(b=2, hkv=1, group=2, nq=2, n_max=9, d=64, lengths=[9, 3], causal=True, kv_dtype=np.float16,
+              schedule="split-k", splits=2),                                              # 16-byte loads: 8 fp16
+    make_case(b=1, hkv=1, group=2, n_max=7, d=28, lengths=[6], schedule="stream-k", blocks=3),  # 4 fp32, d < D
+]
+
+
+@pytest.mark.parametrize("case", HARD_CASES, ids=repr)
+def test_matches_oracle_on_hard_cases(case):
     check(case)
+
+
+# The drawn cases, one test a (schedule, cache dtype): a quarter of the profile's examples
+# each, so that on a GPU the four compile their kernels in parallel (pytest -n 4).
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16], ids=["fp32-kv", "fp16-kv"])
+@pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
+@settings(max_examples=max(2, settings().max_examples // 4))
+@given(data=st.data())
+def test_matches_oracle(schedule, kv_dtype, data):
+    check(data.draw(decode_cases(schedules=(schedule,), kv_dtypes=(kv_dtype,)), label="case"))
 
 
 
@@ -380,6 +394,38 @@ def test_prepared_call_runs_again_on_new_queries(schedule):
         exact_o, exact_l = ref.decode_attention(new_q, case.k, case.v, case.lengths)
         np.testing.assert_allclose(o.copy_to_host(), exact_o, atol=1e-5)
         np.testing.assert_allclose(lse.copy_to_host(), exact_l, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
+def test_a_call_like_the_last_reuses_its_launches_on_its_own_arrays(schedule):
+    """Calls with the same shapes, lengths and options (the layers of a model in one decode
+    step) share one cached plan: each attends with its own arrays into new results, and the
+    cache keeps none of them alive (a KV cache is gigabytes)."""
+    import gc
+    import weakref
+
+    from numba import cuda
+
+    from kernels import decode
+
+    options = dict(cache_lengths=[13, 5], causal=True, schedule=schedule,
+                   **({"splits": 3} if schedule == "split-k" else {"blocks": 3}))
+    cases = [make_case(b=2, hkv=2, group=2, nq=2, n_max=13, d=4, seed=seed) for seed in (1, 2)]
+    before = len(decode._launches)
+    results, alive = [], []
+    for case in cases:
+        arrays = [cuda.to_device(x) for x in (case.q, case.k, case.v)]
+        alive += [weakref.ref(a) for a in arrays]
+        o, lse = decode_attention(*arrays, **options)
+        results.append((o.copy_to_host(), lse.copy_to_host()))
+        del arrays
+    assert len(decode._launches) <= before + 1, "the second call planned again"
+    for case, (o, lse) in zip(cases, results):
+        exact_o, exact_l = ref.decode_attention(case.q, case.k, case.v, [13, 5], causal=True)
+        np.testing.assert_allclose(o, exact_o, atol=1e-5)
+        np.testing.assert_allclose(lse, exact_l, atol=1e-5)
+    gc.collect()
+    assert not any(ref_() is not None for ref_ in alive), "the cached plan keeps a call's arrays alive"
 
 
 def bad(**changes):

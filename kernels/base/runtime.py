@@ -146,13 +146,31 @@ class ArrayKind:
             import torch
 
             t = torch.empty(tuple(shape), dtype=getattr(torch, np.dtype(dtype).name), device="cuda")
-            return cuda.as_cuda_array(t) if t.numel() else device_empty(shape, dtype)
+            return cuda_view(t) if t.numel() else device_empty(shape, dtype)
         if self.on_device and self.module == "cupy":
             import cupy
 
             a = cupy.empty(tuple(shape), dtype=dtype)
-            return cuda.as_cuda_array(a) if a.size else device_empty(shape, dtype)
+            return cuda_view(a) if a.size else device_empty(shape, dtype)
         return device_empty(shape, dtype)
+
+    def new(self, shape, dtype=np.float32):
+        """An uninitialised result array of the caller's kind: a PyTorch tensor or a CuPy
+        array from the caller's allocator, else a Numba device array (``result`` copies it
+        to the host for a NumPy caller)."""
+        if self.on_device and self.module == "torch":
+            import torch
+
+            return torch.empty(tuple(shape), dtype=getattr(torch, np.dtype(dtype).name), device="cuda")
+        if self.on_device and self.module == "cupy":
+            import cupy
+
+            return cupy.empty(tuple(shape), dtype=dtype)
+        return device_empty(shape, dtype)
+
+    def result(self, array):
+        """An array from ``new``, given back: as it is on the device, copied for a NumPy caller."""
+        return array if self.on_device else array.copy_to_host()
 
     def give_back(self, device_array):
         """A result device array, returned as the kind of array the caller gave."""
@@ -169,11 +187,29 @@ class ArrayKind:
         return device_array
 
 
+# Streams whose work every launch of ours (on the legacy default stream) already waits for:
+# none given, the legacy default stream (1) and the per-thread default stream (2).
+_ORDERED_STREAMS = (None, 1, 2)
+
+
+def cuda_view(x):
+    """A Numba view of a framework's device array (``__cuda_array_interface__``), zero-copy.
+
+    The interface names the stream that produced the data, and Numba's ``as_cuda_array``
+    synchronises that stream from the host, so that no kernel reads the data before it is
+    written. Our kernels launch on the legacy default stream, which starts nothing before
+    the work already queued on the default streams has finished: for data from those
+    streams (PyTorch's and CuPy's default) the host-side wait is not needed, and would stall
+    every call until the GPU is idle. Data from another stream keeps Numba's wait."""
+    stream = x.__cuda_array_interface__.get("stream")
+    return cuda.as_cuda_array(x, sync=stream not in _ORDERED_STREAMS)
+
+
 def to_device(x, name: str):
     """A Numba device view of ``x``: copied if it is a host array, shared if on the device."""
     if is_device_array(x):
         # The simulator's device arrays already are Numba's; real ones are viewed zero-copy.
-        arr = x if not hasattr(x, "__cuda_array_interface__") else cuda.as_cuda_array(x)
+        arr = x if not hasattr(x, "__cuda_array_interface__") else cuda_view(x)
         if not arr.is_c_contiguous():
             raise ValueError(f"{name}: expected a C-contiguous device array, got strides {arr.strides}")
         return arr
@@ -259,38 +295,87 @@ def check_flag(value, name: str) -> bool:
     return bool(value)
 
 
-def bind_launch(kernel, grid, threads, args):
-    """``kernel[grid, threads](*args)`` with everything but the launch itself done once: returns
-    a function of no arguments that launches it (on the default stream).
+class LaunchTemplate:
+    """``kernel[grid, threads](*args)`` with everything but the launch itself done once.
 
     At every ``kernel[grid, threads](*args)`` Numba types each argument, looks up the machine
     code compiled for those types, and turns each array into the parameters the kernel takes
     (data pointer, size, shape, strides): tens of microseconds of Python for a kernel with a
-    dozen arrays, longer than a whole decode step over 4k keys takes on the GPU. When the
-    arguments stay the same from call to call (a prepared decode step: same buffers, new
-    contents), that work is done here once, and a call is one driver launch. In the
-    simulator: the plain launch."""
-    configured = kernel[grid, threads]
-    if on_simulator():
-        return lambda: configured(*args)
-    from cuda.core import LaunchConfig, launch
-    from numba.cuda.cudadrv import driver
+    dozen arrays, longer than a whole decode step over 4k keys takes on the GPU. A template
+    does that work once; a call is then one driver launch (on the default stream).
 
-    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    params, write_back = [], []
-    for ty, value in zip(compiled.argument_types, args):
-        compiled._prepare_args(ty, value, 0, write_back, params)
-    if write_back:                                # (host arrays would need copies back: not bound)
-        return lambda: configured(*args)
-    config = LaunchConfig(grid=grid, block=threads)
-    function = compiled._codelibrary.get_cufunc().kernel
-    stream = driver._to_core_stream(0)
+    ``slots`` ({name: position in args}): the arguments a call passes anew, by name, as
+    arrays of the shape and dtype the template was made with (only the data pointer
+    changes): on the GPU as device pointers (``device_pointer``), in the simulator as the
+    arrays themselves (there a call is the plain launch). The template holds every other
+    argument, since its parameters are raw pointers into them, and none of the slots'."""
 
-    def bound():
-        launch(stream, config, function, *params)
-        return args                               # (held here: the parameters are raw pointers into them)
+    # Numba passes an array as: meminfo, parent, size, itemsize, data, shape..., strides...
+    _DATA = 4
 
-    return bound
+    def __init__(self, kernel, grid, threads, args, slots=None):
+        self.slots = dict(slots or {})
+        taken = set(self.slots.values())
+        self._args = [None if i in taken else a for i, a in enumerate(args)]
+        self._configured = kernel[grid, threads]
+        self._data_at = None
+        if on_simulator():
+            return
+        from cuda.core import LaunchConfig
+        from numba.cuda.cudadrv import driver
+
+        compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+        names = {i: name for name, i in self.slots.items()}
+        params, write_back, data_at = [], [], {}
+        for i, (ty, value) in enumerate(zip(compiled.argument_types, args)):
+            first = len(params)
+            compiled._prepare_args(ty, value, 0, write_back, params)
+            if i in names:
+                data_at[names[i]] = first + self._DATA
+        if write_back:
+            raise TypeError("LaunchTemplate: host arrays among the arguments (they would need copies back)")
+        self._params, self._data_at = params, data_at
+        self._config = LaunchConfig(grid=grid, block=threads)
+        self._function = compiled._codelibrary.get_cufunc().kernel
+        self._stream = driver._to_core_stream(0)
+
+    def __call__(self, **arrays):
+        """Launch, with ``arrays[name]`` in each slot (other names are ignored)."""
+        if self._data_at is None:                 # the simulator: the plain launch
+            args = list(self._args)
+            for name, i in self.slots.items():
+                args[i] = arrays[name]
+            self._configured(*args)
+            return
+        from cuda.core import launch
+
+        params = self._params.copy()
+        for name, at in self._data_at.items():
+            params[at] = arrays[name]
+        launch(self._stream, self._config, self._function, *params)
+
+
+def bind_launch(kernel, grid, threads, args):
+    """A launch of ``kernel[grid, threads](*args)`` as a function of no arguments
+    (``LaunchTemplate`` with no slots: it holds all its arrays)."""
+    return LaunchTemplate(kernel, grid, threads, args)
+
+
+def device_pointer(x, name: str) -> int:
+    """The data pointer of a device array (anything with ``__cuda_array_interface__``),
+    checked C-contiguous, after the wait ``cuda_view`` explains where one is needed."""
+    cai = x.__cuda_array_interface__
+    strides = cai.get("strides")
+    if strides is not None:
+        expected = np.dtype(cai["typestr"]).itemsize
+        for n, stride in zip(reversed(cai["shape"]), reversed(strides)):
+            if n > 1 and stride != expected:
+                raise ValueError(f"{name}: expected a C-contiguous device array, got strides {tuple(strides)}")
+            expected *= n
+    stream = cai.get("stream")
+    if stream not in _ORDERED_STREAMS:
+        cuda.external_stream(stream).synchronize()
+    return cai["data"][0]
 
 
 def cdiv(a: int, b: int) -> int:
