@@ -127,6 +127,8 @@ def is_device_array(x) -> bool:
     """True for CuPy arrays, PyTorch CUDA tensors, Numba device arrays (and the simulator's)."""
     if isinstance(x, np.ndarray):
         return False
+    if type(x).__module__.startswith("torch"):     # (asking a tensor for the interface builds it: µs)
+        return bool(getattr(x, "is_cuda", False))
     return hasattr(x, "__cuda_array_interface__") or type(x).__name__ == "FakeCUDAArray"
 
 
@@ -226,12 +228,13 @@ def check_array(x, name: str, *, ndim: int | None = None, dtypes=(np.float32,)):
     """Validate rank and dtype of an array-like, naming it in the error. Returns (shape, dtype)."""
     if x is None:
         raise TypeError(f"{name}: expected an array, got None")
-    if not (isinstance(x, np.ndarray) or is_device_array(x)):
+    on_device = not isinstance(x, np.ndarray) and is_device_array(x)
+    if not (isinstance(x, np.ndarray) or on_device):
         raise TypeError(
             f"{name}: expected a NumPy array or a device array (__cuda_array_interface__), got {type(x).__name__}"
         )
-    if is_device_array(x) and not isinstance(x, np.ndarray):
-        cai = x.__cuda_array_interface__ if hasattr(x, "__cuda_array_interface__") else None
+    if on_device:
+        cai = getattr(x, "__cuda_array_interface__", None)
         if cai is not None:
             shape, dtype = tuple(cai["shape"]), np.dtype(cai["typestr"])
         else:
