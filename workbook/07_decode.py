@@ -751,8 +751,9 @@ for itemsize, name in ((4, "fp32"), (2, "fp16")):
 # (`io_model_bytes`) over the time, and `extra` holds `pct_read_bw`, that bandwidth as a
 # percentage of the measured read bandwidth: how close a kernel comes to the floor.
 #
-# Each launcher is timed two ways: **one call** of `decode_attention` (checks, plan,
-# workspaces, outputs and launches, as a user calls it once) and **prepared**: a
+# Each launcher is timed two ways: **one call** of `decode_attention` (checks, outputs and
+# launches, timed as one call's latency; its plan is cached by the warm-up calls of the same
+# shape, as the layers of a model share one in a decode step) and **prepared**: a
 # `prepare_decode` plan made once and called again (the launches alone, as a serving loop
 # runs a step). The table below gives TB/s (`gbps` / 1000) per configuration; "best SDPA"
 # is SDPA flash for fp16 caches and the better of SDPA memory-efficient and math for fp32;
@@ -865,48 +866,53 @@ if csv_path.exists():
 
 # %% [markdown]
 # What the H100 says (one run; every number is in the CSV; "prepared" is `prepare_decode`
-# run again, one call is `decode_attention`; the read bandwidth of the same run is 3.06 TB/s):
+# run again, one call is `decode_attention`; the read bandwidth of the same run is 2.96 TB/s,
+# other runs measured up to 3.06):
 #
 # * **MHA at the bandwidth, fp32 and fp16.** From B·N = 64k keys up, the prepared kernels
-#   stream 2.80 to 3.09 TB/s, 91 to 101% of the read bandwidth (a sum over 4 GiB is a
-#   reference, not a ceiling), with either cache dtype: B = 1 at 128k 3.01 (fp32) and 2.93
-#   (fp16) TB/s, at 512k 3.03 and 3.03.
-# * **fp16 caches: ahead of SDPA flash at every point, MHA and GQA** (with the better of
-#   the two schedules): 1.32 against 0.68 TB/s at B = 1, 4k; 2.26 against 1.52 at 16k; 2.93
-#   against 2.79 at 128k; 3.03 against 2.97 at 512k; 3.04 against 2.46 at B = 16, 64k; 2.95
-#   against 2.83 at H = 40; GQA 32/8 2.26 against 2.22 at B = 1, 128k and 3.05 against 2.95
-#   at B = 16, 64k.
-# * **fp32 caches: 2.2 to 2.4x the best SDPA fp32 backend** (memory-efficient or math):
-#   1.79 against 0.77 TB/s at B = 1, 4k; 3.01 against 1.23 at 128k; 3.09 against 1.38 at
-#   B = 64, 16k. Plain PyTorch, which reads K and V as two matrix products, is the nearest
-#   fp32 peer (1.53 to 2.27 TB/s).
-# * **Small contexts need the prepared call.** At B = 1, 4k the prepared kernels take 0.075
-#   ms (fp32) and 0.051 ms (fp16), 1.8 and 1.3 TB/s; one `decode_attention` call costs about
-#   1.3 ms there, nearly all of it host work (checks, plan, outputs, binding the launches),
-#   so a serving loop plans once and runs every step (`prepare_decode`). The prepared call
-#   is itself one driver launch a kernel: `kernels.base.runtime.bind_launch` does Numba's
-#   per-launch work (typing the arguments, finding the compiled kernel, flattening each
-#   array into pointer, shape and strides) once.
+#   stream 2.68 to 3.09 TB/s, 90 to 104% of the read bandwidth (a sum over 4 GiB is a
+#   reference, not a ceiling), with either cache dtype: B = 1 at 128k 3.01 (fp32) and 2.84
+#   (fp16) TB/s, at 512k 3.05 and 3.04.
+# * **fp16 caches: level with SDPA flash or ahead** (with the better of the two
+#   schedules): 1.38 against 0.74 TB/s at B = 1, 4k; 2.35 against 1.91 at 16k; 2.84
+#   against 2.69 at 128k; 3.04 against 3.04 at 512k; 3.06 against 2.48 at B = 16, 64k; 2.95
+#   against 2.94 at H = 40. GQA 32/8: 2.34 against 2.36 at B = 1, 128k and 2.90 against
+#   2.99 at B = 16, 64k, 1 and 3% behind in this run (2 and 3% ahead in the run before).
+# * **fp32 caches: 2.2 to 2.4x the best SDPA fp32 backend** on MHA (memory-efficient or
+#   math): 1.75 against 0.80 TB/s at B = 1, 4k; 3.01 against 1.26 at 128k; 3.09 against
+#   1.40 at B = 64, 16k; 16 to 18x on GQA, where SDPA runs its math backend. Plain PyTorch,
+#   which reads K and V as two matrix products, is the nearest fp32 peer (1.55 to 2.31 TB/s
+#   on MHA).
+# * **One call plans once a shape.** `decode_attention` keeps the plan of each call shape
+#   (shapes, cache lengths, options: `DecodeLaunches`, built in 1 to 5 ms of host work), so
+#   the next call of that shape (the next layer of the model, in the same decode step) only
+#   passes its arrays' pointers to launches bound once (`kernels.base.runtime.LaunchTemplate`
+#   does Numba's per-launch work, typing the arguments, finding the compiled kernel,
+#   flattening each array into pointer, shape and strides, once). Such a call costs 0.1 to
+#   0.2 ms more than the prepared run (at B = 1, 128k: 0.90 against 0.76 ms with fp16
+#   caches); before the plan was kept, every call spent 1.1 to 1.6 ms on it. Below 64k keys
+#   that leftover host work still shows: SDPA flash's one call takes 0.09 ms at B = 1, 4k,
+#   fp16, ours 0.15, and the prepared call 0.05. A serving loop prepares once.
 # * **Stream-K wins where the work is uneven.** On the ragged GQA batch {128k, 8k, 8k, 8k}
-#   it takes 0.50 ms against split-K's 1.31 (fp32) and 0.27 against 0.40 (fp16): 1.21x
-#   and 1.31x the floor of the bytes actually cached. On uniform batches neither wins
-#   everywhere: split-K is ahead by 1 to 5% up to 16k keys at B = 1 and on GQA fp16;
-#   stream-K by 2 to 3% from 64k up at B = 1, by 15% on GQA fp32 at B = 1, and by 11% at
-#   B = 16, 64k, fp16 MHA.
+#   it takes 0.50 ms against split-K's 1.29 (fp32) and 0.28 against 0.56 (fp16): 1.16x and
+#   1.30x the floor of the bytes actually cached. On uniform batches it is ahead or level
+#   in most configurations, by up to 14% (B = 16, 64k, fp16 MHA and GQA; H = 40, fp16);
+#   split-K is ahead by 6% at B = 1, 4k, fp32.
 # * **GQA with fp16 caches runs on tensor cores.** With 4 query rows a KV head every K and
 #   V element feeds 8 FMAs plus per-row sums and softmax: on the FMA units the same plan
 #   reaches 1.49 TB/s (B = 1, 128k) and 1.70 (B = 16, 64k), bound by instruction issue. On
-#   tensor cores (section 5) the group's rows take 2.26 and 3.05 TB/s: 1.5 and 1.8x. Two
-#   gaps remain: at B = 1, 128k both we and SDPA flash are at 74% of the read bandwidth
-#   (about 60 us over the floor, the fixed costs of a short pass over a small cache), and
-#   the fp32 GQA rows, which stay on the FMA units, reach 2.50 (82%) and 2.80 TB/s (91%).
+#   tensor cores (section 5) the group's rows take 2.34 and 2.90 TB/s: 1.6 and 1.7x. Two
+#   gaps remain: at B = 1, 128k we reach 79% of the read bandwidth and SDPA flash 80%
+#   (the fixed costs of a 0.23 ms pass; Nsight Compute shows our kernel at 254 registers a
+#   thread, two blocks an SM, DRAM 74% busy while it runs), and the fp32 GQA rows, which
+#   stay on the FMA units, reach 2.42 (82%) and 2.84 TB/s (96%).
 # * **A trick that did not pay here.** Rescaling l and O only when a row's max grows (the
 #   factor is otherwise $2^0 = 1$) skips RT·CPL multiplies a step, and measured slower in a
 #   separate run: GQA 32/8 fp32 at B = 16, 64k from 3.06 to 3.49 ms, the ragged batch from
 #   0.50 to 0.57 ms, MHA unchanged. The branch for each row costs more than the multiplies
 #   it skips, so the kernel rescales every step.
 # * **Against chapter 4** at B = 1, H = 32, N = 128k, fp32: 1.43 ms (prepared stream-K)
-#   against 38.07 ms for `flash_attention`, whose grid starves at $N_q = 1$: 26.7x less time.
+#   against 38.25 ms for `flash_attention`, whose grid starves at $N_q = 1$: 26.8x less time.
 #
 # Every row of the CSV, with the fraction of the read bandwidth and the floor (K and V bytes
 # over the read bandwidth):
