@@ -39,6 +39,14 @@ COPY_BLOCKS_PER_SM = 8          # enough resident warps to keep many loads in fl
 SUM_THREADS = 64 if on_simulator() else 256
 
 
+# The kernels a learner may write in place of these (``kernels.base.learner``): each
+# factory's name, and the tests that grade it (a ``pytest -k`` expression).
+# The notebook asks for the two the chapter does not print (a scaled sum and a block max);
+# the copy and the block sum it prints can be rewritten too.
+EXERCISES = {"make_scale_add": "scale_add", "make_block_max": "block_maxes",
+             "make_copy": "copy", "make_block_sum": "block_sums"}
+
+
 # --------------------------------------------------------------------------- copy
 
 @functools.lru_cache(maxsize=None)
@@ -160,6 +168,86 @@ def block_sums(x, *, threads: int | None = None):
     return kind.give_back(sums)
 
 
+# --------------------------------------------------------------------------- the exercises' kernels
+# Solutions of the notebook's kernel exercises (not printed there): a learner's factory of
+# the same name replaces them (``kernels.base.learner``) and the same tests grade it.
+
+@functools.lru_cache(maxsize=None)
+def make_scale_add(threads: int):
+    """out[i] = a * x[i] + y[i] for every i: a grid-stride loop (any grid covers any n)."""
+
+    @cuda.jit
+    def scale_add_kernel(a, x, y, out):
+        i = cuda.grid(1)
+        while i < x.shape[0]:
+            out[i] = a * x[i] + y[i]
+            i += cuda.gridsize(1)
+
+    return scale_add_kernel
+
+
+def scale_add(a, x, y, *, threads: int | None = None, blocks: int | None = None):
+    """a * x + y for a float32 scalar ``a`` and 1-D float32 arrays ``x``, ``y`` of one length,
+    by ``make_scale_add``'s kernel on a grid of ``blocks`` blocks (default: enough for one
+    element a thread, at most 4 in the simulator) of ``threads`` threads."""
+    if isinstance(a, bool) or not isinstance(a, (int, float, np.floating, np.integer)):
+        raise TypeError(f"a: expected a number, got {type(a).__name__}")
+    shape, _ = check_array(x, "x", ndim=1)
+    y_shape, _ = check_array(y, "y", ndim=1)
+    if y_shape != shape:
+        raise ValueError(f"y: expected shape {shape} like x, got {y_shape}")
+    threads = _check_threads(COPY_THREADS if threads is None else threads, "threads")
+    n = shape[0]
+    blocks = copy_grid(n, threads, 1, None if blocks is None else check_int(blocks, "blocks", 1, 2**31 - 1))
+    kind = ArrayKind(x)
+    out = device_empty((n,), np.float32)
+    if n > 0:
+        make_scale_add(threads)[blocks, threads](np.float32(a), to_device(x, "x"), to_device(y, "y"), out)
+    return kind.give_back(out)
+
+
+@functools.lru_cache(maxsize=None)
+def make_block_max(threads: int):
+    """Block b writes max(x[b*threads : (b+1)*threads]) to ``maxes[b]``: the block sum's tree
+    with max in place of +, -inf past the end, and NaN kept (``max`` of a NaN and a number
+    is either, so the tree asks ``v != v``)."""
+    THREADS = threads
+
+    @cuda.jit
+    def block_max_kernel(x, maxes):
+        buf = cuda.shared.array(THREADS, float32)
+        t = cuda.threadIdx.x
+        i = cuda.blockIdx.x * THREADS + t
+        buf[t] = x[i] if i < x.shape[0] else float32(-np.inf)
+        cuda.syncthreads()
+        half = int32(THREADS // 2)
+        while half > 0:
+            if t < half:
+                a, b = buf[t], buf[t + half]
+                buf[t] = a if (a != a or a >= b) else b
+            cuda.syncthreads()
+            half //= int32(2)
+        if t == 0:
+            maxes[cuda.blockIdx.x] = buf[0]
+
+    return block_max_kernel
+
+
+def block_maxes(x, *, threads: int | None = None):
+    """Per-block maxima of a 1-D float32 array: element b is ``x[b*threads:(b+1)*threads].max()``
+    (NaN if the segment holds one). ``threads``: a power of two, 1..1024."""
+    shape, _ = check_array(x, "x", ndim=1)
+    threads = _check_threads(SUM_THREADS if threads is None else threads, "threads")
+    if threads & (threads - 1):
+        raise ValueError(f"threads: expected a power of two, got {threads}")
+    kind = ArrayKind(x)
+    blocks = cdiv(shape[0], threads)
+    maxes = device_empty((blocks,), np.float32)
+    if blocks > 0:
+        make_block_max(threads)[blocks, threads](to_device(x, "x"), maxes)
+    return kind.give_back(maxes)
+
+
 # --------------------------------------------------------------------------- launch overhead
 
 @cuda.jit
@@ -174,6 +262,13 @@ def launch_empty(blocks: int = 1, threads: int = 1):
 
 
 # --------------------------------------------------------------------------- counting
+
+def copy_owner(i: int, block_dim: int, grid_dim: int, items: int = 1) -> tuple[int, int]:
+    """(block, thread) of the copy kernel that moves element ``i`` (``grid_stride_indices``
+    inverted): where to look when element i comes out wrong."""
+    r = i % (grid_dim * block_dim * items)
+    return r // (block_dim * items), r % block_dim
+
 
 def grid_stride_indices(block: int, thread: int, block_dim: int, grid_dim: int, n: int, items: int = 1):
     """The elements thread ``thread`` of block ``block`` copies, in order (the copy kernel's
@@ -221,5 +316,7 @@ def ptx_targets():
         ("copy fp32 grid-stride, 1 element a step", make_copy(1), f"void({vec}, {vec})"),
         ("copy fp32 grid-stride, 4 elements a step", make_copy(4), f"void({vec}, {vec})"),
         ("block sum fp32 256 threads", make_block_sum(256), f"void({vec}, {vec})"),
+        ("block max fp32 256 threads", make_block_max(256), f"void({vec}, {vec})"),
+        ("scale-add fp32 grid-stride", make_scale_add(256), f"void(float32, {vec}, {vec}, {vec})"),
         ("empty kernel", empty, "void()"),
     ]

@@ -10,6 +10,9 @@ Profiles (``HYPOTHESIS_PROFILE`` picks one; the default follows the device):
   mutants  what tests/test_planted_bugs.py runs a mutant's tests with: a fixed, derandomized
        set of examples and no shrinking (a caught mutant needs one failure, not the smallest)
 
+``WORKBOOK_LEARNER=<file.py>`` puts a learner's kernel factories in place of the chapter's
+before any test imports it (``kernels.base.learner``): the chapter's tests grade them.
+
 ``WORKBOOK_MUTANT=<id>`` plants one of the bugs of ``tests/mutants.py`` before anything
 imports the kernels: the named kernel module is loaded from its source with the mutant's
 snippets replaced.
@@ -25,6 +28,13 @@ if os.environ.get("WORKBOOK_MUTANT"):
 
 import kernels  # noqa: F401  (GPU-or-simulator switch, before Numba)
 from kernels.base.runtime import on_simulator
+
+if os.environ.get("WORKBOOK_LEARNER"):          # a learner's kernels in place of the chapter's
+    from kernels.base import learner
+
+    LEARNER = learner.install(os.environ["WORKBOOK_LEARNER"])
+else:
+    LEARNER = None
 
 from hypothesis import HealthCheck, Phase, settings
 
@@ -46,4 +56,5 @@ def pytest_report_header(config):
 
     mutant = os.environ.get("WORKBOOK_MUTANT")
     planted = f"; planted bug: {mutant}" if mutant else ""
-    return f"workbook device: {device_name()}; hypothesis profile: {settings._current_profile}{planted}"
+    mine = f"; the learner's {', '.join(LEARNER[1])} in kernels.{LEARNER[0]}" if LEARNER else ""
+    return f"workbook device: {device_name()}; hypothesis profile: {settings._current_profile}{planted}{mine}"

@@ -28,7 +28,15 @@ def vectors(draw, max_len=MAX_LEN):
 def test_copy_is_exact(x, items, threads, blocks):
     got = gpu_basics.copy(x, items=items, threads=threads, blocks=blocks)
     assert isinstance(got, np.ndarray) and got.dtype == np.float32
-    np.testing.assert_array_equal(got, x)
+    assert got.shape == x.shape
+    wrong = np.flatnonzero(~((got == x) | (np.isnan(got) & np.isnan(x))))
+    if wrong.size:
+        i = int(wrong[0])
+        grid = gpu_basics.copy_grid(len(x), threads, items, blocks)
+        block, thread = gpu_basics.copy_owner(i, threads, grid, items)
+        raise AssertionError(f"{wrong.size} of {len(x)} elements wrong; the first, element {i}: got {got[i]!r}, "
+                             f"expected {x[i]!r}; it is block {block}, thread {thread}'s "
+                             f"(grid of {grid} blocks of {threads} threads, {items} a step)")
 
 
 def test_copy_into_out_and_on_device():
@@ -60,7 +68,46 @@ def test_block_sums_match_the_oracle(x, threads):
     exact = _segment_sums(x.astype(np.float64), threads, np.float64)
     baseline = _segment_sums(x, threads, np.float32)
     assert got.shape == exact.shape
-    assert_close(got, exact, baseline, name="block sums")
+    assert_close(got, exact, baseline, name="block sums (element b is block b's)")
+
+
+@given(x=vectors(), a=st.sampled_from([0.0, 1.0, -2.5, 3.0e3]), seed=st.integers(0, 2**32 - 1),
+       threads=st.sampled_from([32, 64]), blocks=st.one_of(st.none(), st.integers(1, 5)))
+@example(x=np.ones(1, np.float32), a=2.0, seed=0, threads=32, blocks=None)            # N = 1
+@example(x=np.zeros(0, np.float32), a=2.0, seed=0, threads=32, blocks=None)           # N = 0
+def test_scale_add_matches_the_oracle(x, a, seed, threads, blocks):
+    y = random_array(np.random.default_rng(seed), x.shape)
+    got = gpu_basics.scale_add(a, x, y, threads=threads, blocks=blocks)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == x.shape
+    exact = np.float64(np.float32(a)) * x.astype(np.float64) + y
+    baseline = np.float32(a) * x + y                  # NumPy float32: one rounding a step
+    assert_close(got, exact, baseline, name="a*x + y (element i is thread i's, modulo the grid)")
+
+
+def _segment_maxes(x, threads):
+    n = len(x)
+    padded = np.full(-(-n // threads) * threads, -np.inf, np.float32)
+    padded[:n] = x
+    return padded.reshape(-1, threads).max(axis=1)     # NaN in a segment gives NaN
+
+
+@given(x=vectors(max_len=1200), threads=st.sampled_from([1, 2, 32, 64, 128]), nans=st.integers(0, 2),
+       seed=st.integers(0, 2**32 - 1))
+@example(x=np.ones(1, np.float32), threads=64, nans=0, seed=0)
+@example(x=-np.linspace(1, 3, 65, dtype=np.float32), threads=64, nans=0, seed=0)  # negatives, one past a block
+@example(x=np.array([1.0, np.nan, 3.0], np.float32), threads=2, nans=0, seed=0)   # NaN then a larger number
+def test_block_maxes_match_the_oracle(x, threads, nans, seed):
+    x = x.copy()
+    if len(x) and nans:
+        x[np.random.default_rng(seed).integers(0, len(x), nans)] = np.nan
+    got = gpu_basics.block_maxes(x, threads=threads)
+    expected = _segment_maxes(x, threads)
+    assert got.shape == expected.shape
+    wrong = np.flatnonzero(~((got == expected) | (np.isnan(got) & np.isnan(expected))))
+    if wrong.size:
+        b = int(wrong[0])
+        raise AssertionError(f"{wrong.size} of {len(expected)} maxima wrong; the first, block {b} "
+                             f"(x[{b * threads}:{(b + 1) * threads}]): got {got[b]!r}, expected {expected[b]!r}")
 
 
 def test_block_sums_on_device_stay_on_device():
@@ -80,6 +127,10 @@ def test_block_sums_on_device_stay_on_device():
     (lambda: gpu_basics.copy(np.ones(4, np.float32), blocks=1.5), "blocks:", TypeError),
     (lambda: gpu_basics.block_sums(np.ones(4, np.float32), threads=48), "threads: expected a power of two", ValueError),
     (lambda: gpu_basics.block_sums(None), "x:", TypeError),
+    (lambda: gpu_basics.scale_add("2", np.ones(4, np.float32), np.ones(4, np.float32)), "a:", TypeError),
+    (lambda: gpu_basics.scale_add(2.0, np.ones(4, np.float32), np.ones(5, np.float32)), "y: expected shape", ValueError),
+    (lambda: gpu_basics.scale_add(2.0, np.ones(4, np.float32), np.ones(4, np.float64)), "y: expected dtype", TypeError),
+    (lambda: gpu_basics.block_maxes(np.ones(4, np.float32), threads=48), "threads: expected a power of two", ValueError),
 ])
 def test_bad_input_names_the_argument(call, match, exc):
     with pytest.raises(exc, match=match):
@@ -91,6 +142,10 @@ def test_grid_stride_indices_cover_every_element_once(block_dim, grid_dim, n, it
     seen = [i for b in range(grid_dim) for t in range(block_dim)
             for i in gpu_basics.grid_stride_indices(b, t, block_dim, grid_dim, n, items)]
     assert sorted(seen) == list(range(n))
+    for b in range(grid_dim):                     # copy_owner inverts it (what a failing copy test names)
+        for t in range(block_dim):
+            for i in gpu_basics.grid_stride_indices(b, t, block_dim, grid_dim, n, items):
+                assert gpu_basics.copy_owner(i, block_dim, grid_dim, items) == (b, t)
     if n >= 2 and block_dim >= 2:  # coalesced: neighbouring threads start on neighbouring elements
         assert gpu_basics.grid_stride_indices(0, 1, block_dim, grid_dim, n, items)[0] == 1
 

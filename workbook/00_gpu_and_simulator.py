@@ -474,6 +474,88 @@ _ = check_exercise(intensity_property(lambda b, h, n, d, bpe: gpu_basics.arithme
     host=True)
 
 # %% [markdown]
+# ### Exercises 3 and 4 (kernels): a scaled sum and a block maximum
+#
+# Now write two kernels yourself. They go in a file of your own, which the next cell makes
+# from a template the first time (`workbook/mine/my_gpu_basics.py`; your edits are kept).
+# `grade` then runs **the chapter's own tests** (`tests/test_gpu_basics.py`) with your
+# factories in place of the course's, and prints "passed" or the smallest case that fails
+# and where: which element, and which block and thread own it. From a shell the same
+# grading is `WORKBOOK_LEARNER=workbook/mine/my_gpu_basics.py python -m pytest
+# tests/test_gpu_basics.py -k "scale_add or block_maxes"`.
+#
+# * **Exercise 3.** `make_scale_add(threads)` returns a kernel `(a, x, y, out)` that writes
+#   `out[i] = a * x[i] + y[i]` for every `i`, whatever grid it is launched on (the tests
+#   launch 1 to 5 blocks of 32 or 64 threads over up to 3000 elements).
+# * **Exercise 4.** `make_block_max(threads)` returns a kernel `(x, maxes)` launched with
+#   one block of `threads` threads (a power of two) for each `threads` elements: block `b`
+#   writes the largest of `x[b*threads : (b+1)*threads]` to `maxes[b]`, NaN if the segment
+#   holds a NaN. Section 4's block sum is the pattern.
+#
+# <details><summary>Hint 1 (exercise 3)</summary>
+#
+# `cuda.grid(1)` is this thread's global index and `cuda.gridsize(1)` the number of threads
+# in the grid; loop from the first while below `x.shape[0]`, stepping by the second.
+# </details>
+#
+# <details><summary>Hint 2 (exercise 4)</summary>
+#
+# Load one element a thread into a shared array of `threads` floats (`-inf` past the end
+# of `x`), then halve: `if t < half`, keep the larger of `buf[t]` and `buf[t + half]`, with a
+# `cuda.syncthreads()` after each step that every thread reaches.
+# </details>
+#
+# <details><summary>Hint 3 (exercise 4, NaN)</summary>
+#
+# Every comparison with a NaN is False, so `a if a > b else b` drops a NaN in `a`, and
+# `max(a, b)` (fmaxf on a GPU) returns the number. Test for it: `a != a` is True only for NaN.
+# </details>
+
+# %%
+from kernels.base.learner import grade
+
+TEMPLATE = '''"""My kernels for chapter 0 (graded by tests/test_gpu_basics.py)."""
+CHAPTER = "gpu_basics"
+
+import math
+
+from numba import cuda, float32, int32
+
+
+def make_scale_add(threads):
+    @cuda.jit
+    def scale_add_kernel(a, x, y, out):
+        raise NotImplementedError   # your code: out[i] = a * x[i] + y[i] for every i
+
+    return scale_add_kernel
+
+
+def make_block_max(threads):
+    THREADS = threads
+
+    @cuda.jit
+    def block_max_kernel(x, maxes):
+        raise NotImplementedError   # your code: maxes[b] = max of block b's segment
+
+    return block_max_kernel
+'''
+
+mine = Path("mine") / "my_gpu_basics.py"
+if not mine.exists():
+    mine.parent.mkdir(exist_ok=True)
+    mine.write_text(TEMPLATE)
+print(f"your kernels: {mine.resolve()}")
+
+# %%
+_ = grade(mine)
+
+# %% [markdown]
+# The course's answers are `gpu_basics.make_scale_add` and `gpu_basics.make_block_max`
+# (read them after yours pass). The copy and the block sum of sections 3 and 4 are
+# exercises too (`make_copy`, `make_block_sum`: define them in the same file to have the
+# chapter's tests grade your versions).
+
+# %% [markdown]
 # ## What to take into the next chapters
 #
 # * HBM is big and slow (2.95 TB/s measured), shared memory and registers small and fast;

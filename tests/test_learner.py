@@ -1,0 +1,43 @@
+"""The learner's hook (``kernels.base.learner``): a learner's kernel factories, put in place
+of the chapter's, are graded by the chapter's own tests; a right answer passes, a wrong one
+fails with the smallest case and what went wrong where; a bad file is named."""
+
+from pathlib import Path
+
+import pytest
+
+from kernels.base import learner
+
+FILES = Path(__file__).parent / "learner_files"
+
+
+def test_a_right_kernel_passes(capsys):
+    assert learner.grade(FILES / "scale_add_right.py")
+    out = capsys.readouterr().out
+    assert "make_scale_add from scale_add_right.py" in out and "passed:" in out
+
+
+def test_a_copy_that_stops_short_fails_naming_the_element_block_and_thread(capsys):
+    assert not learner.grade(FILES / "copy_stops_short.py")
+    out = capsys.readouterr().out
+    assert "not yet:" in out and "Falsifying example" in out
+    # the last element is never copied: the message says which one and whose it is
+    assert "elements wrong; the first, element" in out and "block" in out and "thread" in out
+
+
+def test_a_block_max_that_loses_nan_fails_naming_the_block(capsys):
+    assert not learner.grade(FILES / "block_max_drops_nan.py")
+    out = capsys.readouterr().out
+    assert "not yet:" in out and "maxima wrong; the first, block" in out and "expected np.float32(nan)" in out
+
+
+def test_a_file_without_its_chapter_or_exercises_is_named(tmp_path):
+    nothing = tmp_path / "mine.py"
+    nothing.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="CHAPTER"):
+        learner.load(nothing)
+    nothing.write_text('CHAPTER = "gpu_basics"\n')
+    with pytest.raises(ValueError, match="make_scale_add, make_block_max, make_copy, make_block_sum"):
+        learner.load(nothing)
+    with pytest.raises(FileNotFoundError, match="WORKBOOK_LEARNER"):
+        learner.load(tmp_path / "absent.py")
