@@ -83,6 +83,10 @@ __all__ = [
     "make_row_softmax",
     "softmax_regs",
     "make_weighted_sum",
+    "make_first_scores",
+    "make_first_row_softmax",
+    "first_scores",
+    "first_row_softmax",
     "ptx_targets",
 ]
 
@@ -619,6 +623,104 @@ def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False, tile
     return (o, kind.give_back(dl)) if return_lse else o
 
 
+# --------------------------------------------------------------------------- the first versions
+# What a first attempt writes, and the notebook's two kernel exercises (their solutions,
+# not printed there): one thread an element of S, one thread a row of the softmax. A
+# learner's factory of the same name replaces them (``kernels.base.learner``) and
+# tests/test_naive_attention.py grades it. Correct, and slow: each thread of the scores
+# kernel reads its rows of Q and K from HBM (2d loads an element of S, against 2d/Bc and
+# 2d/Br for the tiled kernel), and a row's softmax runs on one thread.
+
+EXERCISES = {"make_first_scores": "first_scores", "make_first_row_softmax": "first_row_softmax"}
+FIRST_THREADS = (16, 16)          # the first scores kernel's blocks: 16 x 16 elements of S
+
+
+@functools.lru_cache(maxsize=None)
+def make_first_scores():
+    """Kernel (q, k, s, scale, causal) on (B*H, N, X) views: thread (x, y) of the grid, z =
+    batch*head, writes S[z, y, x] = scale * q[z, y] . k[z, x], or -inf where causal masks
+    (key x is after query y's position y + Nk - Nq)."""
+
+    @cuda.jit(fastmath=FASTMATH)
+    def first_scores_kernel(q, k, s, scale, causal):
+        j, i = cuda.grid(2)
+        z = cuda.blockIdx.z
+        nq, nk = s.shape[1], s.shape[2]
+        if i < nq and j < nk:
+            if causal and j > i + nk - nq:
+                s[z, i, j] = NEG_INF
+            else:
+                acc = float32(0.0)
+                for c in range(q.shape[2]):
+                    acc += q[z, i, c] * k[z, j, c]
+                s[z, i, j] = scale * acc
+
+    return first_scores_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def make_first_row_softmax():
+    """Kernel (s, p, lse) on (B*H, Nq, Nk) views of S and P and the (B*H, Nq) view of L:
+    thread r of the grid takes row r (r = z * Nq + i) in three sweeps: the max m (NaN
+    kept), l = sum exp(s - m), p = exp(s - m) / l and L = m + log l; a row whose max is
+    -inf (nothing to attend to) gets P = 0 and L = -inf."""
+
+    @cuda.jit(fastmath=FASTMATH)
+    def first_row_softmax_kernel(s, p, lse):
+        r = cuda.grid(1)
+        nq, nk = s.shape[1], s.shape[2]
+        if r >= s.shape[0] * nq:
+            return
+        z, i = r // nq, r % nq
+        m = NEG_INF
+        for j in range(nk):
+            m = nan_max(m, s[z, i, j])
+        if m == NEG_INF:
+            for j in range(nk):
+                p[z, i, j] = float32(0.0)
+            lse[z, i] = NEG_INF
+            return
+        total = float32(0.0)
+        for j in range(nk):
+            total += math.exp(s[z, i, j] - m)
+        for j in range(nk):
+            p[z, i, j] = math.exp(s[z, i, j] - m) / total
+        lse[z, i] = m + math.log(total)
+
+    return first_row_softmax_kernel
+
+
+def first_scores(q, k, *, causal=False, scale=None):
+    """Step 1 by ``make_first_scores``'s kernel (one thread an element): S, (B, H, Nq, Nk)."""
+    b, h, nq, nk, d, _ = check_qkv(q, k, k, max_head_dim=MAX_HEAD_DIM)
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    if b * h > MAX_GRID_YZ:
+        raise ValueError(f"q: expected at most {MAX_GRID_YZ} (batch, head) pairs, got {b * h}")
+    kind = ArrayKind(q)
+    ds = device_empty((b, h, nq, nk))
+    if b * h and nq and nk:
+        tx, ty = FIRST_THREADS
+        make_first_scores()[(cdiv(nk, tx), cdiv(nq, ty), b * h), (tx, ty)](
+            _as_heads(to_device(q, "q"), (b, h, nq, d)), _as_heads(to_device(k, "k"), (b, h, nk, d)),
+            _as_heads(ds, (b, h, nq, nk)), np.float32(scale), causal)
+    return kind.give_back(ds)
+
+
+def first_row_softmax(s):
+    """Step 2 by ``make_first_row_softmax``'s kernel (one thread a row): (P, L)."""
+    shape_s, _ = check_array(s, "s", ndim=4)
+    b, h, nq, nk = shape_s
+    kind = ArrayKind(s)
+    dp, dl = device_empty(shape_s), device_empty((b, h, nq))
+    rows = b * h * nq
+    if rows:
+        threads = 32 if on_simulator() else 128
+        make_first_row_softmax()[cdiv(rows, threads), threads](_as_heads(to_device(s, "s"), shape_s),
+                                                               _as_heads(dp, shape_s), dl.reshape(b * h, nq))
+    return kind.give_back(dp), kind.give_back(dl)
+
+
 # --------------------------------------------------------------------------- the exercises' checkers
 # The notebook's exercise cells and tests/test_exercise_checker.py run these through
 # ``kernels.base.testing.check_exercise``. Each draw is built to expose the mistakes a
@@ -698,6 +800,10 @@ def ptx_targets():
     ] + [
         (f"naive scores fp32 Br={t.br} Bc={t.bc} Bk={t.bk} {t.tm}x{t.tn}",
          make_scores(t.br, t.bc, t.bk, t.tm, t.tn), f"void({_A3}, {_A3}, {_A3}, float32, boolean)"),
+    ] + [
+        ("naive first scores fp32 (one thread an element)", make_first_scores(),
+         f"void({_A3}, {_A3}, {_A3}, float32, boolean)"),
+        ("naive first row softmax fp32 (one thread a row)", make_first_row_softmax(), f"void({_A3}, {_A3}, {_A2})"),
     ] + [
         (f"naive row softmax fp32 threads={t.softmax_threads} regs={r}",
          make_row_softmax(t.softmax_threads, r), f"void({_A3}, {_A3}, {_A2})") for r in regs

@@ -31,6 +31,12 @@ def test_a_block_max_that_loses_nan_fails_naming_the_block(capsys):
     assert "not yet:" in out and "maxima wrong; the first, block" in out and "expected np.float32(nan)" in out
 
 
+def test_chapter_1s_first_softmax_without_the_max_fails(capsys):
+    assert not learner.grade(FILES / "first_softmax_no_max.py")
+    out = capsys.readouterr().out
+    assert "test_first_row_softmax_matches_the_oracle" in out and "P (row [b, h, i] is thread" in out
+
+
 def test_a_file_without_its_chapter_or_exercises_is_named(tmp_path):
     nothing = tmp_path / "mine.py"
     nothing.write_text("x = 1\n")

@@ -16,6 +16,8 @@ from kernels import reference as ref
 from kernels.naive_attention import (
     PRODUCTION_TILES,
     Tiles,
+    first_row_softmax,
+    first_scores,
     io_model_bytes,
     io_model_elements,
     naive_attention,
@@ -99,6 +101,37 @@ def test_each_step_matches_the_oracle(case, tiles):
     o_f32, lse_f32 = ref.attention(q, k, v, causal=causal, scale=scale, dtype=np.float32)
     assert_close(o, o_exact, o_f32, name="O", floor=floors.o)
     assert_close(lse, lse_exact, lse_f32, name="L (from Q, K)", floor=floors.lse)
+
+
+# --------------------------------------------------------------------------- the first versions
+# One thread an element of S, one thread a row of the softmax (the notebook's kernel
+# exercises; a learner's versions replace them through kernels.base.learner): the same
+# oracle and floors as the tiled kernels.
+
+@given(case=attention_cases(max_n=SIM_N))
+@example(case=case_with((1, 1, 1, 1), (1, 1, 1, 1)))                                 # N = 1, d = 1
+@example(case=case_with((1, 2, 20, 7), (1, 2, 17, 7), causal=True))                # Nq > Nk: masked rows
+@example(case=case_with((2, 1, 9, 5), (2, 1, 19, 5), causal=True, scale=0.7))       # Nq < Nk, causal
+def test_first_scores_match_the_oracle(case):
+    q, k, causal, scale = case.q, case.k, case.causal, case.scale
+    s = first_scores(q, k, causal=causal, scale=scale)
+    assert s.dtype == np.float32 and s.shape == q.shape[:3] + (k.shape[2],)
+    assert_close(s, oracle_scores(q, k, causal, scale), oracle_scores(q, k, causal, scale, np.float32),
+                 name="S (element [b, h, i, j] is block (j // 16, i // 16, b*H + h)'s)",
+                 floor=attention_floors(q, k, case.v, causal=causal, scale=scale).s)
+
+
+@given(case=attention_cases(max_n=SIM_N))
+@example(case=case_with((1, 1, 20, 16), (1, 1, 20, 16), logit_std=100.0))           # exp(300) overflows
+@example(case=case_with((1, 2, 20, 7), (1, 2, 17, 7), causal=True))                # rows with nothing to attend
+def test_first_row_softmax_matches_the_oracle(case):
+    s = oracle_scores(case.q, case.k, case.causal, case.scale, np.float32)     # float32 S, -inf where masked
+    p, lse = first_row_softmax(s)
+    assert p.dtype == np.float32 and p.shape == s.shape and lse.shape == s.shape[:3]
+    floor_p, floor_l = softmax_floors(s)
+    assert_close(p, ref.softmax(s), ref.softmax(s, dtype=np.float32), name="P (row [b, h, i] is thread (b*H + h)*Nq + i's)",
+                 floor=floor_p)
+    assert_close(lse, ref.logsumexp(s), ref.logsumexp(s, dtype=np.float32), name="L", floor=floor_l)
 
 
 # --------------------------------------------------------------------------- the launcher

@@ -483,6 +483,90 @@ _ = check_exercise(lambda x: check_softmax_row(lambda r: row_softmax(r.reshape(1
                    softmax_row_cases())
 
 # %% [markdown]
+# ### Exercises 4 and 5 (kernels): the first versions
+#
+# Before the tiles of sections 2 and 3, the version anyone writes first: one thread an
+# element of $S$, one thread a row of the softmax. Write both in your own file (the next
+# cell makes it from a template the first time: `workbook/mine/my_naive_attention.py`);
+# `grade` runs the chapter's tests `test_first_scores_match_the_oracle` and
+# `test_first_row_softmax_matches_the_oracle` on them, against the float64 oracle with the
+# same tolerance as the tiled kernels, and prints the smallest failing case.
+#
+# * **Exercise 4.** `make_first_scores()` returns a kernel `(q, k, s, scale, causal)` on
+#   `(B*H, N, d)` views of Q and K and the `(B*H, Nq, Nk)` view of S, launched on a grid of
+#   16 x 16 blocks: `(ceil(Nk/16), ceil(Nq/16), B*H)`. Thread `(x, y)` of the grid (from
+#   `cuda.grid(2)`), with `z = cuda.blockIdx.z`, writes `s[z, y, x]` =
+#   `scale * (q[z, y, :] . k[z, x, :])`, or `-inf` where the causal mask forbids key `x`
+#   for query `y`.
+# * **Exercise 5.** `make_first_row_softmax()` returns a kernel `(s, p, lse)`, launched with
+#   one thread for each of the B·H·Nq rows: row `r` is `s[r // Nq, r % Nq, :]`. It writes
+#   that row of `p` and `lse[r // Nq, r % Nq]`, with the conventions of section 3: a row with
+#   nothing to attend to gets P = 0 and L = -inf, and a NaN in a row makes that row NaN.
+#
+# <details><summary>Hint 1 (exercise 4)</summary>
+#
+# `j, i = cuda.grid(2)` gives the column and the row; check `i < s.shape[1] and j < s.shape[2]`
+# (the last blocks overhang). The causal rule is exercise 1's, with Nq and Nk from `s.shape`.
+# Sum the products in a `float32` accumulator.
+# </details>
+#
+# <details><summary>Hint 2 (exercise 5)</summary>
+#
+# Three sweeps over the row: the max `m`; the sum `l` of `exp(s - m)`; then `p = exp(s - m) /
+# l` and `L = m + log(l)`. If `m` is `-inf` nothing may be attended to: write zeros and
+# `-inf` without forming `exp(-inf - (-inf))`.
+# </details>
+#
+# <details><summary>Hint 3 (exercise 5, NaN)</summary>
+#
+# Numba's `max(a, b)` drops a NaN argument; `kernels.base.fused.nan_max` keeps it.
+# </details>
+
+# %%
+from kernels.base.learner import grade
+
+TEMPLATE = '''"""My kernels for chapter 1 (graded by tests/test_naive_attention.py)."""
+CHAPTER = "naive_attention"
+
+import math
+
+from numba import cuda, float32
+
+from kernels.base.fused import nan_max
+
+
+def make_first_scores():
+    @cuda.jit
+    def first_scores_kernel(q, k, s, scale, causal):
+        raise NotImplementedError   # your code: s[z, y, x] for thread (x, y) of block z
+
+    return first_scores_kernel
+
+
+def make_first_row_softmax():
+    @cuda.jit
+    def first_row_softmax_kernel(s, p, lse):
+        raise NotImplementedError   # your code: row r of p and its lse
+
+    return first_row_softmax_kernel
+'''
+
+mine = Path("mine") / "my_naive_attention.py"
+if not mine.exists():
+    mine.parent.mkdir(exist_ok=True)
+    mine.write_text(TEMPLATE)
+print(f"your kernels: {mine.resolve()}")
+
+# %%
+_ = grade(mine)
+
+# %% [markdown]
+# The course's answers: `kernels.naive_attention.make_first_scores` and
+# `make_first_row_softmax`. On a GPU, time yours against the tiled `scores` (section 7's
+# `time_fn`): each thread of the first scores kernel reads 2d floats from HBM for one
+# element of S.
+
+# %% [markdown]
 # ### Exercise 3 (on paper first)
 #
 # 1. At B = 1, H = 32, d = 128, how large may N be before $S$ and $P$ together fill 80 GB?
