@@ -35,6 +35,8 @@ def main(only):
             m.copy(x)
             m.copy(x, items=4)
             m.block_sums(x)
+            m.block_maxes(x)                          # the exercises' kernels
+            m.scale_add(1.5, x, rand(rng, n))
         ran.append("gpu_basics")
     if want("naive_attention") and (m := have("naive_attention")):
         for b, h, nq, nk, d in shapes:
@@ -46,6 +48,8 @@ def main(only):
                           causal=True, tiles=long_rows)
         for nq, nk in ((0, 5), (5, 0)):
             m.naive_attention(rand(rng, 1, 1, nq, 16), rand(rng, 1, 1, nk, 16), rand(rng, 1, 1, nk, 16))
+        for b, h, nq, nk, d in shapes:                # the first versions (the exercises' kernels)
+            m.first_row_softmax(m.first_scores(rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), causal=True))
         ran.append("naive_attention")
     if want("tiled_matmul") and (m := have("tiled_matmul")):
         for (mm, kk, nn) in [(129, 67, 131), (1, 1, 1), (256, 256, 256)]:

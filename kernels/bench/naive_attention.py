@@ -6,6 +6,8 @@ Reference configuration: B=4, H=16, d=64, fp32, non-causal, N = 1024, 2048, 4096
 * ``S kernel``      S = scale * Q K^T        model bytes 4 (2Nd + N^2) a head
 * ``softmax kernel`` P = softmax(S), L      model bytes 4 (2N^2 + N) a head
 * ``PV kernel``     O = P V                  model bytes 4 (N^2 + 2Nd) a head
+* ``S kernel, first version`` and ``softmax kernel, first version``: one thread an element
+  of S, one thread a row (the notebook's kernel exercises), same model bytes;
 * ``naive attention (3 kernels)``: the three launches on preallocated S, P, L, O:
   4 (4Nd + 4N^2 + N) a head, the standard forward of ``kernels.base.io_model``;
 * ``naive_attention()``: the launcher as a user calls it (it allocates S and P each
@@ -33,9 +35,12 @@ from numba import cuda
 from kernels import reference as ref
 from kernels.bench.harness import Result, cupy_or_none, torch_or_none
 from kernels.naive_attention import (
+    FIRST_THREADS,
     Tiles,
     default_tiles,
     io_model_bytes,
+    make_first_row_softmax,
+    make_first_scores,
     make_row_softmax,
     make_scores,
     make_weighted_sum,
@@ -148,6 +153,27 @@ def run(ctx) -> list[Result]:
                                    flops=flops, model_bytes=model["total"], peak_memory=False,
                                    note="S, P, L, O preallocated; IO model 4Nd + 4N^2 + N a head",
                                    extra=dict(extra)))
+        # The first versions (the notebook's kernel exercises): one thread an element of S,
+        # one thread a row of the softmax, on the same buffers.
+        k_s1, k_p1 = make_first_scores(), make_first_row_softmax()
+        g_s1 = (cdiv(n, FIRST_THREADS[0]), cdiv(n, FIRST_THREADS[1]), bh)
+        rows_threads = 32 if ctx.simulator else 128
+        g_p1 = cdiv(bh * n, rows_threads)
+        results.append(ctx.measure(
+            CHAPTER, "S kernel, first version", config,
+            lambda q3, k3, v3: k_s1[g_s1, FIRST_THREADS](q3, k3, s3, scale32, False), views,
+            flops=flops_matmul, model_bytes=model["scores"], peak_memory=False,
+            note="one thread an element of S: 2d loads of Q and K from HBM (or L2) each", extra=dict(extra)))
+        results.append(ctx.measure(
+            CHAPTER, "softmax kernel, first version", config,
+            lambda q3, k3, v3: k_p1[g_p1, rows_threads](s3, p3, l2), views,
+            flops=0, model_bytes=model["row_softmax"], peak_memory=False,
+            note="one thread a row, three sweeps: a warp's 32 rows are Nk floats apart (uncoalesced)",
+            extra=dict(extra)))
+        k_s1[g_s1, FIRST_THREADS](*views[0][:2], s3, scale32, False)
+        k_p1[g_p1, rows_threads](s3, p3, l2)
+        step_o(*views[0])
+        _check_head(o, *sets[0], scale)
         if not (ctx.simulator or ctx.quick):
             a = ALT_TILES
             k_s2 = make_scores(a.br, a.bc, a.bk, a.tm, a.tn)
