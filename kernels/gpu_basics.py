@@ -30,7 +30,8 @@ import functools
 import numpy as np
 from numba import cuda, float32, int32
 
-from kernels.base.runtime import ArrayKind, cdiv, check_array, check_int, device_empty, on_simulator, to_device
+from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_int, device_empty, is_device_array,
+                                  on_simulator, to_device)
 
 # Production launch shapes on a GPU; small ones in the simulator (each simulated thread is
 # a Python thread).
@@ -186,10 +187,11 @@ def make_scale_add(threads: int):
     return scale_add_kernel
 
 
-def scale_add(a, x, y, *, threads: int | None = None, blocks: int | None = None):
+def scale_add(a, x, y, *, out=None, threads: int | None = None, blocks: int | None = None):
     """a * x + y for a float32 scalar ``a`` and 1-D float32 arrays ``x``, ``y`` of one length,
     by ``make_scale_add``'s kernel on a grid of ``blocks`` blocks (default: enough for one
-    element a thread, at most 4 in the simulator) of ``threads`` threads."""
+    element a thread, at most 4 in the simulator) of ``threads`` threads. ``out``: a device
+    array of x's shape to write into (returned as given)."""
     if isinstance(a, bool) or not isinstance(a, (int, float, np.floating, np.integer)):
         raise TypeError(f"a: expected a number, got {type(a).__name__}")
     shape, _ = check_array(x, "x", ndim=1)
@@ -200,10 +202,10 @@ def scale_add(a, x, y, *, threads: int | None = None, blocks: int | None = None)
     n = shape[0]
     blocks = copy_grid(n, threads, 1, None if blocks is None else check_int(blocks, "blocks", 1, 2**31 - 1))
     kind = ArrayKind(x)
-    out = device_empty((n,), np.float32)
+    dst = _device_out(out, "out", (n,))
     if n > 0:
-        make_scale_add(threads)[blocks, threads](np.float32(a), to_device(x, "x"), to_device(y, "y"), out)
-    return kind.give_back(out)
+        make_scale_add(threads)[blocks, threads](np.float32(a), to_device(x, "x"), to_device(y, "y"), dst)
+    return out if out is not None else kind.give_back(dst)
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,19 +235,33 @@ def make_block_max(threads: int):
     return block_max_kernel
 
 
-def block_maxes(x, *, threads: int | None = None):
+def block_maxes(x, *, out=None, threads: int | None = None):
     """Per-block maxima of a 1-D float32 array: element b is ``x[b*threads:(b+1)*threads].max()``
-    (NaN if the segment holds one). ``threads``: a power of two, 1..1024."""
+    (NaN if the segment holds one). ``threads``: a power of two, 1..1024. ``out``: a device
+    array of the ``cdiv(len(x), threads)`` maxima to write into (returned as given)."""
     shape, _ = check_array(x, "x", ndim=1)
     threads = _check_threads(SUM_THREADS if threads is None else threads, "threads")
     if threads & (threads - 1):
         raise ValueError(f"threads: expected a power of two, got {threads}")
     kind = ArrayKind(x)
     blocks = cdiv(shape[0], threads)
-    maxes = device_empty((blocks,), np.float32)
+    maxes = _device_out(out, "out", (blocks,))
     if blocks > 0:
         make_block_max(threads)[blocks, threads](to_device(x, "x"), maxes)
-    return kind.give_back(maxes)
+    return out if out is not None else kind.give_back(maxes)
+
+
+def _device_out(out, name, shape):
+    """``out``'s device view (a float32 device array of ``shape``), or a new device array.
+    (The tests pass outputs filled with NaN: an element a kernel never writes shows.)"""
+    if out is None:
+        return device_empty(shape, np.float32)
+    if not is_device_array(out):
+        raise TypeError(f"{name}: expected a device array (or None), got {type(out).__name__}")
+    got, _ = check_array(out, name, ndim=len(shape))
+    if tuple(got) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(got)}")
+    return to_device(out, name)
 
 
 # --------------------------------------------------------------------------- launch overhead

@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, uint64
+from numba import cuda, float32, float64, uint64
 
 from kernels.base import io_model
 from kernels.base.fused import FASTMATH, nan_max
@@ -663,7 +663,7 @@ def make_first_row_softmax():
     """Kernel (s, p, lse) on (B*H, Nq, Nk) views of S and P and the (B*H, Nq) view of L:
     thread r of the grid takes row r (r = z * Nq + i) in three sweeps: the max m (NaN
     kept), l = sum exp(s - m), p = exp(s - m) / l and L = m + log l; a row whose max is
-    -inf (nothing to attend to) gets P = 0 and L = -inf."""
+    -inf (nothing to attend to) gets P = 0 and L = -inf. The sum l runs in float64."""
 
     @cuda.jit(fastmath=FASTMATH)
     def first_row_softmax_kernel(s, p, lse):
@@ -680,45 +680,54 @@ def make_first_row_softmax():
                 p[z, i, j] = float32(0.0)
             lse[z, i] = NEG_INF
             return
-        total = float32(0.0)
+        # One running sum over the whole row: in float64, since a float32 one errs ~Nk times
+        # the rounding unit, far more than the pairwise sums the tolerance is set by.
+        total = float64(0.0)
         for j in range(nk):
-            total += math.exp(s[z, i, j] - m)
+            total += float64(math.exp(s[z, i, j] - m))
+        inv = float32(1.0 / total)
         for j in range(nk):
-            p[z, i, j] = math.exp(s[z, i, j] - m) / total
-        lse[z, i] = m + math.log(total)
+            p[z, i, j] = math.exp(s[z, i, j] - m) * inv
+        lse[z, i] = float32(float64(m) + math.log(total))
 
     return first_row_softmax_kernel
 
 
-def first_scores(q, k, *, causal=False, scale=None):
-    """Step 1 by ``make_first_scores``'s kernel (one thread an element): S, (B, H, Nq, Nk)."""
+def first_scores(q, k, *, causal=False, scale=None, out=None):
+    """Step 1 by ``make_first_scores``'s kernel (one thread an element): S, (B, H, Nq, Nk).
+    ``out``: a float32 device array of that shape to write into (returned as given)."""
     b, h, nq, nk, d, _ = check_qkv(q, k, k, max_head_dim=MAX_HEAD_DIM)
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
     if b * h > MAX_GRID_YZ:
         raise ValueError(f"q: expected at most {MAX_GRID_YZ} (batch, head) pairs, got {b * h}")
     kind = ArrayKind(q)
-    ds = device_empty((b, h, nq, nk))
+    ds = _check_out(out, "out", (b, h, nq, nk))
+    ds = device_empty((b, h, nq, nk)) if ds is None else ds
     if b * h and nq and nk:
         tx, ty = FIRST_THREADS
         make_first_scores()[(cdiv(nk, tx), cdiv(nq, ty), b * h), (tx, ty)](
             _as_heads(to_device(q, "q"), (b, h, nq, d)), _as_heads(to_device(k, "k"), (b, h, nk, d)),
             _as_heads(ds, (b, h, nq, nk)), np.float32(scale), causal)
-    return kind.give_back(ds)
+    return out if out is not None else kind.give_back(ds)
 
 
-def first_row_softmax(s):
-    """Step 2 by ``make_first_row_softmax``'s kernel (one thread a row): (P, L)."""
+def first_row_softmax(s, *, out=None, lse_out=None):
+    """Step 2 by ``make_first_row_softmax``'s kernel (one thread a row): (P, L).
+    ``out``/``lse_out``: device arrays to write into (returned as given)."""
     shape_s, _ = check_array(s, "s", ndim=4)
     b, h, nq, nk = shape_s
     kind = ArrayKind(s)
-    dp, dl = device_empty(shape_s), device_empty((b, h, nq))
+    dp, dl = _check_out(out, "out", shape_s), _check_out(lse_out, "lse_out", (b, h, nq))
+    dp = device_empty(shape_s) if dp is None else dp
+    dl = device_empty((b, h, nq)) if dl is None else dl
     rows = b * h * nq
     if rows:
         threads = 32 if on_simulator() else 128
         make_first_row_softmax()[cdiv(rows, threads), threads](_as_heads(to_device(s, "s"), shape_s),
                                                                _as_heads(dp, shape_s), dl.reshape(b * h, nq))
-    return kind.give_back(dp), kind.give_back(dl)
+    return (out if out is not None else kind.give_back(dp),
+            lse_out if lse_out is not None else kind.give_back(dl))
 
 
 # --------------------------------------------------------------------------- the exercises' checkers

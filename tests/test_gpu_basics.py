@@ -28,6 +28,11 @@ def vectors(draw, max_len=MAX_LEN):
 def test_copy_is_exact(x, items, threads, blocks):
     got = gpu_basics.copy(x, items=items, threads=threads, blocks=blocks)
     assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    # again into an output poisoned with NaN: an element the kernel never writes shows
+    # (a fresh allocation may hold the right values from an earlier case)
+    out = cuda.to_device(np.full(x.shape, np.nan, np.float32))
+    gpu_basics.copy(cuda.to_device(x), out=out, items=items, threads=threads, blocks=blocks)
+    got = out.copy_to_host()
     assert got.shape == x.shape
     wrong = np.flatnonzero(~((got == x) | (np.isnan(got) & np.isnan(x))))
     if wrong.size:
@@ -77,8 +82,10 @@ def test_block_sums_match_the_oracle(x, threads):
 @example(x=np.zeros(0, np.float32), a=2.0, seed=0, threads=32, blocks=None)           # N = 0
 def test_scale_add_matches_the_oracle(x, a, seed, threads, blocks):
     y = random_array(np.random.default_rng(seed), x.shape)
-    got = gpu_basics.scale_add(a, x, y, threads=threads, blocks=blocks)
-    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == x.shape
+    assert isinstance(gpu_basics.scale_add(a, x, y, threads=threads, blocks=blocks), np.ndarray)
+    out = cuda.to_device(np.full(x.shape, np.nan, np.float32))      # NaN: an element never written shows
+    gpu_basics.scale_add(a, x, y, out=out, threads=threads, blocks=blocks)
+    got = out.copy_to_host()
     exact = np.float64(np.float32(a)) * x.astype(np.float64) + y
     baseline = np.float32(a) * x + y                  # NumPy float32: one rounding a step
     assert_close(got, exact, baseline, name="a*x + y (element i is thread i's, modulo the grid)")
@@ -100,8 +107,11 @@ def test_block_maxes_match_the_oracle(x, threads, nans, seed):
     x = x.copy()
     if len(x) and nans:
         x[np.random.default_rng(seed).integers(0, len(x), nans)] = np.nan
-    got = gpu_basics.block_maxes(x, threads=threads)
     expected = _segment_maxes(x, threads)
+    assert isinstance(gpu_basics.block_maxes(x, threads=threads), np.ndarray)
+    out = cuda.to_device(np.full(expected.shape, 7.0, np.float32))   # a value no segment's max: never written shows
+    gpu_basics.block_maxes(x, out=out, threads=threads)
+    got = out.copy_to_host()
     assert got.shape == expected.shape
     wrong = np.flatnonzero(~((got == expected) | (np.isnan(got) & np.isnan(expected))))
     if wrong.size:

@@ -11,6 +11,7 @@ reaches exactly the outputs the oracle's arithmetic reaches.
 import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
+from numba import cuda
 
 from kernels import reference as ref
 from kernels.naive_attention import (
@@ -114,8 +115,10 @@ def test_each_step_matches_the_oracle(case, tiles):
 @example(case=case_with((2, 1, 9, 5), (2, 1, 19, 5), causal=True, scale=0.7))       # Nq < Nk, causal
 def test_first_scores_match_the_oracle(case):
     q, k, causal, scale = case.q, case.k, case.causal, case.scale
-    s = first_scores(q, k, causal=causal, scale=scale)
-    assert s.dtype == np.float32 and s.shape == q.shape[:3] + (k.shape[2],)
+    shape = q.shape[:3] + (k.shape[2],)
+    out = cuda.to_device(np.full(shape, np.nan, np.float32))      # NaN: an element never written shows
+    first_scores(q, k, causal=causal, scale=scale, out=out)
+    s = out.copy_to_host()
     assert_close(s, oracle_scores(q, k, causal, scale), oracle_scores(q, k, causal, scale, np.float32),
                  name="S (element [b, h, i, j] is block (j // 16, i // 16, b*H + h)'s)",
                  floor=attention_floors(q, k, case.v, causal=causal, scale=scale).s)
@@ -126,8 +129,10 @@ def test_first_scores_match_the_oracle(case):
 @example(case=case_with((1, 2, 20, 7), (1, 2, 17, 7), causal=True))                # rows with nothing to attend
 def test_first_row_softmax_matches_the_oracle(case):
     s = oracle_scores(case.q, case.k, case.causal, case.scale, np.float32)     # float32 S, -inf where masked
-    p, lse = first_row_softmax(s)
-    assert p.dtype == np.float32 and p.shape == s.shape and lse.shape == s.shape[:3]
+    p_out = cuda.to_device(np.full(s.shape, np.nan, np.float32))  # NaN: an element never written shows
+    l_out = cuda.to_device(np.full(s.shape[:3], np.nan, np.float32))
+    first_row_softmax(s, out=p_out, lse_out=l_out)
+    p, lse = p_out.copy_to_host(), l_out.copy_to_host()
     floor_p, floor_l = softmax_floors(s)
     assert_close(p, ref.softmax(s), ref.softmax(s, dtype=np.float32), name="P (row [b, h, i] is thread (b*H + h)*Nq + i's)",
                  floor=floor_p)

@@ -514,7 +514,9 @@ _ = check_exercise(lambda x: check_softmax_row(lambda r: row_softmax(r.reshape(1
 #
 # Three sweeps over the row: the max `m`; the sum `l` of `exp(s - m)`; then `p = exp(s - m) /
 # l` and `L = m + log(l)`. If `m` is `-inf` nothing may be attended to: write zeros and
-# `-inf` without forming `exp(-inf - (-inf))`.
+# `-inf` without forming `exp(-inf - (-inf))`. Keep `l` in a `float64`: one float32 running
+# sum over a row of thousands errs far more than NumPy's pairwise sums, which set the
+# tolerance (on a GPU the tests draw rows that long).
 # </details>
 #
 # <details><summary>Hint 3 (exercise 5, NaN)</summary>
@@ -530,7 +532,7 @@ CHAPTER = "naive_attention"
 
 import math
 
-from numba import cuda, float32
+from numba import cuda, float32, float64
 
 from kernels.base.fused import nan_max
 
