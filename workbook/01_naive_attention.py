@@ -564,9 +564,13 @@ _ = grade(mine)
 
 # %% [markdown]
 # The course's answers: `kernels.naive_attention.make_first_scores` and
-# `make_first_row_softmax`. On a GPU, time yours against the tiled `scores` (section 7's
-# `time_fn`): each thread of the first scores kernel reads 2d floats from HBM for one
-# element of S.
+# `make_first_row_softmax`. On the H100 (one run of `python -m kernels --chapters 1`,
+# 2026-11-24, `workbook/results/naive_attention_first_versions.csv`; B = 4, H = 16, d = 64,
+# fp32) the first versions are correct and slow: at N = 4096 the first scores kernel takes
+# 149 ms against the tiled kernel's 12.0 (0.92 against 11.5 TFLOP/s: each thread reads its
+# 2d floats of Q and K for one element of S), and the first row softmax 77.6 ms against 3.0
+# (a warp's 32 threads read 32 rows, Nk floats apart: no load is coalesced). Sections 2
+# and 3 are what closes those gaps; time yours with section 7's `time_fn` on a GPU.
 
 # %% [markdown]
 # ### Exercise 3 (on paper first)
