@@ -45,7 +45,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, float64, int32
 
 from kernels.base.fused import FASTMATH, nan_max
 from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_int, device_empty, on_simulator,
@@ -60,6 +60,9 @@ __all__ = [
     "IDENTITY",
     "attend_1pass",
     "make_row_softmax",
+    "merge_state",
+    "make_first_online_softmax",
+    "first_softmax",
     "ptx_targets",
 ]
 
@@ -349,6 +352,73 @@ def softmax(x, *, return_lse=False, threads_per_row=None, rows_per_block=None, p
     return kind.give_back(p)
 
 
+# =========================================================================== the exercises' kernels
+# The notebook's two kernel exercises (their solutions, not printed there). A learner's
+# versions replace them through ``kernels.base.learner``; tests/test_online_softmax.py
+# grades them: ``merge_state`` through the production kernel's tree of merges (the
+# launcher ``softmax``), the first online softmax through ``first_softmax``.
+
+EXERCISES = {"merge_state": "test_softmax_matches_oracle or test_nan_or_inf",
+             "make_first_online_softmax": "first_softmax"}
+
+
+@functools.lru_cache(maxsize=None)
+def make_first_online_softmax():
+    """Kernel (x, p, lse) on (rows, n) float32 arrays, one thread a row (thread r of the
+    grid takes row r): one sweep keeps the running (m, l), rescaling l when m grows, a
+    second writes p = exp(x - m) / l; lse = m + log l. A row of all -inf (or empty) gets
+    p = 0 and L = -inf; a NaN anywhere in a row makes the row NaN."""
+
+    @cuda.jit(fastmath=FASTMATH)
+    def first_online_softmax(x, p, lse):
+        r = cuda.grid(1)
+        if r >= x.shape[0]:
+            return
+        m = _NEG_INF
+        l = float64(0.0)                              # one running sum over the row: float64
+        for j in range(x.shape[1]):
+            v = x[r, j]
+            m_new = nan_max(m, v)
+            if m_new != _NEG_INF:
+                l = l * math.exp(m - m_new) + math.exp(v - m_new)
+                m = m_new
+        if l == 0.0:                                  # nothing but -inf: zeros, L = -inf
+            for j in range(x.shape[1]):
+                p[r, j] = float32(0.0)
+            lse[r] = _NEG_INF
+            return
+        inv = float32(1.0 / l)
+        for j in range(x.shape[1]):
+            p[r, j] = math.exp(x[r, j] - m) * inv
+        lse[r] = float32(float64(m) + math.log(l))
+
+    return first_online_softmax
+
+
+def first_softmax(x, *, out=None, lse_out=None):
+    """Softmax over the last axis of a 2-D float32 array (rows, n) by
+    ``make_first_online_softmax``'s kernel, one thread a row: (p, lse). ``out``/``lse_out``:
+    device arrays of shapes (rows, n) and (rows,) to write into (returned as given)."""
+    shape, _ = check_array(x, "x", ndim=2, dtypes=(np.float32,))
+    rows, n = shape
+    kind = ArrayKind(x)
+    outs = []
+    for arr, name, want in ((out, "out", shape), (lse_out, "lse_out", (rows,))):
+        if arr is None:
+            outs.append(device_empty(want))
+            continue
+        got, _ = check_array(arr, name, ndim=len(want), dtypes=(np.float32,))
+        if tuple(got) != tuple(want):
+            raise ValueError(f"{name}: expected shape {tuple(want)}, got {tuple(got)}")
+        outs.append(to_device(arr, name))
+    p, lse = outs
+    if rows:
+        threads = 32 if on_simulator() else 128
+        make_first_online_softmax()[cdiv(rows, threads), threads](to_device(x, "x"), p, lse)
+    return (out if out is not None else kind.give_back(p),
+            lse_out if lse_out is not None else kind.give_back(lse))
+
+
 # =========================================================================== PTX targets (CI)
 
 def ptx_targets():
@@ -359,6 +429,7 @@ def ptx_targets():
         tpr, rpb, k = _gpu_tiles(n)
         out.append((f"row softmax fp32 n={n} TPR={tpr} RPB={rpb} K={k}", make_row_softmax(tpr, rpb, k), sig))
     out.append(("row softmax fp32 TPR=1024 RPB=1 K=16", make_row_softmax(1024, 1, 16), sig))
+    out.append(("first online softmax fp32 (one thread a row)", make_first_online_softmax(), sig))
     return out
 
 

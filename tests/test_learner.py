@@ -31,6 +31,13 @@ def test_chapter_1s_first_softmax_without_the_max_fails(capsys):
     assert "test_first_row_softmax_matches_the_oracle" in out and "P (row [b, h, i] is thread" in out
 
 
+def test_chapter_3s_device_merge_without_the_empty_case_fails(capsys):
+    """A device function in place of the course's, inside the production kernel's tree."""
+    assert not learner.grade(FILES / "merge_state_no_empty_case.py")
+    out = capsys.readouterr().out
+    assert "merge_state from merge_state_no_empty_case.py" in out and "not yet:" in out
+
+
 def test_a_file_without_its_chapter_or_exercises_is_named(tmp_path):
     nothing = tmp_path / "mine.py"
     nothing.write_text("x = 1\n")

@@ -21,6 +21,7 @@ from kernels.online_softmax import (
     attend_1pass,
     check_merge_tree,
     chunk_state,
+    first_softmax,
     merge,
     merge_tree_cases,
     online_state,
@@ -110,6 +111,24 @@ def check_softmax(case):
 @example(make_case((7,), magnitude=1.0))                               # rank 1
 def test_softmax_matches_oracle(case):
     check_softmax(case)
+
+
+@given(softmax_cases())
+@example(make_case((3, 0)))                                            # row length 0
+@example(make_case((4, 20), masked="rows"))                            # rows of all -inf give zeros
+@example(make_case((2, 50), magnitude=1e4, masked="some"))             # logits ~1e4, scattered -inf
+@example(make_case((2, 70), magnitude=30.0))                           # logits ~30: the max grows often
+def test_first_softmax_matches_oracle(case):
+    """The notebook's kernel exercise, one thread a row (a learner's version replaces it
+    through kernels.base.learner): the oracle and floors of the production kernel."""
+    x = case.x.reshape(int(np.prod(case.x.shape[:-1])), case.x.shape[-1])
+    p_out = cuda.to_device(np.full(x.shape, np.nan, np.float32))      # NaN: an element never written shows
+    l_out = cuda.to_device(np.full(x.shape[:1], np.nan, np.float32))
+    first_softmax(x, out=p_out, lse_out=l_out)
+    p, lse = p_out.copy_to_host(), l_out.copy_to_host()
+    floor_p, floor_l = softmax_floors(x)
+    assert_close(p, ref.softmax(x), ref.softmax(x, dtype=np.float32), name="p (row r is thread r's)", floor=floor_p)
+    assert_close(lse, ref.logsumexp(x), ref.logsumexp(x, dtype=np.float32), name="lse", floor=floor_l)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")     # inf - inf in simulated threads

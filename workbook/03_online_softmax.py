@@ -451,3 +451,77 @@ _ = check_exercise(fold_prop(lambda state, xj: merge(state, (xj, 1.0))), merge_t
 # the 64K registers of an SM? (Hint: at 32 floats a thread and 512 threads, a row of 16384
 # floats is 64 KB of registers.) Try `softmax(x, threads_per_row=32, per_thread=1)` on a row
 # of 100 elements: how many chunks does each thread sweep?
+
+# %% [markdown]
+# ### Exercises 4 and 5 (kernels): the merge on the device, and a first online softmax
+#
+# Write both in your own file (the next cell makes it from a template the first time:
+# `workbook/mine/my_online_softmax.py`); `grade` runs this chapter's tests on them and
+# prints the smallest case that fails.
+#
+# * **Exercise 4.** `merge_state(m1, l1, m2, l2)`, a device function
+#   (`@cuda.jit(device=True)`) returning `(m, l)`: exercise 1's merge on the GPU. It goes
+#   into the production kernel above in place of the course's, at every step of its tree
+#   of merges, so `test_softmax_matches_oracle` and the NaN/Inf test grade it through
+#   `softmax`. Two pieces that are both empty (m = -inf) must merge to `(-inf, 0)` without
+#   forming `exp(-inf - (-inf))`, and a NaN must survive.
+# * **Exercise 5.** `make_first_online_softmax()` returns a kernel `(x, p, lse)` on `(rows,
+#   n)` arrays, launched with one thread a row (`cuda.grid(1)` is the row): one sweep keeps
+#   the running `(m, l)` of section 2, a second writes `p = exp(x - m) / l`, and
+#   `lse = m + log(l)`; a row of all `-inf` gets zeros and `-inf`, a NaN makes its row NaN.
+#   `test_first_softmax_matches_oracle` grades it.
+#
+# <details><summary>Hint 1 (exercise 4)</summary>
+#
+# `m = nan_max(m1, m2)` (from `kernels.base.fused`: Numba's `max` drops a NaN); if `m` is
+# `-inf` return `(m, 0)`; else `l1 * exp(m1 - m) + l2 * exp(m2 - m)`.
+# </details>
+#
+# <details><summary>Hint 2 (exercise 5)</summary>
+#
+# For each element `v`: `m_new = nan_max(m, v)`; unless `m_new` is `-inf`,
+# `l = l * exp(m - m_new) + exp(v - m_new)` and `m = m_new`. Keep `l` in a `float64`: a
+# float32 running sum over a long row errs far more than the pairwise sums the tolerance is
+# set by.
+# </details>
+
+# %%
+from pathlib import Path
+
+from kernels.base.learner import grade
+
+TEMPLATE = '''"""My kernels for chapter 3 (graded by tests/test_online_softmax.py)."""
+CHAPTER = "online_softmax"
+
+import math
+
+from numba import cuda, float32, float64
+
+from kernels.base.fused import nan_max
+
+
+@cuda.jit(device=True)
+def merge_state(m1, l1, m2, l2):
+    raise NotImplementedError       # your code: return (m, l)
+
+
+def make_first_online_softmax():
+    @cuda.jit
+    def first_online_softmax(x, p, lse):
+        raise NotImplementedError   # your code: row cuda.grid(1) of p, and its lse
+
+    return first_online_softmax
+'''
+
+mine = Path("mine") / "my_online_softmax.py"
+if not mine.exists():
+    mine.parent.mkdir(exist_ok=True)
+    mine.write_text(TEMPLATE)
+print(f"your kernels: {mine.resolve()}")
+
+# %%
+_ = grade(mine)
+
+# %% [markdown]
+# The course's answers: `kernels.online_softmax.merge_state` and
+# `make_first_online_softmax` (read them after yours pass).
