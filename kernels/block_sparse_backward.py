@@ -188,10 +188,11 @@ LISTED_DKDV_SIG = DKDV_SIG.replace("float32[:, :, ::1], int32, int32", f"float32
 LISTED_DQ_SIG = DQ_SIG.replace("float32[:, :, ::1], int32, int32", f"float32[:, :, ::1], {_LISTS}, int32, int32")
 
 
-def ptx_targets():
-    """The list-walking kernels at chapter 5's production tiles, d = 16..128, both dQ modes."""
+def ptx_targets(every_shape: bool = False):
+    """The list-walking kernels at chapter 5's production tiles, both dQ modes, d = 64 and
+    128 (``every_shape``: d = 16..128)."""
     targets = []
-    for Dh in (16, 32, 64, 128):
+    for Dh in (16, 32, 64, 128) if every_shape else (64, 128):
         t = GPU_TILES[Dh]
         big = [n > 48 * 1024 for n in shared_bytes(t, Dh)]
         for atomic in (False, True):

@@ -1155,9 +1155,9 @@ def io_model_bytes(B: int, hq: int, hkv: int, n_q: int, n_keys, d: int, *, kv_it
 
 # --------------------------------------------------------------------------- sm_90 PTX check
 
-def ptx_targets():
+def ptx_targets(every_shape: bool = False):
     """(kernel, signature) pairs for ``kernels.base.ptx_check``: stream-K on fp32 caches
-    (16-byte and one-element loads, MHA and grouped rows), on fp16 caches (MHA with 16-byte
+    (16-byte and one-element loads, MHA and 16 grouped rows; ``every_shape``: also 4 rows at d = 64), on fp16 caches (MHA with 16-byte
     loads on the FMA units, grouped rows on tensor cores); split-K and its combine on the
     fp32 MHA shapes (split-K calls stream-K's device function: its other shapes are those)."""
     from numba import types
@@ -1168,7 +1168,8 @@ def ptx_targets():
     out = []
     for kv in (f32_3, f16_3):
         # (fp16 caches with grouped rows go to tensor cores: their FMA plans only by request)
-        shapes = ((128, 1, True), (128, 1, False), (128, 16, True), (64, 4, True)) if kv is f32_3 else ((128, 1, True),)
+        shapes = (((128, 1, True), (128, 1, False), (128, 16, True)) + (((64, 4, True),) if every_shape else ())
+                  if kv is f32_3 else ((128, 1, True),))
         for d, rows, wide in shapes:
             p = plan(d, rows, 2 if kv is f16_3 else 4, wide, tensor_cores=False)
             label = f"{'fp16' if kv is f16_3 else 'fp32'} KV, d={d}, {rows} rows ({p})"

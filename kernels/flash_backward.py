@@ -696,10 +696,11 @@ DKDV_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, {_A3},
 DQ_SIG = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, int32, int32, float32, int32)"
 
 
-def ptx_targets():
-    """(label, dispatcher, signature) of every production kernel, d = 16..128, both dQ modes."""
+def ptx_targets(every_shape: bool = False):
+    """(label, dispatcher, signature) of every production kernel, both dQ modes, d = 64 and
+    128 (``every_shape``: d = 16..128)."""
     targets = []
-    for Dh in (16, 32, 64, 128):
+    for Dh in (16, 32, 64, 128) if every_shape else (64, 128):
         t = GPU_TILES[Dh]
         big = [n > STATIC_LIMIT_BYTES for n in shared_bytes(t, Dh)]
         for atomic in (False, True):

@@ -595,8 +595,9 @@ SWEEP_D64 = (Tiles(256, 64, 8, 8), Tiles(128, 64, 8, 8), Tiles(256, 32, 8, 8), T
 SWEEP_D128 = (Tiles(128, 32, 4, 8), Tiles(128, 64, 4, 8), Tiles(64, 32, 4, 8), Tiles(128, 64, 8, 16))
 
 
-def ptx_targets():
-    """Every production kernel: the d=64 sweep and d=128 tiles, fp32 and fp16 inputs."""
+def ptx_targets(every_shape: bool = False):
+    """The production kernel at d = 64 and 128, fp32 and fp16 inputs, and its prefetching
+    variant (``every_shape``: the bench's whole tile sweeps, and d = 16 and 32)."""
     targets = []
 
     def sig(t):
@@ -604,14 +605,14 @@ def ptx_targets():
                 f"float32[:, ::1], int32, float32, int32)")
 
     for D, sweep in ((64, SWEEP_D64), (128, SWEEP_D128)):
-        for n, t in enumerate(sweep):
+        for n, t in enumerate(sweep if every_shape else sweep[:1]):
             kern = make_flash_forward(t.Br, t.Bc, D, t.TM, t.TX)
             for dt in (("float32", "float16") if n == 0 else ("float32",)):
                 targets.append((f"flash fwd {dt[:1]}p{dt[5:]} {t} D={D}", kern, sig(dt)))
         t = sweep[0]                              # the prefetching variant the bench compares
         kern = make_flash_forward(t.Br, t.Bc, D, t.TM, t.TX, prefetch=True)
         targets.append((f"flash fwd fp32 {t} D={D} prefetch", kern, sig("float32")))
-    for D in (16, 32):
+    for D in (16, 32) if every_shape else ():
         t = SWEEP_D64[0]
         targets.append((f"flash fwd fp32 {t} D={D}", make_flash_forward(t.Br, t.Bc, D, t.TM, t.TX), sig("float32")))
     return targets

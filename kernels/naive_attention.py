@@ -796,17 +796,19 @@ _A3 = "float32[:, :, ::1]"
 _A2 = "float32[:, ::1]"
 
 
-def ptx_targets():
-    """Every kernel at its production tiles, for CI's compile-to-PTX check."""
+def ptx_targets(every_shape: bool = False):
+    """Every kernel at its production tiles, for CI's compile-to-PTX check (``every_shape``:
+    also the bench's other tiles)."""
     t = PRODUCTION_TILES
     regs = sorted({1, 8, t.softmax_regs})
     alt = Tiles(br=128, bc=128, bd=64, bk=32, tm=8, tn=8)   # measured by the bench as "other tiles"
-    return [
+    other = [
         (f"naive scores fp32 Br={alt.br} Bc={alt.bc} Bk={alt.bk} {alt.tm}x{alt.tn}",
          make_scores(alt.br, alt.bc, alt.bk, alt.tm, alt.tn), f"void({_A3}, {_A3}, {_A3}, float32, boolean)"),
         (f"naive weighted sum fp32 Br={alt.br} Bd={alt.bd} Bk={alt.bk} {alt.tm}x{alt.tn}",
          make_weighted_sum(alt.br, alt.bd, alt.bk, alt.tm, alt.tn), f"void({_A3}, {_A3}, {_A3}, boolean)"),
-    ] + [
+    ]
+    return (other if every_shape else []) + [
         (f"naive scores fp32 Br={t.br} Bc={t.bc} Bk={t.bk} {t.tm}x{t.tn}",
          make_scores(t.br, t.bc, t.bk, t.tm, t.tn), f"void({_A3}, {_A3}, {_A3}, float32, boolean)"),
     ] + [

@@ -23,6 +23,7 @@ and asks the driver which that is even under ``compile_ptx(cc=...)``. With no dr
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import pkgutil
 import re
@@ -61,8 +62,13 @@ def answer_sm_90_without_a_driver():
     dispatcher.get_current_device = lambda: _SM90()
 
 
-def check_module(name: str, report=print) -> tuple[int, int, int]:
-    """Compile the module's targets; returns (ok, failed, local-memory warnings)."""
+def check_module(name: str, report=print, every_shape: bool = False) -> tuple[int, int, int]:
+    """Compile the module's targets; returns (ok, failed, local-memory warnings).
+
+    ``every_shape``: also the other tile shapes and head dims a module lists (its bench's
+    sweeps, d = 16 and 32); without it, each kernel and each of its code paths at the
+    production shapes of d = 64 and 128 (what CI's simulator run compiles; a GPU run of
+    the tests asks for every shape)."""
     from numba import cuda
 
     answer_sm_90_without_a_driver()
@@ -76,7 +82,8 @@ def check_module(name: str, report=print) -> tuple[int, int, int]:
         report(f"skip  kernels.{name}: no ptx_targets()")
         return 0, 0, 0
     try:
-        targets = list(module.ptx_targets())
+        takes_shapes = "every_shape" in inspect.signature(module.ptx_targets).parameters
+        targets = list(module.ptx_targets(every_shape=every_shape) if takes_shapes else module.ptx_targets())
     except Exception as exc:
         report(f"FAIL  kernels.{name}.ptx_targets() raised {type(exc).__name__}: {exc}")
         return 0, 1, 0
@@ -109,12 +116,14 @@ def main(argv=None) -> int:
         env = dict(os.environ, WORKBOOK_DEVICE="gpu")
         env.pop("NUMBA_ENABLE_CUDASIM", None)
         return subprocess.call([sys.executable, "-m", "kernels.base.ptx_check", *argv], env=env)
-    names = argv or kernel_modules()
-    print(f"PTX check for sm_90 (numba.cuda.compile_ptx; nothing is launched): {', '.join(names)}")
+    every_shape = "--every-shape" in argv
+    names = [a for a in argv if not a.startswith("--")] or kernel_modules()
+    print(f"PTX check for sm_90 (numba.cuda.compile_ptx; nothing is launched; "
+          f"{'every shape' if every_shape else 'production shapes, d = 64 and 128'}): {', '.join(names)}")
     totals = [0, 0, 0]
     for name in names:
         try:
-            counts = check_module(name)
+            counts = check_module(name, every_shape=every_shape)
         except Exception:
             traceback.print_exc()
             counts = (0, 1, 0)

@@ -50,7 +50,7 @@ BLOCK = 128
 def _dims(ctx):
     """(B, H, N, d) points and densities."""
     if ctx.simulator:
-        return [(1, 1, 32, 8)], (1.0, 0.5, 0.25), 8
+        return [(1, 1, 32, 8)], (1.0, 0.25), 8
     points = [(4, 16, 4096, 64)] + ([] if ctx.quick else [(1, 8, 16384, 64)])
     densities = (1.0, 0.25, 0.125) if ctx.quick else (1.0, 0.5, 0.25, 0.125, 0.0625)
     return points, densities, BLOCK
