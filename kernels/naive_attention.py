@@ -60,10 +60,10 @@ from kernels.base.runtime import (
     cdiv,
     check_array,
     check_flag,
+    check_out,
     check_qkv,
     check_scale,
     device_empty,
-    is_device_array,
     on_simulator,
     to_device,
 )
@@ -486,18 +486,6 @@ def _as_heads(x, shape):
     return x.reshape(b * h, n, w)
 
 
-def _check_out(out, name, shape):
-    """``out``: None, or a C-contiguous float32 device array of ``shape``. Returns its device view."""
-    if out is None:
-        return None
-    if not is_device_array(out):
-        raise TypeError(f"{name}: expected a device array (or None), got {type(out).__name__}")
-    got_shape, _ = check_array(out, name, ndim=len(shape))
-    if tuple(got_shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(got_shape)}")
-    return to_device(out, name)
-
-
 def _launch_scores(dq, dk, ds, shape_q, nk, scale, causal, tiles):
     b, h, nq, d = shape_q
     if b * h == 0 or nq == 0 or nk == 0:
@@ -538,7 +526,7 @@ def scores(q, k, *, causal=False, scale=None, out=None, tiles=None):
     tiles = check_tiles(tiles)
     _check_grid("q", b, h, nq, tiles)
     shape_s = (b, h, nq, nk)
-    ds = _check_out(out, "out", shape_s)
+    ds = check_out(out, "out", shape_s)
     kind = ArrayKind(q)
     dq, dk = to_device(q, "q"), to_device(k, "k")
     if ds is None:
@@ -557,8 +545,8 @@ def row_softmax(s, *, out=None, lse_out=None, tiles=None):
     tiles = check_tiles(tiles)
     b, h, nq, nk = shape_s
     _check_grid("s", b, h, 0, tiles)
-    dp = _check_out(out, "out", shape_s)
-    dl = _check_out(lse_out, "lse_out", (b, h, nq))
+    dp = check_out(out, "out", shape_s)
+    dl = check_out(lse_out, "lse_out", (b, h, nq))
     kind = ArrayKind(s)
     ds = to_device(s, "s")
     if dp is None:
@@ -589,7 +577,7 @@ def weighted_sum(p, v, *, causal=False, out=None, tiles=None):
     tiles = check_tiles(tiles)
     b, h, nq, nk = shape_p
     _check_grid("p", b, h, nq, tiles)
-    do = _check_out(out, "out", (b, h, nq, d))
+    do = check_out(out, "out", (b, h, nq, d))
     kind = ArrayKind(p)
     dp, dv = to_device(p, "p"), to_device(v, "v")
     if do is None:
@@ -702,7 +690,7 @@ def first_scores(q, k, *, causal=False, scale=None, out=None):
     if b * h > MAX_GRID_YZ:
         raise ValueError(f"q: expected at most {MAX_GRID_YZ} (batch, head) pairs, got {b * h}")
     kind = ArrayKind(q)
-    ds = _check_out(out, "out", (b, h, nq, nk))
+    ds = check_out(out, "out", (b, h, nq, nk))
     ds = device_empty((b, h, nq, nk)) if ds is None else ds
     if b * h and nq and nk:
         tx, ty = FIRST_THREADS
@@ -718,7 +706,7 @@ def first_row_softmax(s, *, out=None, lse_out=None):
     shape_s, _ = check_array(s, "s", ndim=4)
     b, h, nq, nk = shape_s
     kind = ArrayKind(s)
-    dp, dl = _check_out(out, "out", shape_s), _check_out(lse_out, "lse_out", (b, h, nq))
+    dp, dl = check_out(out, "out", shape_s), check_out(lse_out, "lse_out", (b, h, nq))
     dp = device_empty(shape_s) if dp is None else dp
     dl = device_empty((b, h, nq)) if dl is None else dl
     rows = b * h * nq

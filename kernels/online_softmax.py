@@ -48,8 +48,8 @@ import numpy as np
 from numba import cuda, float32, float64, int32
 
 from kernels.base.fused import FASTMATH, nan_max
-from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_int, device_empty, on_simulator,
-                                   to_device)
+from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_int, check_out, device_empty,
+                                   on_simulator, to_device)
 
 __all__ = [
     "softmax",
@@ -402,16 +402,9 @@ def first_softmax(x, *, out=None, lse_out=None):
     shape, _ = check_array(x, "x", ndim=2, dtypes=(np.float32,))
     rows, n = shape
     kind = ArrayKind(x)
-    outs = []
-    for arr, name, want in ((out, "out", shape), (lse_out, "lse_out", (rows,))):
-        if arr is None:
-            outs.append(device_empty(want))
-            continue
-        got, _ = check_array(arr, name, ndim=len(want), dtypes=(np.float32,))
-        if tuple(got) != tuple(want):
-            raise ValueError(f"{name}: expected shape {tuple(want)}, got {tuple(got)}")
-        outs.append(to_device(arr, name))
-    p, lse = outs
+    p, lse = check_out(out, "out", shape), check_out(lse_out, "lse_out", (rows,))
+    p = device_empty(shape) if p is None else p
+    lse = device_empty((rows,)) if lse is None else lse
     if rows:
         threads = 32 if on_simulator() else 128
         make_first_online_softmax()[cdiv(rows, threads), threads](to_device(x, "x"), p, lse)

@@ -512,7 +512,7 @@ _ = check_exercise(intensity_property(lambda b, h, n, d, bpe: gpu_basics.arithme
 # </details>
 
 # %%
-from kernels.base.learner import grade
+from kernels.base.learner import grade, my_file
 
 TEMPLATE = '''"""My kernels for chapter 0 (graded by tests/test_gpu_basics.py)."""
 CHAPTER = "gpu_basics"
@@ -540,11 +540,7 @@ def make_block_max(threads):
     return block_max_kernel
 '''
 
-mine = Path("mine") / "my_gpu_basics.py"
-if not mine.exists():
-    mine.parent.mkdir(exist_ok=True)
-    mine.write_text(TEMPLATE)
-print(f"your kernels: {mine.resolve()}")
+mine = my_file("my_gpu_basics.py", TEMPLATE)
 
 # %%
 _ = grade(mine)

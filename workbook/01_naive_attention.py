@@ -525,7 +525,7 @@ _ = check_exercise(lambda x: check_softmax_row(lambda r: row_softmax(r.reshape(1
 # </details>
 
 # %%
-from kernels.base.learner import grade
+from kernels.base.learner import grade, my_file
 
 TEMPLATE = '''"""My kernels for chapter 1 (graded by tests/test_naive_attention.py)."""
 CHAPTER = "naive_attention"
@@ -553,11 +553,7 @@ def make_first_row_softmax():
     return first_row_softmax_kernel
 '''
 
-mine = Path("mine") / "my_naive_attention.py"
-if not mine.exists():
-    mine.parent.mkdir(exist_ok=True)
-    mine.write_text(TEMPLATE)
-print(f"your kernels: {mine.resolve()}")
+mine = my_file("my_naive_attention.py", TEMPLATE)
 
 # %%
 _ = grade(mine)

@@ -486,9 +486,7 @@ _ = check_exercise(fold_prop(lambda state, xj: merge(state, (xj, 1.0))), merge_t
 # </details>
 
 # %%
-from pathlib import Path
-
-from kernels.base.learner import grade
+from kernels.base.learner import grade, my_file
 
 TEMPLATE = '''"""My kernels for chapter 3 (graded by tests/test_online_softmax.py)."""
 CHAPTER = "online_softmax"
@@ -513,11 +511,7 @@ def make_first_online_softmax():
     return first_online_softmax
 '''
 
-mine = Path("mine") / "my_online_softmax.py"
-if not mine.exists():
-    mine.parent.mkdir(exist_ok=True)
-    mine.write_text(TEMPLATE)
-print(f"your kernels: {mine.resolve()}")
+mine = my_file("my_online_softmax.py", TEMPLATE)
 
 # %%
 _ = grade(mine)

@@ -42,6 +42,17 @@ ENV = "WORKBOOK_LEARNER"
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def my_file(name: str, template: str) -> Path:
+    """The learner's file ``mine/<name>`` (beside the notebook), written from ``template``
+    the first time; the learner's edits are kept. Prints where it is."""
+    mine = Path("mine") / name
+    if not mine.exists():
+        mine.parent.mkdir(exist_ok=True)
+        mine.write_text(template)
+    print(f"your kernels: {mine.resolve()}")
+    return mine
+
+
 def load(path):
     """The learner's module at ``path``, the chapter module it answers, and the names of
     the chapter's ``EXERCISES`` it defines. Errors name what is missing."""

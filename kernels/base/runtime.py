@@ -268,6 +268,19 @@ def check_qkv(q, k, v, *, dtypes=(np.float32,), max_head_dim: int = 128):
     return qs[0], qs[1], qs[2], ks[2], d, qd
 
 
+def check_out(out, name: str, shape):
+    """``out``: None, or a C-contiguous float32 device array of ``shape`` to write a result
+    into. Returns its device view (None for None), naming ``name`` in any error."""
+    if out is None:
+        return None
+    if not is_device_array(out):
+        raise TypeError(f"{name}: expected a device array (or None), got {type(out).__name__}")
+    got_shape, _ = check_array(out, name, ndim=len(shape))
+    if tuple(got_shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(got_shape)}")
+    return to_device(out, name)
+
+
 def check_scale(scale, d: int) -> float:
     """The softmax scale: 1/sqrt(d) by default; otherwise a finite positive number."""
     if scale is None:
