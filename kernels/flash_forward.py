@@ -102,6 +102,7 @@ from kernels.base.fused import (
     check_tiles_type,
     load_kv_or_zero,
     make_row_reductions,
+    nan_max,
     padded_head_dim,
     run_length,
 )
@@ -111,6 +112,7 @@ from kernels.base.runtime import (
     cdiv,
     check_flag,
     check_qkv,
+    check_out,
     check_scale,
     device_empty,
     on_simulator,
@@ -120,7 +122,8 @@ from kernels.base.shared_memory import allow_dynamic_shared_memory, max_dynamic_
 
 __all__ = ["flash_attention", "Tiles", "default_tiles", "make_flash_forward", "make_attend_query_tile",
            "every_tile", "gpu_tiles", "shared_bytes", "check_tiles", "io_model_bytes", "tile_update", "flash_forward_numpy",
-           "check_tile_update", "tile_update_cases", "ptx_targets"]
+           "check_tile_update", "tile_update_cases", "ptx_targets", "row_per_thread_attention",
+           "query_tile_attention", "make_row_per_thread_forward", "make_query_tile_forward", "EXERCISES"]
 
 
 # --------------------------------------------------------------------------- tiles
@@ -573,6 +576,209 @@ def flash_attention(q, k, v, *, causal=False, scale=None, tiles: Tiles | None = 
     return kind.give_back(o.reshape(B, H, n_q, d)), kind.give_back(lse.reshape(B, H, n_q))
 
 
+# --------------------------------------------------------------------------- the ladder's first rungs
+# The notebook's kernel exercises (their solutions, not printed there): the two steps from
+# chapter 3's one-thread-a-row softmax to the production kernel above.
+#
+#   rung 1  one thread a query row: the online softmax of chapter 3 over every key, with
+#           the output row O_i in the thread's own (local) memory; K and V read from global
+#           memory by every row, Nq times over
+#   rung 2  one block a query tile of Br rows, still one thread a row, but the block loads
+#           each K/V tile (Bc rows) into shared memory once and all its Br threads read it:
+#           K and V come from HBM ceil(Nq / Br) times, not Nq times
+#   rung 3  the production kernel: the same loops, each thread a TM x RN micro-tile of S
+#           (registers, runs of 4, warp-shuffle row maxima)
+#
+# A learner's ``make_row_per_thread_forward`` / ``make_query_tile_forward`` replace these
+# through ``kernels.base.learner``; tests/test_flash_forward.py grades them through the
+# launchers ``row_per_thread_attention`` and ``query_tile_attention``.
+
+EXERCISES = {"make_row_per_thread_forward": "row_per_thread",
+             "make_query_tile_forward": "query_tile"}
+ROW_THREADS = 128                 # rung 1's threads a block (each a query row)
+QUERY_TILE_GPU = (64, 32)         # rung 2's (Br, Bc) on a GPU: 64 threads, 2 x 32 x D floats shared
+QUERY_TILE_SIM = (8, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def make_row_per_thread_forward(D: int):
+    """Rung 1. Kernel (q, k, v, o, lse, scale, causal) on (B*H, N, d) views, d <= D (the
+    compile-time size of a row in local memory); grid (ceil(Nq / threads), B*H): thread i of
+    the grid's x takes query row i of head ``blockIdx.y``. For each key j it sees:
+    s = scale q_i . k_j; m' = max(m, s); l = exp(m - m') l + exp(s - m');
+    O_i = exp(m - m') O_i + exp(s - m') v_j. Then O_i / l and L_i = m + log l; a row that
+    sees no key gets O_i = 0 and L_i = -inf."""
+
+    @cuda.jit(fastmath=FASTMATH)
+    def row_per_thread_forward(q, k, v, o, lse, scale, causal):
+        bh = cuda.blockIdx.y
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        n_q, n_k, d = q.shape[1], k.shape[1], q.shape[2]
+        if i >= n_q:
+            return
+        kv_end = n_k                                  # causal: keys j <= i + Nk - Nq
+        if causal:
+            kv_end = min(n_k, i + 1 + n_k - n_q)
+        q_i = cuda.local.array(D, float32)            # scale q_i, once
+        o_i = cuda.local.array(D, float32)
+        for c in range(d):
+            q_i[c] = float32(scale) * float32(q[bh, i, c])
+            o_i[c] = float32(0.0)
+        m = MINUS_INF
+        l = float32(0.0)
+        for j in range(max(kv_end, 0)):
+            s = float32(0.0)                          # s = scale q_i . k_j
+            for c in range(d):
+                s += q_i[c] * float32(k[bh, j, c])
+            m_new = nan_max(m, s)                     # m' = max(m, s), NaN kept
+            if m_new == MINUS_INF:                    # nothing but -inf yet: no update
+                continue
+            alpha = math.exp(m - m_new)               # rescales what was summed with the old m
+            p = math.exp(s - m_new)
+            l = l * alpha + p
+            for c in range(d):
+                o_i[c] = o_i[c] * alpha + p * float32(v[bh, j, c])
+            m = m_new
+        if l == float32(0.0):                         # no key: O = 0, L = -inf
+            for c in range(d):
+                o[bh, i, c] = float32(0.0)
+            lse[bh, i] = MINUS_INF
+            return
+        inv_l = float32(1.0) / l
+        for c in range(d):
+            o[bh, i, c] = o_i[c] * inv_l
+        lse[bh, i] = m + math.log(l)
+
+    return row_per_thread_forward
+
+
+@functools.lru_cache(maxsize=None)
+def make_query_tile_forward(Br: int, Bc: int, D: int):
+    """Rung 2. Kernel (q, k, v, o, lse, scale, causal) on (B*H, N, d) views, d <= D; grid
+    (ceil(Nq / Br), B*H), Br threads a block: block x takes query rows Br x .. Br x + Br - 1,
+    thread t row Br x + t (rung 1's loop over keys, per thread). K and V come in tiles of Bc
+    rows: every thread copies a share of the tile into shared memory (zeros past Nk or d),
+    a barrier, every thread sweeps the Bc keys its row sees, a barrier before the next tile
+    overwrites them. Threads whose row is past Nq still copy and wait at the barriers."""
+
+    @cuda.jit(fastmath=FASTMATH)
+    def query_tile_forward(q, k, v, o, lse, scale, causal):
+        K_j = cuda.shared.array((Bc, D), float32)
+        V_j = cuda.shared.array((Bc, D), float32)
+        bh = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        q0 = cuda.blockIdx.x * Br
+        i = q0 + t
+        n_q, n_k, d = q.shape[1], k.shape[1], q.shape[2]
+        row = i < n_q
+        kv_end = n_k                                  # this row's keys: j < kv_end
+        block_end = n_k                               # the block's: its last row's
+        if causal:
+            kv_end = min(n_k, i + 1 + n_k - n_q)
+            block_end = min(n_k, q0 + Br + n_k - n_q)
+        q_i = cuda.local.array(D, float32)
+        o_i = cuda.local.array(D, float32)
+        for c in range(d):
+            q_i[c] = float32(scale) * float32(q[bh, i, c]) if row else float32(0.0)
+            o_i[c] = float32(0.0)
+        m = MINUS_INF
+        l = float32(0.0)
+        for k0 in range(0, max(block_end, 0), Bc):
+            for e in range(t, Bc * D, Br):            # the tile copy: thread t takes every Br-th element
+                r, c = e // D, e % D
+                inside = k0 + r < n_k and c < d
+                K_j[r, c] = float32(k[bh, k0 + r, c]) if inside else float32(0.0)
+                V_j[r, c] = float32(v[bh, k0 + r, c]) if inside else float32(0.0)
+            cuda.syncthreads()                        # the tile is in shared memory
+            for r in range(min(Bc, kv_end - k0)):     # the keys this row sees (none past Nq)
+                s = float32(0.0)
+                for c in range(d):
+                    s += q_i[c] * K_j[r, c]           # every thread reads the same K_j[r, c]: a broadcast
+                m_new = nan_max(m, s)
+                if m_new == MINUS_INF:
+                    continue
+                alpha = math.exp(m - m_new)
+                p = math.exp(s - m_new)
+                l = l * alpha + p
+                for c in range(d):
+                    o_i[c] = o_i[c] * alpha + p * V_j[r, c]
+                m = m_new
+            cuda.syncthreads()                        # all have read the tile before it is overwritten
+        if not row:
+            return
+        if l == float32(0.0):
+            for c in range(d):
+                o[bh, i, c] = float32(0.0)
+            lse[bh, i] = MINUS_INF
+            return
+        inv_l = float32(1.0) / l
+        for c in range(d):
+            o[bh, i, c] = o_i[c] * inv_l
+        lse[bh, i] = m + math.log(l)
+
+    return query_tile_forward
+
+
+def _ladder_call(q, k, v, causal, scale, out, lse_out):
+    """The rungs' shared launcher half: checks, then device views and the outputs."""
+    B, H, n_q, n_k, d, _ = check_qkv(q, k, v, dtypes=(np.float32, np.float16), max_head_dim=128)
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    if B * H > MAX_GRID_Y:
+        raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
+    o = check_out(out, "out", (B, H, n_q, d))
+    lse = check_out(lse_out, "lse_out", (B, H, n_q))
+    o = device_empty((B, H, n_q, d), np.float32) if o is None else o
+    lse = device_empty((B, H, n_q), np.float32) if lse is None else lse
+    BH = B * H
+    views = tuple(to_device(x, name).reshape(BH, x.shape[2], d) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    args = (*views, o.reshape(BH, n_q, d), lse.reshape(BH, n_q), np.float32(scale), np.int32(causal))
+    return ArrayKind(q), (B, H, n_q, d), args, (o, lse)
+
+
+def _ladder_result(kind, out, lse_out, o, lse):
+    return (out if out is not None else kind.give_back(o),
+            lse_out if lse_out is not None else kind.give_back(lse))
+
+
+def row_per_thread_attention(q, k, v, *, causal=False, scale=None, out=None, lse_out=None):
+    """Rung 1 (``make_row_per_thread_forward``): (o, lse) like ``flash_attention``, one thread
+    a query row. ``out``/``lse_out``: device arrays (B, H, Nq, d) and (B, H, Nq) to write
+    into (returned as given)."""
+    kind, (B, H, n_q, d), args, (o, lse) = _ladder_call(q, k, v, causal, scale, out, lse_out)
+    if B * H and n_q:
+        threads = 32 if on_simulator() else ROW_THREADS
+        make_row_per_thread_forward(padded_head_dim(d))[(cdiv(n_q, threads), B * H), threads](*args)
+    return _ladder_result(kind, out, lse_out, o, lse)
+
+
+def query_tile_attention(q, k, v, *, causal=False, scale=None, tiles=None, out=None, lse_out=None):
+    """Rung 2 (``make_query_tile_forward``): (o, lse) like ``flash_attention``, a block of Br
+    threads a query tile, K/V tiles of Bc rows in shared memory. ``tiles``: (Br, Bc), Br
+    in 1..1024, 2 Bc D floats within 48 KB of static shared memory. ``out``/``lse_out`` as
+    for ``row_per_thread_attention``."""
+    kind, (B, H, n_q, d), args, (o, lse) = _ladder_call(q, k, v, causal, scale, out, lse_out)
+    D = padded_head_dim(d)
+    Br, Bc = check_query_tile(tiles, D)
+    if B * H and n_q:
+        make_query_tile_forward(Br, Bc, D)[(cdiv(n_q, Br), B * H), Br](*args)
+    return _ladder_result(kind, out, lse_out, o, lse)
+
+
+def check_query_tile(tiles, D: int) -> tuple[int, int]:
+    """Rung 2's (Br, Bc): the default for the device, or ``tiles`` checked."""
+    if tiles is None:
+        Br, Bc = QUERY_TILE_SIM if on_simulator() else QUERY_TILE_GPU
+        return Br, Bc
+    if not (isinstance(tiles, tuple) and len(tiles) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                  for x in tiles)):
+        raise TypeError(f"tiles: expected a tuple (Br, Bc) of ints, got {tiles!r}")
+    Br, Bc = tiles
+    if not (1 <= Br <= 1024 and Bc >= 1 and 2 * Bc * D * 4 <= 48 * 1024):
+        raise ValueError(f"tiles: expected 1 <= Br <= 1024 and 2 Bc D floats <= 48 KB (D = {D}), got {tiles}")
+    return Br, Bc
+
+
 # --------------------------------------------------------------------------- the IO model
 
 def io_model_bytes(B: int, H: int, n_q: int, n_k: int, d: int, *, Br: int, Bc: int = 64,
@@ -612,6 +818,12 @@ def ptx_targets(every_shape: bool = False):
         t = sweep[0]                              # the prefetching variant the bench compares
         kern = make_flash_forward(t.Br, t.Bc, D, t.TM, t.TX, prefetch=True)
         targets.append((f"flash fwd fp32 {t} D={D} prefetch", kern, sig("float32")))
+    ladder = "void({0}[:, :, ::1], {0}[:, :, ::1], {0}[:, :, ::1], float32[:, :, ::1], float32[:, ::1], float32, int32)"
+    for D in (64, 128):                           # the ladder's first rungs, as the bench runs them
+        for dt in ("float32", "float16"):
+            targets.append((f"rung 1 {dt} D={D}", make_row_per_thread_forward(D), ladder.format(dt)))
+            targets.append((f"rung 2 {dt} {QUERY_TILE_GPU} D={D}", make_query_tile_forward(*QUERY_TILE_GPU, D),
+                            ladder.format(dt)))
     for D in (16, 32) if every_shape else ():
         t = SWEEP_D64[0]
         targets.append((f"flash fwd fp32 {t} D={D}", make_flash_forward(t.Br, t.Bc, D, t.TM, t.TX), sig("float32")))

@@ -9,11 +9,13 @@ import math
 
 import numpy as np
 import pytest
+from numba import cuda
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference as ref
 from kernels.flash_forward import (
+    ROW_THREADS,
     SWEEP_D64,
     SWEEP_D128,
     Tiles,
@@ -23,6 +25,8 @@ from kernels.flash_forward import (
     flash_forward_numpy,
     io_model_bytes,
     make_flash_forward,
+    query_tile_attention,
+    row_per_thread_attention,
     shared_bytes,
     tile_update,
     tile_update_cases,
@@ -289,6 +293,85 @@ def test_bad_inputs_name_the_argument(change, exc, name):
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     with pytest.raises(exc, match=name):
         flash_attention(q, k, v, **args)
+
+
+# --------------------------------------------------------------------------- the ladder's first rungs
+# The notebook's kernel exercises: one thread a query row (rung 1), then a block a query
+# tile with K/V tiles in shared memory (rung 2). A learner's factories replace the course's
+# through kernels.base.learner, and these tests grade them. The outputs start as NaN, so a
+# row never written shows; the message says whose row it is.
+
+RUNG_MAX_N = 24 if SIM else 300
+RUNG_MAX_D = 8 if SIM else 128
+QUERY_TILES = [(8, 4), (3, 5), (1, 1)] if SIM else [(64, 32), (128, 32), (32, 64), (17, 8)]
+
+
+def check_rung(case, launch, owner, **options):
+    q = case.q
+    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+    lse_out = cuda.to_device(np.full(q.shape[:3], np.nan, np.float32))
+    launch(case.q, case.k, case.v, causal=case.causal, scale=case.scale, out=out, lse_out=lse_out, **options)
+    o, lse = out.copy_to_host(), lse_out.copy_to_host()
+    exact_o, exact_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale)
+    base_o, base_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale, dtype=np.float32)
+    fs_o, fs_l = forward_floor_scales(case.q, case.k, case.v, case.scale, causal=case.causal)
+    assert_close(o, exact_o, base_o, name=f"O (row [b, h, i] is {owner})", floor_scale=fs_o)
+    assert_close(lse, exact_l, base_l, name=f"L (element [b, h, i] is {owner})", floor_scale=fs_l)
+
+
+RUNG_EXAMPLES = [
+    case_with((1, 1, 1, 4), (1, 1, 1, 4)),                                  # N = 1
+    case_with((2, 1, 11, 7), (2, 1, 5, 7), causal=True),                    # Nq > Nk: rows that see no key
+    case_with((1, 1, 9, 16), (1, 1, 9, 16), magnitude=100.0),               # logits ~ +-1e4
+    case_with((1, 1, 0, 8), (1, 1, 5, 8)),                                  # Nq = 0
+    case_with((1, 2, 6, 8), (1, 2, 0, 8), causal=True),                     # Nk = 0: O = 0, L = -inf
+    case_with((1, 1, 10, 8), (1, 1, 13, 8), dtype=np.float16, causal=True),
+]
+
+
+def rung_examples(**extra):
+    """The pinned examples above, as a decorator (``extra``: the test's other arguments)."""
+    def decorate(test):
+        for case in RUNG_EXAMPLES:
+            test = example(case=case, **extra)(test)
+        return test
+    return decorate
+
+
+@given(case=attention_cases(max_n=RUNG_MAX_N, max_d=RUNG_MAX_D, dtypes=BOTH_DTYPES))
+@settings(max_examples=10 if SIM else 150)
+@rung_examples()
+def test_row_per_thread_rung_matches_oracle(case):
+    threads = 32 if SIM else ROW_THREADS
+    check_rung(case, row_per_thread_attention, f"thread i % {threads} of block (i // {threads}, b*H + h)")
+
+
+@given(case=attention_cases(max_n=RUNG_MAX_N, max_d=RUNG_MAX_D, dtypes=BOTH_DTYPES), tiles=st.sampled_from(QUERY_TILES))
+@settings(max_examples=10 if SIM else 150)
+@rung_examples(tiles=QUERY_TILES[0])
+def test_query_tile_rung_matches_oracle(case, tiles):
+    Br = tiles[0]
+    check_rung(case, query_tile_attention, f"thread i % {Br} of block (i // {Br}, b*H + h)", tiles=tiles)
+
+
+@pytest.mark.parametrize("launch", [row_per_thread_attention, query_tile_attention])
+@pytest.mark.parametrize("change, exc, name", [
+    (dict(q=np.zeros((1, 1, 4, 8), np.float64)), TypeError, "q"),
+    (dict(out=np.zeros((1, 1, 4, 8), np.float32)), TypeError, "out"),              # a host array
+    (dict(lse_out=lambda: cuda.to_device(np.zeros((1, 1, 3), np.float32))), ValueError, "lse_out"),  # shape
+])
+def test_rung_bad_inputs_name_the_argument(launch, change, exc, name):
+    args = dict(q=GOOD.q, k=GOOD.k, v=GOOD.v)
+    args.update({key: value() if callable(value) else value for key, value in change.items()})
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(exc, match=name):
+        launch(q, k, v, **args)
+
+
+@pytest.mark.parametrize("tiles", [(0, 4), (8, 0), (2048, 4), (8, 1000), (8.0, 4), [8, 4]])
+def test_query_tile_rung_checks_its_tiles(tiles):
+    with pytest.raises((TypeError, ValueError), match="tiles"):
+        query_tile_attention(GOOD.q, GOOD.k, GOOD.v, tiles=tiles)
 
 
 # --------------------------------------------------------------------------- the NumPy version

@@ -48,3 +48,16 @@ def test_a_file_without_its_chapter_or_exercises_is_named(tmp_path):
         learner.load(nothing)
     with pytest.raises(FileNotFoundError, match="WORKBOOK_LEARNER"):
         learner.load(tmp_path / "absent.py")
+
+
+def test_chapter_4s_first_rung_without_rescaling_o_fails(capsys):
+    """A row's output not rescaled when its max grows: caught by the pinned large logits."""
+    assert not learner.grade(FILES / "forward_row_no_rescale.py")
+    out = capsys.readouterr().out
+    assert "test_row_per_thread_rung_matches_oracle" in out and "O (row [b, h, i] is thread" in out
+
+
+def test_chapter_4s_second_rung_sweeping_a_ragged_tile_whole_fails(capsys):
+    assert not learner.grade(FILES / "forward_tile_ragged_keys.py")
+    out = capsys.readouterr().out
+    assert "test_query_tile_rung_matches_oracle" in out and "of block (i // " in out
