@@ -57,14 +57,16 @@ from kernels.base.backward_args import DQ_MODES, allocate_outputs, check_backwar
 from kernels.base.backward_tiles import (GPU_TILES, BackwardTiles, Grid, check_tiles, default_tiles, dkdv_layout,
                                     dq_layout, head_dim_bucket, need, shared_bytes, warp_split)
 from kernels.base import io_model as io
-from kernels.base.fused import ALIGN, FASTMATH, MINUS_INF, make_row_reductions, run_length
-from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_scale, on_simulator
+from kernels.base.fused import ALIGN, FASTMATH, MINUS_INF, make_row_reductions, padded_head_dim, run_length
+from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_out, check_scale, device_empty, on_simulator
 from kernels.base.shared_memory import STATIC_LIMIT_BYTES, launch_with_shared
 from kernels.flash_forward import every_tile
 
 __all__ = ["flash_attention_backward", "flash_backward_numpy", "recompute_p", "ds_tile", "BackwardTiles",
            "default_tiles", "make_delta", "make_dkdv_body", "make_dq_body", "make_dkdv", "make_dq",
-           "launch", "ptx_targets", "DQ_MODES", "allocate_outputs", "io_model_bytes", "standard_backward_bytes"]
+           "launch", "ptx_targets", "DQ_MODES", "allocate_outputs", "io_model_bytes", "standard_backward_bytes",
+           "row_per_thread_backward", "shared_tile_backward", "make_row_per_thread_dkdv", "make_row_per_thread_dq",
+           "make_shared_tile_dkdv", "make_shared_tile_dq", "EXERCISES"]
 
 # Two-level sums: a thread sums about ACC_ROWS rows of dV_j += P^T dO_i and dK_j += dS^T Q_i in
 # registers, then adds that partial to a running sum of its own in shared memory. One float32
@@ -688,6 +690,315 @@ def standard_backward_bytes(B, H, n, d, itemsize=4):
     return io.standard_backward_bytes(B, H, n, d, itemsize=itemsize)
 
 
+# --------------------------------------------------------------------------- the ladder's first rungs
+# The notebook's kernel exercises (their solutions, not printed there): the steps from the
+# formulas above to the kernels 2 and 3, one gradient formula at a time.
+#
+#   rung 1  one thread a row: a thread per key row j sums dK_j and dV_j over the query rows
+#           that see it; a thread per query row i sums dQ_i over its keys. Every thread
+#           recomputes its S and P entries from Q, K and L; K, V, Q, dO from global memory
+#   rung 2  the same threads in blocks that share tiles: a block of Bc key rows loads each
+#           tile of Br query rows (Q_i, dO_i, L_i, D_i) into shared memory once for all its
+#           threads; a block of Br query rows loads each K/V tile of Bc rows
+#   rung 3  kernels 2 and 3 above: micro-tiles of S, dP, dS a thread, two-level sums, and dQ
+#           by atomic adds from the dK/dV kernel
+#
+# Both rungs take D = rowsum(dO * O) from a pre-pass, one thread a row (``row_delta``: kernel 1
+# with a thread, not a warp, a row; the launcher runs it first). A thread
+# sums a gradient row over up to N rows in one float32 register: fine at the test sizes,
+# the reason rung 3 sums in two levels (ACC_ROWS) at N in the thousands.
+# A learner's factories replace these through ``kernels.base.learner``;
+# tests/test_flash_backward.py grades them through ``row_per_thread_backward`` and
+# ``shared_tile_backward``.
+
+EXERCISES = {"make_row_per_thread_dkdv": "row_per_thread", "make_row_per_thread_dq": "row_per_thread",
+             "make_shared_tile_dkdv": "shared_tile", "make_shared_tile_dq": "shared_tile"}
+ROW_THREADS = 128                 # rung 1's threads a block
+
+
+@cuda.jit(fastmath=FASTMATH)
+def row_delta(o, do, delta):
+    """D_i = rowsum(dO_i * O_i) on (B*H, Nq, d) views, grid (ceil(Nq / threads), B*H)."""
+    bh = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < o.shape[1]:
+        acc = float32(0.0)
+        for c in range(o.shape[2]):
+            acc += do[bh, i, c] * o[bh, i, c]
+        delta[bh, i] = acc
+
+
+@cuda.jit(device=True, inline=True)
+def _first_query(j, n_q, n_k, causal):
+    """The first query row that sees key j (causal, bottom-right: i >= j + Nq - Nk)."""
+    return max(0, j + n_q - n_k) if causal else 0
+
+
+@functools.lru_cache(maxsize=None)
+def make_row_per_thread_dkdv(D: int):
+    """Rung 1, keys. Kernel (q, k, v, do, lse, delta, dk, dv, scale, causal) on (B*H, N, d)
+    views (lse, delta: (B*H, Nq)), d <= D; grid (ceil(Nk / threads), B*H): thread j of the
+    grid's x takes key row j of head ``blockIdx.y``. For every query row i that sees key j:
+    s = scale q_i . k_j, P_ij = exp(s - L_i), dV_j += P_ij dO_i, dP_ij = dO_i . v_j,
+    dS_ij = P_ij (dP_ij - D_i), dK_j += scale dS_ij q_i."""
+
+    @cuda.jit(fastmath=FASTMATH)
+    def row_per_thread_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal):
+        bh = cuda.blockIdx.y
+        j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        n_q, n_k, d = q.shape[1], k.shape[1], q.shape[2]
+        if j >= n_k:
+            return
+        k_j = cuda.local.array(D, float32)
+        v_j = cuda.local.array(D, float32)
+        dk_j = cuda.local.array(D, float32)
+        dv_j = cuda.local.array(D, float32)
+        for c in range(d):
+            k_j[c], v_j[c] = k[bh, j, c], v[bh, j, c]
+            dk_j[c], dv_j[c] = float32(0.0), float32(0.0)
+        for i in range(_first_query(j, n_q, n_k, causal), n_q):
+            L = lse[bh, i]
+            if L == MINUS_INF:                        # a row that sees nothing: P = 0
+                continue
+            s = float32(0.0)
+            dp = float32(0.0)
+            for c in range(d):
+                s += q[bh, i, c] * k_j[c]             # S_ij / scale
+                dp += do[bh, i, c] * v_j[c]           # dP_ij = dO_i . v_j
+            p = math.exp(float32(scale) * s - L)      # P_ij, recomputed
+            ds = p * (dp - delta[bh, i])              # dS_ij = P_ij (dP_ij - D_i)
+            for c in range(d):
+                dv_j[c] += p * do[bh, i, c]
+                dk_j[c] += float32(scale) * ds * q[bh, i, c]
+        for c in range(d):
+            dk[bh, j, c], dv[bh, j, c] = dk_j[c], dv_j[c]
+
+    return row_per_thread_dkdv
+
+
+@functools.lru_cache(maxsize=None)
+def make_row_per_thread_dq(D: int):
+    """Rung 1, queries. Kernel (q, k, v, do, lse, delta, dq, scale, causal), grid
+    (ceil(Nq / threads), B*H): thread i takes query row i. For every key j row i sees:
+    P_ij and dS_ij as in ``make_row_per_thread_dkdv``, dQ_i += scale dS_ij k_j."""
+
+    @cuda.jit(fastmath=FASTMATH)
+    def row_per_thread_dq(q, k, v, do, lse, delta, dq, scale, causal):
+        bh = cuda.blockIdx.y
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        n_q, n_k, d = q.shape[1], k.shape[1], q.shape[2]
+        if i >= n_q:
+            return
+        kv_end = min(n_k, i + 1 + n_k - n_q) if causal else n_k
+        q_i = cuda.local.array(D, float32)
+        do_i = cuda.local.array(D, float32)
+        dq_i = cuda.local.array(D, float32)
+        for c in range(d):
+            q_i[c], do_i[c], dq_i[c] = q[bh, i, c], do[bh, i, c], float32(0.0)
+        L, D_i = lse[bh, i], delta[bh, i]
+        if L == MINUS_INF:                            # sees nothing: dQ_i = 0
+            kv_end = 0
+        for j in range(max(kv_end, 0)):
+            s = float32(0.0)
+            dp = float32(0.0)
+            for c in range(d):
+                s += q_i[c] * k[bh, j, c]
+                dp += do_i[c] * v[bh, j, c]
+            p = math.exp(float32(scale) * s - L)
+            ds = p * (dp - D_i)
+            for c in range(d):
+                dq_i[c] += float32(scale) * ds * k[bh, j, c]
+        for c in range(d):
+            dq[bh, i, c] = dq_i[c]
+
+    return row_per_thread_dq
+
+
+@functools.lru_cache(maxsize=None)
+def make_shared_tile_dkdv(Br: int, Bc: int, D: int):
+    """Rung 2, keys. ``make_row_per_thread_dkdv``'s kernel (same arguments) with Bc threads a
+    block: block x takes key rows Bc x .. Bc x + Bc - 1, thread t key row Bc x + t. The query
+    side comes in tiles of Br rows: the threads copy Q_i, dO_i (zeros past Nq or d), L_i and
+    D_i into shared memory, a barrier, each sweeps the rows that see its key, a barrier."""
+
+    @cuda.jit(fastmath=FASTMATH)
+    def shared_tile_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal):
+        Q_i = cuda.shared.array((Br, D), float32)
+        dO_i = cuda.shared.array((Br, D), float32)
+        L_i = cuda.shared.array(Br, float32)
+        D_i = cuda.shared.array(Br, float32)
+        bh = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        j = cuda.blockIdx.x * Bc + t
+        n_q, n_k, d = q.shape[1], k.shape[1], q.shape[2]
+        key = j < n_k
+        k_j = cuda.local.array(D, float32)
+        v_j = cuda.local.array(D, float32)
+        dk_j = cuda.local.array(D, float32)
+        dv_j = cuda.local.array(D, float32)
+        for c in range(d):
+            k_j[c] = k[bh, j, c] if key else float32(0.0)
+            v_j[c] = v[bh, j, c] if key else float32(0.0)
+            dk_j[c], dv_j[c] = float32(0.0), float32(0.0)
+        first = _first_query(j, n_q, n_k, causal)                       # this thread's first row
+        block_first = _first_query(cuda.blockIdx.x * Bc, n_q, n_k, causal)   # the block's
+        for q0 in range(block_first, n_q, Br):
+            for e in range(t, Br * D, Bc):            # the tile copy: thread t takes every Bc-th element
+                r, c = e // D, e % D
+                inside = q0 + r < n_q and c < d
+                Q_i[r, c] = q[bh, q0 + r, c] if inside else float32(0.0)
+                dO_i[r, c] = do[bh, q0 + r, c] if inside else float32(0.0)
+            for r in range(t, Br, Bc):
+                inside = q0 + r < n_q
+                L_i[r] = lse[bh, q0 + r] if inside else MINUS_INF
+                D_i[r] = delta[bh, q0 + r] if inside else float32(0.0)
+            cuda.syncthreads()                        # the query tile is in shared memory
+            if key:
+                for r in range(max(first - q0, 0), min(Br, n_q - q0)):
+                    if L_i[r] == MINUS_INF:
+                        continue
+                    s = float32(0.0)
+                    dp = float32(0.0)
+                    for c in range(d):
+                        s += Q_i[r, c] * k_j[c]       # every thread reads the same Q_i[r, c]: a broadcast
+                        dp += dO_i[r, c] * v_j[c]
+                    p = math.exp(float32(scale) * s - L_i[r])
+                    ds = p * (dp - D_i[r])
+                    for c in range(d):
+                        dv_j[c] += p * dO_i[r, c]
+                        dk_j[c] += float32(scale) * ds * Q_i[r, c]
+            cuda.syncthreads()                        # all have read it before the next copy
+        if key:
+            for c in range(d):
+                dk[bh, j, c], dv[bh, j, c] = dk_j[c], dv_j[c]
+
+    return shared_tile_dkdv
+
+
+@functools.lru_cache(maxsize=None)
+def make_shared_tile_dq(Br: int, Bc: int, D: int):
+    """Rung 2, queries. ``make_row_per_thread_dq``'s kernel (same arguments) with Br threads a
+    block: thread t takes query row Br x + t; K and V come in tiles of Bc rows through shared
+    memory, as in chapter 4's second rung."""
+
+    @cuda.jit(fastmath=FASTMATH)
+    def shared_tile_dq(q, k, v, do, lse, delta, dq, scale, causal):
+        K_j = cuda.shared.array((Bc, D), float32)
+        V_j = cuda.shared.array((Bc, D), float32)
+        bh = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        q0 = cuda.blockIdx.x * Br
+        i = q0 + t
+        n_q, n_k, d = q.shape[1], k.shape[1], q.shape[2]
+        row = i < n_q
+        kv_end = min(n_k, i + 1 + n_k - n_q) if causal else n_k
+        block_end = min(n_k, q0 + Br + n_k - n_q) if causal else n_k
+        q_i = cuda.local.array(D, float32)
+        do_i = cuda.local.array(D, float32)
+        dq_i = cuda.local.array(D, float32)
+        for c in range(d):
+            q_i[c] = q[bh, i, c] if row else float32(0.0)
+            do_i[c] = do[bh, i, c] if row else float32(0.0)
+            dq_i[c] = float32(0.0)
+        L = lse[bh, i] if row else MINUS_INF
+        D_i = delta[bh, i] if row else float32(0.0)
+        if L == MINUS_INF:                            # past Nq, or sees nothing: no keys
+            kv_end = 0
+        for k0 in range(0, max(block_end, 0), Bc):
+            for e in range(t, Bc * D, Br):
+                r, c = e // D, e % D
+                inside = k0 + r < n_k and c < d
+                K_j[r, c] = k[bh, k0 + r, c] if inside else float32(0.0)
+                V_j[r, c] = v[bh, k0 + r, c] if inside else float32(0.0)
+            cuda.syncthreads()
+            for r in range(min(Bc, kv_end - k0)):
+                s = float32(0.0)
+                dp = float32(0.0)
+                for c in range(d):
+                    s += q_i[c] * K_j[r, c]
+                    dp += do_i[c] * V_j[r, c]
+                p = math.exp(float32(scale) * s - L)
+                ds = p * (dp - D_i)
+                for c in range(d):
+                    dq_i[c] += float32(scale) * ds * K_j[r, c]
+            cuda.syncthreads()
+        if row:
+            for c in range(d):
+                dq[bh, i, c] = dq_i[c]
+
+    return shared_tile_dq
+
+
+def _ladder_call(q, k, v, o, lse, do, causal, scale, out):
+    """The rungs' shared launcher half: checks, device views, D = rowsum(dO * O) (``row_delta``),
+    and the gradients' buffers (``out``: a tuple of device arrays (dq, dk, dv), or None)."""
+    B, H, nq, nk, d = check_backward_args(q, k, v, o, lse, do, "separate")
+    causal, scale = check_flag(causal, "causal"), check_scale(scale, d)
+    shapes = ((B, H, nq, d), (B, H, nk, d), (B, H, nk, d))
+    if out is not None:
+        if not isinstance(out, tuple) or len(out) != 3:
+            raise TypeError(f"out: expected a tuple of three device arrays (dq, dk, dv), got {type(out).__name__}")
+        grads = tuple(check_out(x, f"out ({name})", shape) for x, name, shape in zip(out, ("dq", "dk", "dv"), shapes))
+    else:
+        grads = tuple(device_empty(shape) for shape in shapes)
+    qv, kv, vv, ov, lv, dov = device_views(q, k, v, o, lse, do)
+    BH = B * H
+    dq, dk, dv = (g.reshape(BH, g.shape[2], d) for g in grads)
+    delta = device_empty((BH, nq))
+    if BH and nq:
+        threads = 32 if on_simulator() else ROW_THREADS
+        row_delta[(cdiv(nq, threads), BH), threads](ov, dov, delta)
+    sc, ca = np.float32(scale), np.int32(causal)
+    return ArrayKind(q), grads, (BH, nq, nk, d), (qv, kv, vv, dov, lv, delta), (dq, dk, dv), (sc, ca)
+
+
+def _ladder_result(kind, out, grads):
+    return out if out is not None else tuple(kind.give_back(g) for g in grads)
+
+
+def row_per_thread_backward(q, k, v, o, lse, do, *, causal=False, scale=None, out=None):
+    """Rung 1 (``make_row_per_thread_dkdv``, ``make_row_per_thread_dq``): (dq, dk, dv) like
+    ``flash_attention_backward``, one thread a key row and one thread a query row.
+    ``out``: device arrays (dq, dk, dv) to write into (returned as given)."""
+    kind, grads, (BH, nq, nk, d), inputs, (dq, dk, dv), (sc, ca) = _ladder_call(q, k, v, o, lse, do, causal, scale, out)
+    threads = 32 if on_simulator() else ROW_THREADS
+    D = padded_head_dim(d)
+    if BH and nk:
+        make_row_per_thread_dkdv(D)[(cdiv(nk, threads), BH), threads](*inputs, dk, dv, sc, ca)
+    if BH and nq:
+        make_row_per_thread_dq(D)[(cdiv(nq, threads), BH), threads](*inputs, dq, sc, ca)
+    return _ladder_result(kind, out, grads)
+
+
+def shared_tile_backward(q, k, v, o, lse, do, *, causal=False, scale=None, tiles=None, out=None):
+    """Rung 2 (``make_shared_tile_dkdv``, ``make_shared_tile_dq``): (dq, dk, dv), the key rows'
+    blocks sharing query tiles of Br rows and the query rows' blocks sharing K/V tiles of Bc
+    rows. ``tiles``: (Br, Bc) (both kernels' tiles within 48 KB of static shared memory);
+    ``out`` as for ``row_per_thread_backward``."""
+    kind, grads, (BH, nq, nk, d), inputs, (dq, dk, dv), (sc, ca) = _ladder_call(q, k, v, o, lse, do, causal, scale, out)
+    D = padded_head_dim(d)
+    Br, Bc = check_shared_tiles(tiles, D)
+    if BH and nk:
+        make_shared_tile_dkdv(Br, Bc, D)[(cdiv(nk, Bc), BH), Bc](*inputs, dk, dv, sc, ca)
+    if BH and nq:
+        make_shared_tile_dq(Br, Bc, D)[(cdiv(nq, Br), BH), Br](*inputs, dq, sc, ca)
+    return _ladder_result(kind, out, grads)
+
+
+def check_shared_tiles(tiles, D: int) -> tuple[int, int]:
+    """Rung 2's (Br, Bc): by default min(64, 4096 / D) on a GPU (32 KB of shared tiles), (8, 4)
+    in the simulator; or ``tiles`` checked."""
+    if tiles is None:
+        return (8, 4) if on_simulator() else (min(64, 4096 // D),) * 2
+    if not (isinstance(tiles, tuple) and len(tiles) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                  for x in tiles)):
+        raise TypeError(f"tiles: expected a tuple (Br, Bc) of ints, got {tiles!r}")
+    Br, Bc = tiles
+    if not (1 <= Br <= 1024 and 1 <= Bc <= 1024 and (2 * D + 2) * Br * 4 <= 48 * 1024 and 2 * Bc * D * 4 <= 48 * 1024):
+        raise ValueError(f"tiles: expected Br, Bc in 1..1024 with 2 Br D and 2 Bc D floats <= 48 KB (D = {D}), got {tiles}")
+    return Br, Bc
+
+
 # --------------------------------------------------------------------------- PTX targets
 
 _A3, _A2 = "float32[:, :, ::1]", "float32[:, ::1]"
@@ -711,4 +1022,13 @@ def ptx_targets(every_shape: bool = False):
                             make_dkdv(t.Br, t.Bc, Dh, t.threads, big[0], atomic, t.merged_at(Dh)), DKDV_SIG))
         targets.append((f"flash bwd dq fp32 Br={t.dq_Br} Bc={t.dq_Bc} t={t.dq_threads} d={Dh}",
                         make_dq(t.dq_Br, t.dq_Bc, Dh, t.dq_threads, big[1]), DQ_SIG))
+    rung_dkdv = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, {_A3}, float32, int32)"
+    rung_dq = f"void({_A3}, {_A3}, {_A3}, {_A3}, {_A2}, {_A2}, {_A3}, float32, int32)"
+    targets.append(("rung 1-2 row_delta fp32", row_delta, f"void({_A3}, {_A3}, {_A2})"))
+    for D in (64, 128):                               # the ladder's first rungs, as the bench runs them
+        Br, Bc = (min(64, 4096 // D),) * 2
+        targets.append((f"rung 1 dkdv fp32 D={D}", make_row_per_thread_dkdv(D), rung_dkdv))
+        targets.append((f"rung 1 dq fp32 D={D}", make_row_per_thread_dq(D), rung_dq))
+        targets.append((f"rung 2 dkdv fp32 ({Br}, {Bc}) D={D}", make_shared_tile_dkdv(Br, Bc, D), rung_dkdv))
+        targets.append((f"rung 2 dq fp32 ({Br}, {Bc}) D={D}", make_shared_tile_dq(Br, Bc, D), rung_dq))
     return targets

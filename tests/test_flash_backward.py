@@ -8,6 +8,7 @@ for random upstream gradients dO. The o and lse given to the backward are the fo
 
 import numpy as np
 import pytest
+from numba import cuda
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -15,8 +16,9 @@ from kernels import reference as ref
 from kernels.base.backward_tiles import check_tiles, split
 from kernels.base.runtime import on_simulator
 from kernels.base.testing import assert_close, attention_cases, case_with, gradient_floor_scales, random_array
-from kernels.flash_backward import (ACC_ROWS, DQ_MODES, BackwardTiles, default_tiles, flash_attention_backward,
-                                    flash_backward_numpy, head_dim_bucket, recompute_p)
+from kernels.flash_backward import (ACC_ROWS, DQ_MODES, ROW_THREADS, BackwardTiles, default_tiles,
+                                    flash_attention_backward, flash_backward_numpy, head_dim_bucket, recompute_p,
+                                    row_per_thread_backward, shared_tile_backward)
 
 SIM = on_simulator()
 # Simulated threads are slow: small shapes and tiles there; larger ones on the GPU.
@@ -77,6 +79,94 @@ def test_gradients_match_the_oracle(case, tiles, seed, dq_mode):
     got = flash_attention_backward(case.q, case.k, case.v, o, lse, do, causal=case.causal,
                                    scale=case.scale, tiles=tiles, dq_mode=dq_mode)
     _check_gradients(case, got, o, lse, do)
+
+
+# --------------------------------------------------------------------------- the ladder's first rungs
+# The notebook's kernel exercises: one thread a row (rung 1), then blocks that share tiles
+# (rung 2). A learner's factories replace the course's through kernels.base.learner, and
+# these tests grade them. The gradients start as NaN, so a row never written shows; the
+# messages say whose row it is.
+
+RUNG_MAX_N = 16 if SIM else 300
+RUNG_MAX_D = 8 if SIM else 128
+SHARED_TILES = [(8, 4), (3, 5), (1, 1)] if SIM else [None, (64, 32), (17, 8), (32, 64)]
+RUNG_EXAMPLES = [
+    dict(case=case_with((1, 1, 1, 3), (1, 1, 1, 3)), seed=0),                              # N = 1
+    dict(case=case_with((1, 2, 9, 5), (1, 2, 13, 5), causal=True), seed=1),                 # Nq < Nk
+    dict(case=case_with((2, 1, 13, 7), (2, 1, 6, 7), causal=True), seed=2),                 # Nq > Nk: rows see nothing
+    dict(case=case_with((1, 1, 11, 8), (1, 1, 9, 8), scale=0.37, magnitude=30.0), seed=3),  # big logits
+    dict(case=case_with((1, 1, 0, 4), (1, 1, 5, 4)), seed=4),                               # Nq = 0: dK = dV = 0
+    dict(case=case_with((1, 1, 6, 4), (1, 1, 0, 4), causal=True), seed=5),                  # Nk = 0: dQ = 0
+]
+
+
+def check_rung(case, seed, launch, q_owner, k_owner, **options):
+    o, lse, do = _forward_and_grad(case, seed)
+    out = tuple(cuda.to_device(np.full(x.shape, np.nan, np.float32)) for x in (case.q, case.k, case.v))
+    returned = launch(case.q, case.k, case.v, o, lse, do, causal=case.causal, scale=case.scale, out=out, **options)
+    assert returned is out
+    got = [x.copy_to_host() for x in out]
+    kw = dict(causal=case.causal, scale=case.scale)
+    exact = ref.attention_backward(case.q, case.k, case.v, o, lse, do, **kw)
+    baseline = ref.attention_backward(case.q, case.k, case.v, o, lse, do, dtype=np.float32, **kw)
+    floors = gradient_floor_scales(case.q, case.k, case.v, o, lse, do, **kw)
+    owners = (q_owner, k_owner, k_owner)
+    for name, g, e, b, fs, owner in zip(("dQ", "dK", "dV"), got, exact, baseline, floors, owners):
+        assert_close(g, e, b, name=f"{name} (row [b, h, r] is {owner})", floor_scale=fs)
+
+
+def rung_examples(**extra):
+    """The pinned examples above, as a decorator (``extra``: the test's other arguments)."""
+    def decorate(test):
+        for pinned in RUNG_EXAMPLES:
+            test = example(**pinned, **extra)(test)
+        return test
+    return decorate
+
+
+@given(case=attention_cases(max_n=RUNG_MAX_N, max_d=RUNG_MAX_D), seed=st.integers(0, 2**16))
+@settings(max_examples=8 if SIM else 150)
+@rung_examples()
+def test_row_per_thread_backward_rung_matches_oracle(case, seed):
+    t = 32 if SIM else ROW_THREADS
+    owner = f"thread r % {t} of block (r // {t}, b*H + h)"
+    check_rung(case, seed, row_per_thread_backward, f"make_row_per_thread_dq's {owner}",
+               f"make_row_per_thread_dkdv's {owner}")
+
+
+@given(case=attention_cases(max_n=RUNG_MAX_N, max_d=RUNG_MAX_D), seed=st.integers(0, 2**16),
+       tiles=st.sampled_from(SHARED_TILES))
+@settings(max_examples=8 if SIM else 150)
+@rung_examples(tiles=SHARED_TILES[0])
+def test_shared_tile_backward_rung_matches_oracle(case, seed, tiles):
+    if tiles is None:
+        q_owner = k_owner = "a thread of the default tiles"
+    else:
+        Br, Bc = tiles
+        q_owner = f"make_shared_tile_dq's thread r % {Br} of block (r // {Br}, b*H + h)"
+        k_owner = f"make_shared_tile_dkdv's thread r % {Bc} of block (r // {Bc}, b*H + h)"
+    check_rung(case, seed, shared_tile_backward, q_owner, k_owner, tiles=tiles)
+
+
+@pytest.mark.parametrize("launch", [row_per_thread_backward, shared_tile_backward])
+def test_rung_bad_inputs_name_the_argument(launch):
+    case = case_with((1, 1, 4, 8), (1, 1, 5, 8))
+    o, lse, do = _forward_and_grad(case)
+    args = (case.q, case.k, case.v, o, lse, do)
+    with pytest.raises(ValueError, match="lse"):
+        launch(*args[:4], lse[..., :2], do)
+    with pytest.raises(TypeError, match="out"):
+        launch(*args, out=[None, None, None])
+    with pytest.raises(ValueError, match=r"out \(dk\)"):
+        launch(*args, out=(cuda.device_array(case.q.shape, np.float32),) * 3)
+
+
+@pytest.mark.parametrize("tiles", [(0, 4), (8, 0), (2048, 4), (8, 1000), (8.0, 4), [8, 4]])
+def test_shared_tile_rung_checks_its_tiles(tiles):
+    case = case_with((1, 1, 4, 8), (1, 1, 5, 8))
+    o, lse, do = _forward_and_grad(case)
+    with pytest.raises((TypeError, ValueError), match="tiles"):
+        shared_tile_backward(case.q, case.k, case.v, o, lse, do, tiles=tiles)
 
 
 @given(case=attention_cases(max_n=40, max_d=16), Br=st.integers(1, 9), Bc=st.integers(1, 9))

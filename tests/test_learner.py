@@ -61,3 +61,15 @@ def test_chapter_4s_second_rung_sweeping_a_ragged_tile_whole_fails(capsys):
     assert not learner.grade(FILES / "forward_tile_ragged_keys.py")
     out = capsys.readouterr().out
     assert "test_query_tile_rung_matches_oracle" in out and "of block (i // " in out
+
+
+def test_chapter_5s_first_rung_without_d_fails(capsys):
+    assert not learner.grade(FILES / "backward_row_no_delta.py")
+    out = capsys.readouterr().out
+    assert "test_row_per_thread_backward_rung_matches_oracle" in out and "dQ (row [b, h, r] is make_row_per_thread_dq" in out
+
+
+def test_chapter_5s_second_rung_ignoring_causal_fails(capsys):
+    assert not learner.grade(FILES / "backward_tile_no_causal.py")
+    out = capsys.readouterr().out
+    assert "test_shared_tile_backward_rung_matches_oracle" in out and "make_shared_tile_dkdv's thread" in out
