@@ -44,6 +44,8 @@ from kernels.flash_backward import (
     launch,
     make_dkdv,
     make_dq,
+    row_per_thread_backward,
+    shared_tile_backward,
     standard_backward_bytes,
 )
 
@@ -144,10 +146,39 @@ def _kernel_resources(tiles, D, dq_mode):
     return out
 
 
+LADDER = (1, 16, 4096, 64)              # B, H, N, d of the ladder's rows
+
+
+def ladder_rows(ctx, results):
+    """The ladder through its public launchers at one configuration, causal and not: rung 1
+    (one thread a key row for dK, dV, one a query row for dQ), rung 2 (blocks sharing tiles
+    through shared memory), rung 3 (``flash_attention_backward``, atomic dQ)."""
+    b, h, n, d = (1, 1, 16, 8) if ctx.simulator else LADDER
+    sets = _inputs(b, h, n, d, 2, seed=500)
+    rungs = (("rung 1: one thread a row", row_per_thread_backward, "every operand from global memory"),
+             ("rung 2: shared tiles", shared_tile_backward, "query tiles and K/V tiles shared by a block"),
+             ("rung 3: flash_attention_backward()", flash_attention_backward, "production: micro-tiles"))
+    for causal in (False, True):
+        full = []
+        for q, k, v, do in sets:
+            o, lse = _forward(q, k, v, causal)
+            full.append((q, k, v, o, lse, do))
+        fwd_flops = 4.0 * b * h * n * n * d / (2.0 if causal else 1.0)
+        for label, launcher, note in rungs:
+            results.append(ctx.measure(
+                CHAPTER, label, f"B={b} H={h} N={n} d={d} fp32 causal={causal}",
+                lambda q, k, v, o, lse, do, f=launcher, c=causal: f(q, k, v, o, lse, do, causal=c), full,
+                flops=2.5 * fwd_flops, model_bytes=io_model_bytes(b, h, n, n, d, causal=causal),
+                peak_memory=False, repeat=None if ctx.simulator else 5, warmup=None if ctx.simulator else 1,
+                note=f"launcher; {note}", extra={"N": n, "causal": causal, "part": "ladder"}))
+        del full
+
+
 def run(ctx) -> list[Result]:
     torch = torch_or_none()
     dims = _dims(ctx)
     results = []
+    ladder_rows(ctx, results)
 
     # ------------------------------------------------------------- reference config
     b, h, n, d = dims["ref"]
@@ -350,3 +381,33 @@ def _torch_peers(ctx, torch, sets, b, h, n, d, causal, fwd_flops, extra, model, 
     del tsets
     torch.cuda.empty_cache()
     return out
+
+
+def main(argv=None) -> int:
+    """``python -m kernels.bench.flash_backward --ladder [--out DIR]``: the ladder's rows
+    alone, written to <out>/flash_backward_ladder.csv (the tour runs them with the rest)."""
+    import argparse
+    from pathlib import Path
+
+    from kernels.base.runtime import on_simulator
+    from kernels.bench import harness
+
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.flash_backward")
+    parser.add_argument("--ladder", action="store_true", required=True)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    ctx = harness.Context(quick=False, warmup=3, repeat=20)
+    out = Path(args.out) if args.out else (Path(__file__).resolve().parents[2] /
+                                           ("bench-out" if on_simulator() else "workbook/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    ladder_rows(ctx, results)
+    harness.write_csv(out / "flash_backward_ladder.csv", results, harness.environment())
+    print(harness.format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -23,6 +23,8 @@ Extra entry points for the GPU run (``python -m kernels.bench.flash_forward ...`
                   workbook/results/flash_forward_memory.csv
     --sweep       the tile sweep alone (more candidates, also at d=128); writes
                   workbook/results/flash_forward_sweep.csv
+    --ladder      the ladder's three rungs alone (``ladder_rows``); writes
+                  workbook/results/flash_forward_ladder.csv
     --ncu TILES   one warm-up launch, then one launch at the reference configuration with
                   the given tiles ("256,64,8,8" = Br,Bc,TM,TX), for
                   ncu --metrics dram__bytes_read.sum,dram__bytes_write.sum -k regex:flash_forward
@@ -52,6 +54,8 @@ from kernels.flash_forward import (
     flash_attention,
     io_model_bytes,
     make_flash_forward,
+    query_tile_attention,
+    row_per_thread_attention,
     shared_bytes,
 )
 from kernels.base.fused import padded_head_dim
@@ -282,9 +286,33 @@ def fp16_rows(ctx, results, torch):
                          dtype=np.float16, plain=True, backends=("efficient", "flash", "cudnn"))
 
 
+LADDER = (1, 16, 4096, 64)              # B, H, N, d of the ladder's rows
+
+
+def ladder_rows(ctx, results):
+    """The ladder through its public launchers, one configuration: rung 1 (one thread a
+    query row), rung 2 (a block a query tile, K/V tiles in shared memory), rung 3 (the
+    production kernel), causal and not."""
+    b, h, n, d = (1, 1, 16, 8) if ctx.simulator else LADDER
+    sets = _input_sets(b, h, n, d, 2)
+    rungs = (("rung 1: one thread a row", row_per_thread_attention, "K, V from global memory by every row"),
+             ("rung 2: query tile, K/V in shared", query_tile_attention, "K/V tiles shared by a block's rows"),
+             ("rung 3: flash_attention()", flash_attention, "production: micro-tiles, registers"))
+    for causal in (False, True):
+        for label, launcher, note in rungs:
+            results.append(ctx.measure(
+                CHAPTER, label, _config(b, h, n, d, np.float32, causal),
+                lambda q, k, v, f=launcher, c=causal: f(q, k, v, causal=c), sets,
+                flops=_flops(b, h, n, n, d, causal),
+                model_bytes=io_model_bytes(b, h, n, n, d, Br=default_tiles(d).Br, causal=causal),
+                peak_memory=False, repeat=None if ctx.simulator else 5, warmup=None if ctx.simulator else 1,
+                note=f"launcher; {note}", extra={"N": n, "d": d, "causal": causal, "part": "ladder"}))
+
+
 def run(ctx) -> list[Result]:
     torch = torch_or_none()
     results: list[Result] = []
+    ladder_rows(ctx, results)
     reference_rows(ctx, results, torch)
     results.extend(tile_sweep(ctx))
     if not ctx.simulator and not ctx.quick:
@@ -425,6 +453,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.flash_forward")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--ladder", action="store_true", help="the ladder's rows alone -> flash_forward_ladder.csv")
     parser.add_argument("--ncu", metavar="Br,Bc,TM,TX")
     parser.add_argument("--dram", nargs="+", metavar="NCU_CSV",
                         help="ncu --csv outputs of --ncu runs -> flash_forward_dram.csv")
@@ -442,6 +471,11 @@ def main(argv=None) -> int:
     if args.sweep:
         results = tile_sweep(ctx) + (tile_sweep(ctx, d=128) if not ctx.simulator else [])
         harness.write_csv(out / "flash_forward_sweep.csv", results, env)
+        print(harness.format_table(results))
+    if args.ladder:
+        results = []
+        ladder_rows(ctx, results)
+        harness.write_csv(out / "flash_forward_ladder.csv", results, env)
         print(harness.format_table(results))
     if args.dram:
         results = dram_from_ncu(args.dram, ctx=None if on_simulator() else ctx)
