@@ -72,6 +72,11 @@ def main(only):
                 m.flash_attention(rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d), causal=causal)
             m.flash_attention(rand(rng, b, h, nq, d, dtype=np.float16), rand(rng, b, h, nk, d, dtype=np.float16),
                               rand(rng, b, h, nk, d, dtype=np.float16), causal=True)
+            for causal in (False, True):              # the ladder's first rungs (the exercises' kernels)
+                q, k, v = rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d)
+                m.row_per_thread_attention(q, k, v, causal=causal)
+                m.query_tile_attention(q, k, v, causal=causal)
+                m.query_tile_attention(q, k, v, causal=causal, tiles=(17, 8))
         ran.append("flash_forward")
     if want("flash_backward") and (m := have("flash_backward")):
         for b, h, nq, nk, d in shapes:
@@ -80,6 +85,10 @@ def main(only):
                 o, lse = ref.attention(q, k, v, causal=causal)
                 m.flash_attention_backward(q, k, v, o.astype(np.float32), lse.astype(np.float32),
                                            rand(rng, b, h, nq, d), causal=causal)
+                args = (q, k, v, o.astype(np.float32), lse.astype(np.float32), rand(rng, b, h, nq, d))
+                m.row_per_thread_backward(*args, causal=causal)          # the ladder's first rungs
+                m.shared_tile_backward(*args, causal=causal)
+                m.shared_tile_backward(*args, causal=causal, tiles=(17, 8))
         ran.append("flash_backward")
     if want("block_sparse") and (m := have("block_sparse")):
         from kernels.base.masks import BlockMask
