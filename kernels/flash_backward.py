@@ -703,6 +703,9 @@ def standard_backward_bytes(B, H, n, d, itemsize=4):
 #   rung 3  kernels 2 and 3 above: micro-tiles of S, dP, dS a thread, two-level sums, and dQ
 #           by atomic adds from the dK/dV kernel
 #
+# Plain ``@cuda.jit`` kernels (IEEE exp, as a learner's are); rung 2's loops over a row run
+# to the compile-time D over zero-padded tiles, so its rows stay in registers (rung 1's, to
+# the run-time d, in local memory).
 # Both rungs take D = rowsum(dO * O) from a pre-pass, one thread a row (``row_delta``: kernel 1
 # with a thread, not a warp, a row; the launcher runs it first). A thread
 # sums a gradient row over up to N rows in one float32 register: fine at the test sizes,
@@ -716,7 +719,7 @@ EXERCISES = {"make_row_per_thread_dkdv": "row_per_thread", "make_row_per_thread_
 ROW_THREADS = 128                 # rung 1's threads a block
 
 
-@cuda.jit(fastmath=FASTMATH)
+@cuda.jit
 def row_delta(o, do, delta):
     """D_i = rowsum(dO_i * O_i) on (B*H, Nq, d) views, grid (ceil(Nq / threads), B*H)."""
     bh = cuda.blockIdx.y
@@ -742,7 +745,7 @@ def make_row_per_thread_dkdv(D: int):
     s = scale q_i . k_j, P_ij = exp(s - L_i), dV_j += P_ij dO_i, dP_ij = dO_i . v_j,
     dS_ij = P_ij (dP_ij - D_i), dK_j += scale dS_ij q_i."""
 
-    @cuda.jit(fastmath=FASTMATH)
+    @cuda.jit
     def row_per_thread_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal):
         bh = cuda.blockIdx.y
         j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -782,7 +785,7 @@ def make_row_per_thread_dq(D: int):
     (ceil(Nq / threads), B*H): thread i takes query row i. For every key j row i sees:
     P_ij and dS_ij as in ``make_row_per_thread_dkdv``, dQ_i += scale dS_ij k_j."""
 
-    @cuda.jit(fastmath=FASTMATH)
+    @cuda.jit
     def row_per_thread_dq(q, k, v, do, lse, delta, dq, scale, causal):
         bh = cuda.blockIdx.y
         i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -821,7 +824,7 @@ def make_shared_tile_dkdv(Br: int, Bc: int, D: int):
     side comes in tiles of Br rows: the threads copy Q_i, dO_i (zeros past Nq or d), L_i and
     D_i into shared memory, a barrier, each sweeps the rows that see its key, a barrier."""
 
-    @cuda.jit(fastmath=FASTMATH)
+    @cuda.jit
     def shared_tile_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal):
         Q_i = cuda.shared.array((Br, D), float32)
         dO_i = cuda.shared.array((Br, D), float32)
@@ -836,9 +839,9 @@ def make_shared_tile_dkdv(Br: int, Bc: int, D: int):
         v_j = cuda.local.array(D, float32)
         dk_j = cuda.local.array(D, float32)
         dv_j = cuda.local.array(D, float32)
-        for c in range(d):
-            k_j[c] = k[bh, j, c] if key else float32(0.0)
-            v_j[c] = v[bh, j, c] if key else float32(0.0)
+        for c in range(D):                            # to the compile-time D, zeros past d: in registers
+            k_j[c] = k[bh, j, c] if key and c < d else float32(0.0)
+            v_j[c] = v[bh, j, c] if key and c < d else float32(0.0)
             dk_j[c], dv_j[c] = float32(0.0), float32(0.0)
         first = _first_query(j, n_q, n_k, causal)                       # this thread's first row
         block_first = _first_query(cuda.blockIdx.x * Bc, n_q, n_k, causal)   # the block's
@@ -859,18 +862,19 @@ def make_shared_tile_dkdv(Br: int, Bc: int, D: int):
                         continue
                     s = float32(0.0)
                     dp = float32(0.0)
-                    for c in range(d):
+                    for c in range(D):
                         s += Q_i[r, c] * k_j[c]       # every thread reads the same Q_i[r, c]: a broadcast
                         dp += dO_i[r, c] * v_j[c]
                     p = math.exp(float32(scale) * s - L_i[r])
                     ds = p * (dp - D_i[r])
-                    for c in range(d):
+                    for c in range(D):
                         dv_j[c] += p * dO_i[r, c]
                         dk_j[c] += float32(scale) * ds * Q_i[r, c]
             cuda.syncthreads()                        # all have read it before the next copy
         if key:
-            for c in range(d):
-                dk[bh, j, c], dv[bh, j, c] = dk_j[c], dv_j[c]
+            for c in range(D):
+                if c < d:
+                    dk[bh, j, c], dv[bh, j, c] = dk_j[c], dv_j[c]
 
     return shared_tile_dkdv
 
@@ -881,7 +885,7 @@ def make_shared_tile_dq(Br: int, Bc: int, D: int):
     block: thread t takes query row Br x + t; K and V come in tiles of Bc rows through shared
     memory, as in chapter 4's second rung."""
 
-    @cuda.jit(fastmath=FASTMATH)
+    @cuda.jit
     def shared_tile_dq(q, k, v, do, lse, delta, dq, scale, causal):
         K_j = cuda.shared.array((Bc, D), float32)
         V_j = cuda.shared.array((Bc, D), float32)
@@ -896,9 +900,9 @@ def make_shared_tile_dq(Br: int, Bc: int, D: int):
         q_i = cuda.local.array(D, float32)
         do_i = cuda.local.array(D, float32)
         dq_i = cuda.local.array(D, float32)
-        for c in range(d):
-            q_i[c] = q[bh, i, c] if row else float32(0.0)
-            do_i[c] = do[bh, i, c] if row else float32(0.0)
+        for c in range(D):
+            q_i[c] = q[bh, i, c] if row and c < d else float32(0.0)
+            do_i[c] = do[bh, i, c] if row and c < d else float32(0.0)
             dq_i[c] = float32(0.0)
         L = lse[bh, i] if row else MINUS_INF
         D_i = delta[bh, i] if row else float32(0.0)
@@ -914,17 +918,18 @@ def make_shared_tile_dq(Br: int, Bc: int, D: int):
             for r in range(min(Bc, kv_end - k0)):
                 s = float32(0.0)
                 dp = float32(0.0)
-                for c in range(d):
+                for c in range(D):
                     s += q_i[c] * K_j[r, c]
                     dp += do_i[c] * V_j[r, c]
                 p = math.exp(float32(scale) * s - L)
                 ds = p * (dp - D_i)
-                for c in range(d):
+                for c in range(D):
                     dq_i[c] += float32(scale) * ds * K_j[r, c]
             cuda.syncthreads()
         if row:
-            for c in range(d):
-                dq[bh, i, c] = dq_i[c]
+            for c in range(D):
+                if c < d:
+                    dq[bh, i, c] = dq_i[c]
 
     return shared_tile_dq
 

@@ -589,6 +589,10 @@ def flash_attention(q, k, v, *, causal=False, scale=None, tiles: Tiles | None = 
 #   rung 3  the production kernel: the same loops, each thread a TM x RN micro-tile of S
 #           (registers, runs of 4, warp-shuffle row maxima)
 #
+# Both rungs are plain ``@cuda.jit`` kernels (IEEE exp and division, as a learner's are).
+# Rung 2's loops over a row run to the compile-time D over zero-padded tiles: unrolled, they
+# keep q_i and O_i in registers, where rung 1's loops to the run-time d keep them in local
+# memory (so rung 2 changes two things; the notebook measures both together).
 # A learner's ``make_row_per_thread_forward`` / ``make_query_tile_forward`` replace these
 # through ``kernels.base.learner``; tests/test_flash_forward.py grades them through the
 # launchers ``row_per_thread_attention`` and ``query_tile_attention``.
@@ -609,7 +613,7 @@ def make_row_per_thread_forward(D: int):
     O_i = exp(m - m') O_i + exp(s - m') v_j. Then O_i / l and L_i = m + log l; a row that
     sees no key gets O_i = 0 and L_i = -inf."""
 
-    @cuda.jit(fastmath=FASTMATH)
+    @cuda.jit
     def row_per_thread_forward(q, k, v, o, lse, scale, causal):
         bh = cuda.blockIdx.y
         i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -661,7 +665,7 @@ def make_query_tile_forward(Br: int, Bc: int, D: int):
     a barrier, every thread sweeps the Bc keys its row sees, a barrier before the next tile
     overwrites them. Threads whose row is past Nq still copy and wait at the barriers."""
 
-    @cuda.jit(fastmath=FASTMATH)
+    @cuda.jit
     def query_tile_forward(q, k, v, o, lse, scale, causal):
         K_j = cuda.shared.array((Bc, D), float32)
         V_j = cuda.shared.array((Bc, D), float32)
@@ -676,10 +680,10 @@ def make_query_tile_forward(Br: int, Bc: int, D: int):
         if causal:
             kv_end = min(n_k, i + 1 + n_k - n_q)
             block_end = min(n_k, q0 + Br + n_k - n_q)
-        q_i = cuda.local.array(D, float32)
-        o_i = cuda.local.array(D, float32)
-        for c in range(d):
-            q_i[c] = float32(scale) * float32(q[bh, i, c]) if row else float32(0.0)
+        q_i = cuda.local.array(D, float32)            # loops over the compile-time D (zeros past d)
+        o_i = cuda.local.array(D, float32)            # unroll: q_i and o_i stay in registers
+        for c in range(D):
+            q_i[c] = float32(scale) * float32(q[bh, i, c]) if row and c < d else float32(0.0)
             o_i[c] = float32(0.0)
         m = MINUS_INF
         l = float32(0.0)
@@ -692,7 +696,7 @@ def make_query_tile_forward(Br: int, Bc: int, D: int):
             cuda.syncthreads()                        # the tile is in shared memory
             for r in range(min(Bc, kv_end - k0)):     # the keys this row sees (none past Nq)
                 s = float32(0.0)
-                for c in range(d):
+                for c in range(D):
                     s += q_i[c] * K_j[r, c]           # every thread reads the same K_j[r, c]: a broadcast
                 m_new = nan_max(m, s)
                 if m_new == MINUS_INF:
@@ -700,7 +704,7 @@ def make_query_tile_forward(Br: int, Bc: int, D: int):
                 alpha = math.exp(m - m_new)
                 p = math.exp(s - m_new)
                 l = l * alpha + p
-                for c in range(d):
+                for c in range(D):
                     o_i[c] = o_i[c] * alpha + p * V_j[r, c]
                 m = m_new
             cuda.syncthreads()                        # all have read the tile before it is overwritten
@@ -712,8 +716,9 @@ def make_query_tile_forward(Br: int, Bc: int, D: int):
             lse[bh, i] = MINUS_INF
             return
         inv_l = float32(1.0) / l
-        for c in range(d):
-            o[bh, i, c] = o_i[c] * inv_l
+        for c in range(D):
+            if c < d:
+                o[bh, i, c] = o_i[c] * inv_l
         lse[bh, i] = m + math.log(l)
 
     return query_tile_forward

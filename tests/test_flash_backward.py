@@ -89,7 +89,7 @@ def test_gradients_match_the_oracle(case, tiles, seed, dq_mode):
 
 RUNG_MAX_N = 16 if SIM else 300
 RUNG_MAX_D = 8 if SIM else 128
-SHARED_TILES = [(8, 4), (3, 5), (1, 1)] if SIM else [None, (64, 32), (17, 8), (32, 64)]
+SHARED_TILES = [(8, 4), (3, 5), (1, 1)] if SIM else [None, (32, 32), (17, 8), (40, 48)]   # all fit D = 128
 RUNG_EXAMPLES = [
     dict(case=case_with((1, 1, 1, 3), (1, 1, 1, 3)), seed=0),                              # N = 1
     dict(case=case_with((1, 2, 9, 5), (1, 2, 13, 5), causal=True), seed=1),                 # Nq < Nk

@@ -303,7 +303,7 @@ def test_bad_inputs_name_the_argument(change, exc, name):
 
 RUNG_MAX_N = 24 if SIM else 300
 RUNG_MAX_D = 8 if SIM else 128
-QUERY_TILES = [(8, 4), (3, 5), (1, 1)] if SIM else [(64, 32), (128, 32), (32, 64), (17, 8)]
+QUERY_TILES = [(8, 4), (3, 5), (1, 1)] if SIM else [(64, 32), (128, 32), (32, 16), (17, 8)]   # all fit D = 128
 
 
 def check_rung(case, launch, owner, **options):
