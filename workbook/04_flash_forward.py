@@ -138,6 +138,103 @@ for causal in (False, True):
 #   P as `exp(S - L)` from it, so the forward saves these Nq numbers and nothing else.
 
 # %% [markdown]
+# ## A ladder to the kernel: you write rungs 1 and 2
+#
+# Between `flash_forward_numpy` and the production kernel of section 3 (micro-tiles,
+# registers, runs of 4, warp shuffles) there are two kernels you can write in a few lines
+# each, as chapter 2 climbed from one thread an element to register tiles:
+#
+# | rung | a thread | a block | K and V come from | you |
+# |---|---|---|---|---|
+# | 1 | one query row: chapter 3's online softmax over every key, `O_i` in the thread's own memory | any 128 rows | global memory, every row reads all of K and V | write it |
+# | 2 | one query row, as rung 1 | the Br rows of a query tile | **shared memory**: the block copies each tile of Bc keys once, all Br rows read it | write it |
+# | 3 | a TM x RN micro-tile of S and TM x RD of O | Br rows, TY x TX threads | shared memory, transposed, read 16 bytes at a time | read it (section 3) |
+#
+# * **Exercise 1 (rung 1).** `make_row_per_thread_forward(D)` returns a kernel
+#   `(q, k, v, o, lse, scale, causal)` on `(B*H, N, d)` arrays (`lse`: `(B*H, Nq)`),
+#   launched with grid `(ceil(Nq / threads), B*H)`: thread `i = blockIdx.x * blockDim.x +
+#   threadIdx.x` takes query row `i` of head `blockIdx.y`. For each key `j` the row sees
+#   (causal: `j <= i + Nk - Nq`): `s = scale q_i . k_j`, `m' = max(m, s)`,
+#   `l = e^(m - m') l + e^(s - m')`, `O_i = e^(m - m') O_i + e^(s - m') v_j`. At the end
+#   `O_i / l` and `L_i = m + log l`; a row that sees no key gets `O_i = 0`, `L_i = -inf`.
+#   `D` (a power of two >= d) is the compile-time size of a per-thread array
+#   (`cuda.local.array(D, float32)`). Graded by `test_row_per_thread_rung_matches_oracle`.
+# * **Exercise 2 (rung 2).** `make_query_tile_forward(Br, Bc, D)`: the same kernel
+#   arguments, grid `(ceil(Nq / Br), B*H)`, Br threads a block, thread `t` takes row
+#   `Br * blockIdx.x + t`. For each tile of Bc keys the block copies `K_j` and `V_j` into
+#   `cuda.shared.array((Bc, D), float32)` arrays (zeros past Nk and past d), waits at a
+#   barrier, each thread sweeps the keys of the tile its row sees, and the block waits again
+#   before the next copy. Threads whose row is past Nq still copy and wait. Graded by
+#   `test_query_tile_rung_matches_oracle`.
+#
+# <details><summary>Hint 1 (both): the row's state</summary>
+#
+# Three things per row: `m` (start at `-inf`), `l` (0) and the `O_i` array (zeros). Take the
+# max with `nan_max` (from `kernels.base.fused`) so a NaN survives, and skip the update while
+# `m'` is still `-inf` (a row that has seen only masked keys): `exp(-inf - (-inf))` is NaN.
+# </details>
+#
+# <details><summary>Hint 2 (rung 2): who copies what</summary>
+#
+# `for e in range(t, Bc * D, Br)`: thread `t` copies elements `t, t + Br, ...` of the tile,
+# `r, c = e // D, e % D`. Then `cuda.syncthreads()`, the sweep over
+# `range(min(Bc, kv_end - k0))` (this row's last key, not the tile's), and
+# `cuda.syncthreads()` again. A `return` before a barrier would leave the block waiting.
+# </details>
+#
+# <details><summary>Hint 3 (rung 2): the causal bound of the block</summary>
+#
+# The block loads tiles up to the last key its **last** row sees,
+# `min(Nk, q0 + Br + Nk - Nq)`; each row stops at its own `min(Nk, i + 1 + Nk - Nq)`.
+# </details>
+
+# %%
+from kernels.base.learner import grade, my_file
+
+TEMPLATE = '''"""My kernels for chapter 4's ladder (graded by tests/test_flash_forward.py)."""
+CHAPTER = "flash_forward"
+
+import math
+
+from numba import cuda, float32
+
+from kernels.base.fused import nan_max
+
+
+def make_row_per_thread_forward(D):
+    @cuda.jit
+    def row_per_thread_forward(q, k, v, o, lse, scale, causal):
+        raise NotImplementedError   # your code: query row i of head blockIdx.y
+
+    return row_per_thread_forward
+
+
+def make_query_tile_forward(Br, Bc, D):
+    @cuda.jit
+    def query_tile_forward(q, k, v, o, lse, scale, causal):
+        raise NotImplementedError   # your code: K/V tiles in shared memory, one thread a row
+
+    return query_tile_forward
+'''
+
+mine = my_file("my_flash_forward.py", TEMPLATE)
+
+# %%
+_ = grade(mine)
+
+# %% [markdown]
+# The course's answers: `kernels.flash_forward.make_row_per_thread_forward` and
+# `make_query_tile_forward` (read them after yours pass); their launchers
+# `row_per_thread_attention` and `query_tile_attention` are the ones the tests call.
+# The three rungs on the H100, through their launchers (`python -m kernels.bench.flash_forward
+# --ladder`, `results/flash_forward_ladder.csv`):
+
+# %%
+from kernels.base.notebook import show_ladder
+
+show_ladder("results/flash_forward_ladder.csv")
+
+# %% [markdown]
 # ## 2. What lives where
 #
 # A block owns Br query rows for the whole sweep over K and V. Per tile it computes a

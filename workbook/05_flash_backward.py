@@ -174,6 +174,116 @@ for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, baseline):
 print("the tiled NumPy backward matches the oracle")
 
 # %% [markdown]
+# ## A ladder to the kernels: you write rungs 1 and 2
+#
+# The two loop nests above, one **row** at a time instead of one tile, are two small kernels
+# each. Write them before reading the production kernels of section 5:
+#
+# | rung | dK, dV | dQ | operands come from | you |
+# |---|---|---|---|---|
+# | 1 | a thread a key row j: loops over the query rows that see it | a thread a query row i: loops over its keys | global memory, every thread reads all of the other side | write it |
+# | 2 | a block of Bc key rows shares each **query tile** (Q_i, dO_i, L_i, D_i) in shared memory | a block of Br query rows shares each **K/V tile** | shared memory, copied once a block | write it |
+# | 3 | section 5: micro-tiles, two-level sums, dQ by atomics | the same, or a second kernel | shared memory, 16-byte loads | read it |
+#
+# Every rung takes `D = rowsum(dO * O)` from a pre-pass the launcher runs first, and
+# recomputes each `P_ij = exp(scale q_i . k_j - L_i)` it needs.
+#
+# * **Exercise 1 (rung 1).** `make_row_per_thread_dkdv(D)` returns a kernel
+#   `(q, k, v, do, lse, delta, dk, dv, scale, causal)` on `(B*H, N, d)` arrays (`lse`,
+#   `delta`: `(B*H, Nq)`), grid `(ceil(Nk / threads), B*H)`: thread `j` sums, over every
+#   query row `i` that sees key `j` (causal: `i >= j + Nq - Nk`), `dV_j += P_ij dO_i` and
+#   `dK_j += scale dS_ij q_i` with `dS_ij = P_ij (dO_i . v_j - D_i)`.
+#   `make_row_per_thread_dq(D)` returns `(q, k, v, do, lse, delta, dq, scale, causal)`:
+#   thread `i` sums `dQ_i += scale dS_ij k_j` over its keys. A row with `L_i = -inf` saw
+#   nothing: its P is 0. Graded by `test_row_per_thread_backward_rung_matches_oracle`.
+# * **Exercise 2 (rung 2).** `make_shared_tile_dkdv(Br, Bc, D)` (Bc threads a block, thread
+#   `t` takes key `Bc * blockIdx.x + t`, query tiles of Br rows through shared memory) and
+#   `make_shared_tile_dq(Br, Bc, D)` (Br threads a block, K/V tiles of Bc rows), same
+#   arguments as rung 1. Graded by `test_shared_tile_backward_rung_matches_oracle`.
+#
+# <details><summary>Hint 1: one pair (i, j)</summary>
+#
+# `s = q_i . k_j` and `dp = dO_i . v_j` in one loop over the head dim; then
+# `p = exp(scale * s - L_i)`, `ds = p * (dp - D_i)`; then dV_j, dK_j (or dQ_i) in a second
+# loop. Keep your own row (k_j, v_j and the two sums; or q_i, dO_i and dQ_i) in
+# `cuda.local.array(D, float32)` arrays.
+# </details>
+#
+# <details><summary>Hint 2: the causal bounds</summary>
+#
+# Key j is seen by query rows `i >= j + Nq - Nk` (and `i >= 0`); query row i sees keys
+# `j < min(Nk, i + 1 + Nk - Nq)`. In rung 2 the dK/dV block starts at the first row its
+# first key is seen by; each thread skips the rows before its own.
+# </details>
+#
+# <details><summary>Hint 3 (rung 2): the barriers</summary>
+#
+# Copy with `for e in range(t, rows * D, threads)`, zeros past N and past d (and `L = -inf`
+# past Nq); `cuda.syncthreads()`; sweep; `cuda.syncthreads()` before the next copy. Every
+# thread copies and waits, also those whose own row is past N.
+# </details>
+
+# %%
+from kernels.base.learner import grade, my_file
+
+TEMPLATE = '''"""My kernels for chapter 5's ladder (graded by tests/test_flash_backward.py)."""
+CHAPTER = "flash_backward"
+
+import math
+
+from numba import cuda, float32
+
+
+def make_row_per_thread_dkdv(D):
+    @cuda.jit
+    def row_per_thread_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal):
+        raise NotImplementedError   # your code: key row j, summed over the query rows that see it
+
+    return row_per_thread_dkdv
+
+
+def make_row_per_thread_dq(D):
+    @cuda.jit
+    def row_per_thread_dq(q, k, v, do, lse, delta, dq, scale, causal):
+        raise NotImplementedError   # your code: query row i, summed over its keys
+
+    return row_per_thread_dq
+
+
+def make_shared_tile_dkdv(Br, Bc, D):
+    @cuda.jit
+    def shared_tile_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal):
+        raise NotImplementedError   # your code: query tiles through shared memory
+
+    return shared_tile_dkdv
+
+
+def make_shared_tile_dq(Br, Bc, D):
+    @cuda.jit
+    def shared_tile_dq(q, k, v, do, lse, delta, dq, scale, causal):
+        raise NotImplementedError   # your code: K/V tiles through shared memory
+
+    return shared_tile_dq
+'''
+
+mine = my_file("my_flash_backward.py", TEMPLATE)
+
+# %%
+_ = grade(mine)
+
+# %% [markdown]
+# The course's answers: `kernels.flash_backward.make_row_per_thread_dkdv`,
+# `make_row_per_thread_dq`, `make_shared_tile_dkdv`, `make_shared_tile_dq` (read them after
+# yours pass); the tests call them through `row_per_thread_backward` and
+# `shared_tile_backward`. The three rungs on the H100, through their launchers
+# (`python -m kernels.bench.flash_backward --ladder`, `results/flash_backward_ladder.csv`):
+
+# %%
+from kernels.base.notebook import show_ladder
+
+show_ladder("results/flash_backward_ladder.csv")
+
+# %% [markdown]
 # ## 4. dQ: a second kernel, or atomics?
 #
 # Every key-tile block produces a piece $\tau\, dS\, K_j$ of each dQ_i. Two ways to sum them:

@@ -1,4 +1,4 @@
-"""What the notebooks share: printing a part of a kernel's source.
+"""What the notebooks share: printing a part of a kernel's source, and a ladder's timings.
 
 A chapter shows its kernel a piece at a time, next to the text that explains that piece:
 ``show_source(make_stream_k, "for g in range(", "`last` is rewritten")`` prints the lines
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 
-__all__ = ["show_source"]
+__all__ = ["show_source", "show_ladder"]
 
 
 def show_source(fn, first: str, last: str, more: int = 0) -> None:
@@ -24,3 +24,23 @@ def show_source(fn, first: str, last: str, more: int = 0) -> None:
     if j is None:
         raise ValueError(f"last: {last!r} does not follow {first!r} in the source of {fn.__name__}")
     print("\n".join(lines[i:j + 1 + more]))
+
+
+def show_ladder(path) -> None:
+    """Print the rows of a committed ladder results file (``python -m kernels.bench.<chapter>
+    --ladder``): each rung's time, TFLOP/s and time over the last rung's, causal and not."""
+    from pathlib import Path
+
+    from kernels.bench.harness import read_csv
+
+    path = Path(path)
+    if not path.exists():
+        print(f"(no {path} yet: run the chapter's bench with --ladder on a GPU)")
+        return
+    env, rows = read_csv(path)
+    print(env.get("device", "?"))
+    for causal in ("False", "True"):
+        these = [r for r in rows if r["config"].endswith(f"causal={causal}")]
+        for r in these:
+            print(f"  {r['kernel']:<38} {r['config']:<40} {r['median_ms']:9.2f} ms  "
+                  f"{r['tflops']:6.2f} TFLOP/s  {r['median_ms'] / these[-1]['median_ms']:6.1f}x the last")
