@@ -102,6 +102,8 @@ def main(only):
             for causal in (False, True):
                 o, lse = m.block_sparse_attention(q, k, v, mask, causal=causal)
                 m.block_sparse_attention(*(x.astype(np.float16) for x in (q, k, v)), mask, causal=causal)
+                m.first_block_sparse_attention(q, k, v, mask, causal=causal)      # the exercises' kernels
+                m.first_tile_lists(mask, nq, nk, Br=64, Bc=32, causal=causal, batch=b, heads=h)
                 for dq_mode in ("atomic", "separate") if backward else ():
                     backward.block_sparse_attention_backward(q, k, v, o, lse, rand(rng, b, h, nq, d), mask,
                                                              causal=causal, dq_mode=dq_mode)

@@ -26,28 +26,35 @@ key gives O = 0 and L = -inf (its list is empty, or every score in it is masked)
 
 Query tiles are launched longest list first (``row_order``): with uneven rows (global
 tokens) the heavy blocks start early and the last wave is short.
+
+The first versions (the notebook's kernel exercises, at the end): the same lists built on
+the GPU, one thread a query tile (``first_tile_lists``), and a forward with one thread a
+query row that skips the dropped key blocks, reading Q, K, V straight from HBM
+(``first_block_sparse_attention``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections import namedtuple
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, int32, uint64
+from numba import cuda, float32, int32, uint64
 
-from kernels.base.fused import FASTMATH, MAX_GRID_Y, Tiles, check_tiles_type, padded_head_dim
+from kernels.base.fused import FASTMATH, MAX_GRID_Y, Tiles, check_tiles_type, nan_max, padded_head_dim
 from kernels.base.io_model import block_sparse_forward_bytes
 from kernels.base.masks import BlockMask
-from kernels.base.runtime import (ArrayKind, cdiv, check_flag, check_qkv, check_scale, device_empty,
-                                  on_simulator, to_device)
+from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_int, check_out, check_qkv,
+                                  check_scale, device_empty, is_device_array, on_simulator, to_device)
 from kernels.base.shared_memory import allow_dynamic_shared_memory
 from kernels.flash_forward import check_tiles, default_tiles, gpu_tiles, make_attend_query_tile, shared_bytes
 
 __all__ = ["block_sparse_attention", "make_block_sparse_forward", "listed_tile", "forward_tiles", "TileLists",
            "tile_lists", "lists_for", "fit_to_mask", "check_tiles_fit_mask", "mask_groups", "io_model_bytes",
-           "ptx_targets"]
+           "make_first_tile_lists", "first_tile_lists", "make_first_block_sparse_forward",
+           "first_block_sparse_attention", "first_threads", "ptx_targets"]
 
 
 # --------------------------------------------------------------------------- tiles that fit the mask
@@ -284,6 +291,185 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, til
     return kind.give_back(o), kind.give_back(lse)
 
 
+# --------------------------------------------------------------------------- the first versions
+# The notebook's two kernel exercises (their solutions, not printed there): the kept-tile
+# lists built on the GPU, one thread a query tile, and a first block-sparse forward, one
+# thread a query row. A learner's factory of the same name replaces them
+# (``kernels.base.learner``) and tests/test_block_sparse.py grades it; the launchers look
+# the factories up at every call. Both are correct and simple, not fast: the forward reads
+# Q, K, V from HBM with no tile on chip (d loads of K and d of V a kept score) and keeps
+# its running O in HBM too.
+
+EXERCISES = {"make_first_tile_lists": "first_tile_lists", "make_first_block_sparse_forward": "first_forward"}
+
+
+def first_threads() -> int:
+    """Threads a block of the first versions' launches (thread t of the grid is thread
+    t % first_threads() of block t // first_threads())."""
+    return 32 if on_simulator() else 128
+
+
+@functools.lru_cache(maxsize=None)
+def make_first_tile_lists():
+    """Kernel (flags, col_idx, count, Br, Bc, block_q, block_k, nq, nk, causal): the kept
+    tiles of every query tile, one thread a (mask group g, query tile r) pair: thread
+    t = g*Tr + r of the grid. flags (G, Tq, Tk) uint8, the mask's flags (1 = kept); col_idx
+    (G, Tr, Tc) and count (G, Tr) int32, Tr = ceil(Nq/Br), Tc = ceil(Nk/Bc). The thread
+    writes the kept key tiles of query tile r, in increasing order, to col_idx[g, r, :n] and
+    n to count[g, r] (entries past n are not read): kernel tile (r, c) is kept when the
+    flag of its mask block (r*Br // block_q, c*Bc // block_k) is on and, with causal (0/1),
+    its first key c*Bc is not past the diagonal of its last query, min((r+1) Br, Nq) - 1 +
+    Nk - Nq. Exactly ``tile_lists``'s rows, one padded row a query tile."""
+
+    @cuda.jit
+    def first_tile_lists_kernel(flags, col_idx, count, Br, Bc, block_q, block_k, nq, nk, causal):
+        t = cuda.grid(1)
+        groups, tr, tc = col_idx.shape
+        if t >= groups * tr:
+            return
+        g, r = t // tr, t % tr
+        mask_row = r * Br // block_q                  # the mask block row this query tile lies in
+        last_q = min((r + 1) * Br, nq) - 1             # its last query row (the last tile may be short)
+        n = 0
+        for c in range(tc):
+            if causal and c * Bc > last_q + nk - nq:
+                break                                  # this key tile and all after it: above the diagonal
+            if flags[g, mask_row, c * Bc // block_k]:
+                col_idx[g, r, n] = c                   # compact: the n-th kept tile of the row
+                n += 1
+        count[g, r] = n
+
+    return first_tile_lists_kernel
+
+
+def _check_int32_out(out, name, shape):
+    """``out``: None, or a C-contiguous int32 device array of ``shape`` (as ``check_out``
+    for float32)."""
+    if out is None:
+        return None
+    if not is_device_array(out):
+        raise TypeError(f"{name}: expected a device array (or None), got {type(out).__name__}")
+    got, _ = check_array(out, name, ndim=len(shape), dtypes=(np.int32,))
+    if tuple(got) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(got)}")
+    return to_device(out, name)
+
+
+def _flags_on_device(flags):
+    """The (G, Tq, Tk) flags as uint8 on the device (1 = kept)."""
+    return cuda.to_device(np.ascontiguousarray(flags, dtype=np.uint8))
+
+
+def first_tile_lists(block_mask, nq, nk, *, Br, Bc, causal=False, batch=1, heads=1, out=None, count_out=None):
+    """The kept-tile lists by ``make_first_tile_lists``'s kernel, one thread a query tile:
+    (col_idx (G, Tr, Tc), count (G, Tr)), int32, where col_idx[g, r, :count[g, r]] is what
+    ``tile_lists(...)`` lists for query tile r of mask group g (G = 1, H or B*H, as the
+    mask's flags). ``out``/``count_out``: int32 device arrays of those shapes to write into
+    (returned as given); otherwise NumPy arrays (entries past a row's count are undefined)."""
+    nq, nk = check_int(nq, "nq", 0, 2**31 - 1), check_int(nk, "nk", 0, 2**31 - 1)
+    Br, Bc = check_int(Br, "Br", 1, 2**20), check_int(Bc, "Bc", 1, 2**20)
+    batch, heads = check_int(batch, "batch", 1, 2**31 - 1), check_int(heads, "heads", 1, 2**31 - 1)
+    causal = check_flag(causal, "causal")
+    flags = mask_groups(block_mask, batch, heads, nq, nk)
+    check_tiles_fit_mask(block_mask, Br, Bc, name="Br, Bc")
+    g, tr, tc = flags.shape[0], cdiv(nq, Br), cdiv(nk, Bc)
+    col_idx, count = _check_int32_out(out, "out", (g, tr, tc)), _check_int32_out(count_out, "count_out", (g, tr))
+    col_idx = device_empty((g, tr, tc), np.int32) if col_idx is None else col_idx
+    count = device_empty((g, tr), np.int32) if count is None else count
+    if g * tr:
+        threads = first_threads()
+        make_first_tile_lists()[cdiv(g * tr, threads), threads](
+            _flags_on_device(flags), col_idx, count, np.int32(Br), np.int32(Bc), np.int32(block_mask.block_q),
+            np.int32(block_mask.block_k), np.int32(nq), np.int32(nk), np.int32(causal))
+    return (out if out is not None else col_idx.copy_to_host(),
+            count_out if count_out is not None else count.copy_to_host())
+
+
+_NEG_INF = float32(-math.inf)
+
+
+@functools.lru_cache(maxsize=None)
+def make_first_block_sparse_forward():
+    """Kernel (q, k, v, o, lse, flags, block_q, block_k, scale, causal) on (B*H, N, d)
+    float32 views of Q, K, V, O, the (B*H, Nq) view of L and the mask's (G, Tq, Tk) uint8
+    flags (head z uses group z % G): one thread a query row, thread t = z*Nq + i of the
+    grid. It walks the key blocks of its row, skips every block whose flag is off (and,
+    with causal, stops at the first key past i + Nk - Nq), and runs the online softmax over
+    the keys it keeps: m = max so far, l = sum exp(s - m), O rescaled like l. Q, K, V are
+    read from HBM and the running O lives in its output row. A row with no kept key gets
+    O = 0 and L = -inf; else O = O / l and L = m + log l."""
+
+    @cuda.jit(fastmath=FASTMATH)
+    def first_block_sparse_forward_kernel(q, k, v, o, lse, flags, block_q, block_k, scale, causal):
+        t = cuda.grid(1)
+        bh, nq, d = q.shape
+        nk = k.shape[1]
+        if t >= bh * nq:
+            return
+        z, i = t // nq, t % nq
+        g = z % flags.shape[0]                          # the mask group of head z
+        last = i + nk - nq                              # causal: the last key query i may see
+        for c in range(d):
+            o[z, i, c] = float32(0.0)                   # O = 0: the running sum starts empty
+        m = _NEG_INF
+        l = float32(0.0)
+        for kb in range(flags.shape[2]):                # key block kb: keys kb*block_k ...
+            start = kb * block_k
+            if causal and start > last:
+                break                                   # every later key is masked too
+            if not flags[g, i // block_q, kb]:
+                continue                                # the mask drops the whole block: no loads
+            stop = min(start + block_k, nk)
+            if causal:
+                stop = min(stop, last + 1)
+            for j in range(start, stop):
+                s = float32(0.0)                        # S_ij = scale q_i . k_j
+                for c in range(d):
+                    s += q[z, i, c] * k[z, j, c]
+                s *= scale
+                m_new = nan_max(m, s)
+                alpha = math.exp(m - m_new)             # rescales what was summed at the old max
+                p = math.exp(s - m_new)
+                l = l * alpha + p
+                for c in range(d):
+                    o[z, i, c] = o[z, i, c] * alpha + p * v[z, j, c]
+                m = m_new
+        if l == float32(0.0):                           # nothing kept: O stays 0, L = log 0
+            lse[z, i] = _NEG_INF
+            return
+        inv = float32(1.0) / l
+        for c in range(d):
+            o[z, i, c] *= inv
+        lse[z, i] = m + math.log(l)
+
+    return first_block_sparse_forward_kernel
+
+
+def first_block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, out=None, lse_out=None):
+    """Block-sparse attention by ``make_first_block_sparse_forward``'s kernel, one thread a
+    query row: (O, L) as ``block_sparse_attention`` gives them (float32 inputs). ``out``/
+    ``lse_out``: float32 device arrays (B, H, Nq, d) and (B, H, Nq) to write into (returned
+    as given)."""
+    b, h, nq, nk, d, _ = check_qkv(q, k, v, max_head_dim=128)
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    flags = mask_groups(block_mask, b, h, nq, nk)
+    kind = ArrayKind(q)
+    o, lse = check_out(out, "out", (b, h, nq, d)), check_out(lse_out, "lse_out", (b, h, nq))
+    o = device_empty((b, h, nq, d)) if o is None else o
+    lse = device_empty((b, h, nq)) if lse is None else lse
+    rows = b * h * nq
+    if rows:
+        threads = first_threads()
+        qd, kd, vd = (to_device(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+        make_first_block_sparse_forward()[cdiv(rows, threads), threads](
+            qd.reshape(b * h, nq, d), kd.reshape(b * h, nk, d), vd.reshape(b * h, nk, d), o.reshape(b * h, nq, d),
+            lse.reshape(b * h, nq), _flags_on_device(flags), np.int32(block_mask.block_q),
+            np.int32(block_mask.block_k), np.float32(scale), np.int32(causal))
+    return (out if out is not None else kind.give_back(o),
+            lse_out if lse_out is not None else kind.give_back(lse))
+
+
 # --------------------------------------------------------------------------- PTX check
 
 def _sig(dtype):
@@ -294,7 +480,8 @@ def _sig(dtype):
 
 def ptx_targets(every_shape: bool = False):
     """The forward kernel at the tiles the launcher picks for 128 x 128 mask blocks, d = 64
-    and 128 (``every_shape``: and 32; fp32, fp16 inputs at d = 64), for the sm_90 PTX check."""
+    and 128 (``every_shape``: and 32; fp32, fp16 inputs at d = 64), and the two first
+    versions (the exercises' kernels), for the sm_90 PTX check."""
     out = []
     for d in (32, 64, 128) if every_shape else (64, 128):
         t0 = gpu_tiles(d)
@@ -303,4 +490,10 @@ def ptx_targets(every_shape: bool = False):
         kern = make_block_sparse_forward(t.Br, t.Bc, D, t.TM, t.TX)
         for dt in (("float32", "float16") if d == 64 else ("float32",)):
             out.append((f"block-sparse fwd {dt} {t} D={D}", kern, _sig(dt)))
+    a3 = "float32[:, :, ::1]"
+    out.append(("first tile lists (one thread a query tile)", make_first_tile_lists(),
+                "void(uint8[:, :, ::1], int32[:, :, ::1], int32[:, ::1], int32, int32, int32, int32, int32, int32, "
+                "int32)"))
+    out.append(("first block-sparse fwd fp32 (one thread a query row)", make_first_block_sparse_forward(),
+                f"void({a3}, {a3}, {a3}, {a3}, float32[:, ::1], uint8[:, :, ::1], int32, int32, float32, int32)"))
     return out

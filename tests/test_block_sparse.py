@@ -2,20 +2,23 @@
 
 The oracle expands the block mask to one flag per score (``ref.attention(...,
 block_mask=...)``); the kernel walks compact lists of kept tiles. Cases are drawn by
-``tests/sparse_cases.py``.
+``tests/sparse_cases.py``. The first versions (the notebook's kernel exercises: the lists
+built on the GPU, a one-thread-a-row forward) are graded here too.
 """
 
 import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from numba import cuda
 
 from kernels import reference as ref
 from kernels import sparsity_patterns as sp
 from kernels.base.fused import Tiles
 from kernels.base.runtime import on_simulator
-from kernels.base.testing import assert_close, forward_floor_scales, random_array
-from kernels.block_sparse import block_sparse_attention, tile_lists
+from kernels.base.testing import assert_close, attention_floors, forward_floor_scales, random_array
+from kernels.block_sparse import (block_sparse_attention, first_block_sparse_attention, first_threads,
+                                  first_tile_lists, tile_lists)
 from kernels.flash_forward import default_tiles, flash_attention
 from sparse_cases import MAX_N, build, case, sparse_cases
 
@@ -131,6 +134,89 @@ def test_lists_are_compact_and_drop_tiles_above_the_diagonal():
     flags = np.array([[True, False], [False, True]])
     lists = tile_lists(ref.BlockMask(flags, 4, 4), 8, 8, Br=2, Bc=4)
     assert lists.row_ptr.tolist() == [0, 1, 2, 3, 4] and lists.col_idx.tolist() == [0, 0, 1, 1]
+
+
+# --------------------------------------------------------------------------- the first versions
+# The notebook's kernel exercises (a learner's versions replace them through
+# kernels.base.learner): the kept-tile lists built on the GPU, one thread a query tile,
+# against the host's ``tile_lists``; the one-thread-a-row forward against the oracle with
+# the chapter's tolerance rule. Outputs are poisoned first (-1, NaN): an element never
+# written shows, and each message names the block and thread that own it.
+
+def _owner(t):
+    """Grid thread t of a first version's launch, as 'block b, thread x'."""
+    return f"block {t // first_threads()}, thread {t % first_threads()}"
+
+
+@given(sparse_cases(max_n=MAX_N))
+@example(case(nq=16, nk=16, d=1, causal=True, kind="dense", bq=4, bk=4))               # the causal staircase
+@example(case(nq=20, nk=7, d=1, causal=True, kind="random", layout="head", h=2))       # Nq > Nk: empty rows
+@example(case(nq=9, nk=30, d=1, causal=True, bq=16, bk=8, block_m=4, block_n=4, density=0.8))  # Nq < Nk, small tiles
+@example(case(nq=13, nk=0, d=1, bq=8, bk=8))                                             # no keys: every count 0
+def test_first_tile_lists_match_the_host_lists(c):
+    _, _, _, mask = build(c)
+    Br, Bc = c["block_m"] or c["bq"], c["block_n"] or c["bk"]
+    kw = dict(Br=Br, Bc=Bc, causal=c["causal"], batch=c["b"], heads=c["h"])
+    want = tile_lists(mask, c["nq"], c["nk"], **kw)
+    g, tr, tc = want.kept.shape
+    out = cuda.to_device(np.full((g, tr, tc), -1, np.int32))       # -1: an entry never written shows
+    count_out = cuda.to_device(np.full((g, tr), -1, np.int32))
+    first_tile_lists(mask, c["nq"], c["nk"], out=out, count_out=count_out, **kw)
+    col_idx, count = out.copy_to_host(), count_out.copy_to_host()
+    for gr in range(g * tr):
+        gg, r = divmod(gr, tr)
+        lo, hi = want.row_ptr[gr], want.row_ptr[gr + 1]
+        where = f"query tile r={r} of mask group g={gg} (grid thread {gr} = g*Tr + r: {_owner(gr)})"
+        assert count[gg, r] == hi - lo, (
+            f"count[{gg}, {r}] = {count[gg, r]}, expected {hi - lo}: {where}; its kept key tiles are "
+            f"{want.col_idx[lo:hi].tolist()} (Br={Br}, Bc={Bc}, causal={c['causal']}, Nq={c['nq']}, Nk={c['nk']})")
+        got = col_idx[gg, r, :hi - lo]
+        assert np.array_equal(got, want.col_idx[lo:hi]), (
+            f"col_idx[{gg}, {r}, :{hi - lo}] = {got.tolist()}, expected {want.col_idx[lo:hi].tolist()}: {where}")
+
+
+@given(sparse_cases(max_n=MAX_N, max_d=16))
+@example(case(nq=1, nk=1, d=1, density=1.0))                                           # N = 1
+@example(case(nq=20, nk=7, d=5, causal=True, kind="random", layout="head", h=2))       # rows that see nothing
+@example(case(nq=12, nk=12, d=3, kind="empty", layout="batch-head", b=2, h=2))         # every row sees nothing
+@example(case(nq=12, nk=12, d=2, magnitude=80.0, scale=1.0, causal=True, density=0.7, seed=3))  # logits ~ 1e4
+@example(case(nq=9, nk=17, d=3, causal=True, bq=8, bk=4, density=0.6, seed=5))           # ragged, Nq < Nk
+@example(case(nq=5, nk=0, d=2))                                                          # no keys
+def test_first_forward_matches_the_oracle(c):
+    q, k, v, mask = build(c)
+    kw = dict(causal=c["causal"], scale=c["scale"], block_mask=mask)
+    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))       # NaN: an element never written shows
+    lse_out = cuda.to_device(np.full(q.shape[:3], np.nan, np.float32))
+    first_block_sparse_attention(q, k, v, mask, causal=c["causal"], scale=c["scale"], out=out, lse_out=lse_out)
+    o, lse = out.copy_to_host(), lse_out.copy_to_host()
+    exact_o, exact_lse = ref.attention(q, k, v, **kw)
+    base_o, base_lse = ref.attention(q, k, v, dtype=np.float32, **kw)
+    floors = attention_floors(q, k, v, **kw)
+    tpb = first_threads()
+    owner = f"row [b, h, i] is grid thread t = (b*H + h)*Nq + i's: block t // {tpb}, thread t % {tpb}"
+    assert_close(o, exact_o, base_o, name=f"O ({owner})", floor=floors.o)
+    assert_close(lse, exact_lse, base_lse, name=f"L ({owner})", floor=floors.lse)
+
+
+def test_bad_input_to_the_first_versions_names_the_argument():
+    q, k, v = _inputs()
+    mask = ref.BlockMask(np.ones((2, 2), bool), 4, 4)
+    with pytest.raises(TypeError, match="q"):
+        first_block_sparse_attention(q.astype(np.float16), k, v, mask)
+    with pytest.raises(ValueError, match="block_mask"):
+        first_block_sparse_attention(q, k, v, ref.BlockMask(np.ones((3, 2), bool), 4, 4))
+    with pytest.raises(TypeError, match="out"):
+        first_block_sparse_attention(q, k, v, mask, out=np.zeros(q.shape, np.float32))
+    with pytest.raises(ValueError, match="lse_out"):
+        first_block_sparse_attention(q, k, v, mask, lse_out=cuda.to_device(np.zeros((1, 2, 7), np.float32)))
+    with pytest.raises(ValueError, match="block_mask"):
+        first_tile_lists(mask, 8, 8, Br=8, Bc=4)                           # Br = 8 does not divide 4
+    with pytest.raises(TypeError, match="count_out"):
+        first_tile_lists(mask, 8, 8, Br=4, Bc=4, count_out=cuda.to_device(np.zeros((1, 2), np.float32)))
+    with pytest.raises(ValueError, match="out"):
+        first_tile_lists(mask, 8, 8, Br=4, Bc=4, out=cuda.to_device(np.zeros((1, 2, 3), np.int32)))
+    with pytest.raises(ValueError, match="nq"):
+        first_tile_lists(mask, -1, 8, Br=4, Bc=4)
 
 
 # --------------------------------------------------------------------------- bad input

@@ -73,3 +73,17 @@ def test_chapter_5s_second_rung_ignoring_causal_fails(capsys):
     assert not learner.grade(FILES / "backward_tile_no_causal.py")
     out = capsys.readouterr().out
     assert "test_shared_tile_backward_rung_matches_oracle" in out and "make_shared_tile_dkdv's thread" in out
+
+
+def test_chapter_6s_first_forward_without_the_empty_rows_fails(capsys):
+    assert not learner.grade(FILES / "sparse_forward_empty_rows_nan.py")
+    out = capsys.readouterr().out
+    assert "test_first_forward_matches_the_oracle" in out and "NaN entries where the oracle is not NaN" in out
+    assert "block t // " in out
+
+
+def test_chapter_6s_lists_with_the_causal_test_on_the_first_row_fail(capsys):
+    assert not learner.grade(FILES / "sparse_lists_causal_first_row.py")
+    out = capsys.readouterr().out
+    assert "test_first_tile_lists_match_the_host_lists" in out and "count[0, 0] = 6, expected 7" in out
+    assert "block 0, thread 0" in out

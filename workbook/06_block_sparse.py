@@ -741,6 +741,18 @@ _ = check_exercise(window_prop(lambda nq, nk, block, window: sp.sliding_window(n
 # blocks, no causal): return `(row_ptr, col_idx)`, int32 arrays with
 # `col_idx[row_ptr[r]:row_ptr[r+1]]` the kept key tiles of row r in increasing order.
 # Rows with nothing kept have an empty slice.
+#
+# <details><summary>Hint 1</summary>
+#
+# Row r holds `flags[r].sum()` kept tiles; `row_ptr` is 0 followed by the running sum of
+# those counts.
+# </details>
+#
+# <details><summary>Hint 2</summary>
+#
+# `np.nonzero(flags)` walks the flags row by row, left to right: the column indices it
+# returns, in that order, are `col_idx`.
+# </details>
 
 # %%
 def my_row_lists(flags):
@@ -766,13 +778,132 @@ def lists_prop(solution):
 _ = check_exercise(lists_prop(my_row_lists), flag_cases, host=True)
 
 # %% [markdown]
-# A solution, checked:
+# The course's answer is the first lines of `tile_lists` in `kernels/block_sparse.py` (a
+# `cumsum` of the row counts and a `nonzero`); read it once yours passes.
+
+# %% [markdown]
+# ### Exercises 3 and 4 (kernels): the lists on the GPU, and a first block-sparse forward
+#
+# Write both in your own file (the next cell makes it from a template the first time:
+# `workbook/mine/my_block_sparse.py`); `grade` runs this chapter's tests on them and prints
+# the smallest case that fails, with the block and thread that own the wrong element.
+#
+# * **Exercise 3.** `make_first_tile_lists()` returns a kernel `(flags, col_idx, count, Br,
+#   Bc, block_q, block_k, nq, nk, causal)`, one thread a (mask group g, query tile r):
+#   thread `t = cuda.grid(1)` takes `g, r = t // Tr, t % Tr`. `flags` is the mask's
+#   (G, Tq, Tk) flags as uint8; `col_idx` (G, Tr, Tc) and `count` (G, Tr) are int32 (read
+#   G, Tr, Tc from `col_idx.shape`; skip threads with `t >= G * Tr`). Write the kept key
+#   tiles of query tile r, in increasing order, to `col_idx[g, r, 0]`, `col_idx[g, r, 1]`,
+#   ... and their number to `count[g, r]`: what `tile_lists` lists for that tile (section
+#   3). Kernel tile (r, c) lies in mask block `(r*Br // block_q, c*Bc // block_k)`; with
+#   `causal` (0 or 1), drop the tiles wholly above the diagonal: first key `c*Bc` past
+#   `min((r+1)*Br, nq) - 1 + nk - nq`, the last query row of the tile and its diagonal.
+#   `test_first_tile_lists_match_the_host_lists` grades it against `tile_lists`.
+# * **Exercise 4.** `make_first_block_sparse_forward()` returns a kernel `(q, k, v, o, lse,
+#   flags, block_q, block_k, scale, causal)` on (B*H, N, d) float32 views of Q, K, V, O
+#   and the (B*H, Nq) view of L, one thread a query row: `t = cuda.grid(1)`,
+#   `z, i = t // Nq, t % Nq`, mask group `g = z % G`. Skip every key whose block flag
+#   `flags[g, i // block_q, j // block_k]` is off, and with `causal` every key
+#   `j > i + Nk - Nq`; over the keys kept run the online softmax one score at a time
+#   (`s = scale * q_i . k_j`, a running m, l and O). There is no tile on chip in this
+#   first version: read Q, K, V from global memory and keep the running O in its output
+#   row `o[z, i, :]` (set it to 0 first). A row with nothing kept must give O = 0 and
+#   L = -inf, never 0 / 0. `test_first_forward_matches_the_oracle` grades it against the
+#   float64 oracle by the chapter's tolerance rule.
+#
+# <details><summary>Hint 1 (exercise 3)</summary>
+#
+# A counter `n = 0`; for each key tile `c` in `range(Tc)` whose flag is on:
+# `col_idx[g, r, n] = c` and `n += 1`. At the end `count[g, r] = n`. Entries past `n` are
+# never read: leave them.
+# </details>
+#
+# <details><summary>Hint 2 (exercise 3)</summary>
+#
+# Causal: with `last_q = min((r + 1) * Br, nq) - 1`, once `c * Bc > last_q + nk - nq` this
+# tile and every later one are above the diagonal: `break`. The first query row of the tile
+# is not enough when Br != Bc or Nk - Nq is not a multiple of the tiles.
+# </details>
+#
+# <details><summary>Hint 1 (exercise 4)</summary>
+#
+# Per kept key: `m_new = nan_max(m, s)`, `alpha = math.exp(m - m_new)`,
+# `p = math.exp(s - m_new)`, `l = l * alpha + p`, and for each column c
+# `o[z, i, c] = o[z, i, c] * alpha + p * v[z, j, c]`; then `m = m_new`. Start from
+# `m = -inf`, `l = 0`: the first key gets `alpha = exp(-inf) = 0`, no special case.
+# </details>
+#
+# <details><summary>Hint 2 (exercise 4)</summary>
+#
+# At the end, `l == 0` means the row kept no key: leave O at 0 and write `L = -inf`.
+# Otherwise divide the row of O by `l` and write `L = m + log(l)`.
+# </details>
+#
+# <details><summary>Hint 3 (exercise 4)</summary>
+#
+# Skip whole blocks, not key by key: `for kb in range(flags.shape[2])`,
+# `if not flags[g, i // block_q, kb]: continue`; the keys of block kb are
+# `kb * block_k` up to `min((kb + 1) * block_k, nk)`, and with causal the walk can stop at
+# the first block that starts past `i + nk - nq`.
+# </details>
 
 # %%
-def row_lists_solution(flags):
-    row_ptr = np.concatenate([[0], np.cumsum(flags.sum(axis=1))]).astype(np.int32)
-    col_idx = np.nonzero(flags)[1].astype(np.int32)
-    return row_ptr, col_idx
+from kernels.base.learner import grade, my_file
+
+TEMPLATE = '''"""My kernels for chapter 6 (graded by tests/test_block_sparse.py)."""
+CHAPTER = "block_sparse"
+
+import math
+
+from numba import cuda, float32
+
+from kernels.base.fused import nan_max
 
 
-_ = check_exercise(lists_prop(row_lists_solution), flag_cases, host=True)
+def make_first_tile_lists():
+    @cuda.jit
+    def first_tile_lists_kernel(flags, col_idx, count, Br, Bc, block_q, block_k, nq, nk, causal):
+        raise NotImplementedError   # your code: the kept key tiles of query tile (g, r), and their count
+
+    return first_tile_lists_kernel
+
+
+def make_first_block_sparse_forward():
+    @cuda.jit
+    def first_block_sparse_forward_kernel(q, k, v, o, lse, flags, block_q, block_k, scale, causal):
+        raise NotImplementedError   # your code: row cuda.grid(1) of O, and its L
+
+    return first_block_sparse_forward_kernel
+'''
+
+mine = my_file("my_block_sparse.py", TEMPLATE)
+
+# %%
+_ = grade(mine)
+
+# %% [markdown]
+# The course's answers: `make_first_tile_lists` and `make_first_block_sparse_forward` in
+# `kernels/block_sparse.py` (read them after yours pass). Below, they run through their
+# launchers. Each row of the GPU's `col_idx` is padded to Tc entries; a prefix sum of the
+# counts gives `row_ptr`, and the rows packed one after the other give the CSR `col_idx`
+# that the forward kernel walks. The first forward gives the tiled kernel's answer, but
+# each query row reads every kept K and V row itself (2 Nk d rho loads a row), where the
+# tiled kernel loads a K/V tile once for the Br rows of its query tile.
+
+# %%
+from kernels.block_sparse import first_block_sparse_attention, first_tile_lists
+
+m6 = sp.sliding_window(16, 16, block=4, window=1)
+col_gpu, count_gpu = first_tile_lists(m6, 16, 16, Br=4, Bc=4, causal=True)
+host = tile_lists(m6, 16, 16, Br=4, Bc=4, causal=True)
+row_ptr_gpu = np.concatenate([[0], np.cumsum(count_gpu.ravel())]).astype(np.int32)
+col_idx_gpu = np.concatenate([col_gpu[0, r, :n] for r, n in enumerate(count_gpu[0])]).astype(np.int32)
+print("counts:", count_gpu.ravel(), " row_ptr:", row_ptr_gpu, " col_idx:", col_idx_gpu)
+print("the host's lists, the same:", np.array_equal(row_ptr_gpu, host.row_ptr)
+      and np.array_equal(col_idx_gpu, host.col_idx))
+
+# the inputs and per-head random mask of section 4
+o_first, lse_first = first_block_sparse_attention(q, k, v, mask, causal=True)
+o_tiled, lse_tiled = block_sparse_attention(q, k, v, mask, causal=True)
+print("max |first - tiled| O:", float(np.abs(o_first - o_tiled).max()),
+      " L equal where -inf:", bool(np.array_equal(np.isinf(lse_first), np.isinf(lse_tiled))))

@@ -95,7 +95,7 @@ def grade(path, *, timeout: int = 900) -> bool:
     env = dict(os.environ, **{ENV: str(Path(path).resolve())})
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS", "WORKBOOK_MUTANT"):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-p", "no:cacheprovider", "-p", "no:nbmake",
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "--color=no", "-p", "no:cacheprovider", "-p", "no:nbmake",
            "-p", "no:xdist", "-o", "addopts=", f"tests/test_{chapter_name}.py", "-k", select]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
