@@ -123,6 +123,15 @@ def main(only):
                 m.decode_attention(q, k, v, cache_lengths=lengths, causal=causal, schedule="split-k", splits=5)
                 m.decode_attention(q, k, v, cache_lengths=lengths, causal=causal, schedule="stream-k")
                 m.decode_attention(q, k, v, cache_lengths=lengths, causal=causal, schedule="stream-k", blocks=7)
+        # the first versions (the exercises' kernels): a block a (query row, split), then the combine
+        for b, hq, hkv, nq, n, d, lengths, dt, splits in [(3, 8, 2, 4, 300, 128, [300, 0, 1], np.float32, 5),
+                                                          (2, 4, 4, 1, 1000, 64, None, np.float16, 7)]:
+            q, k, v = rand(rng, b, hq, nq, d), rand(rng, b, hkv, n, d, dtype=dt), rand(rng, b, hkv, n, d, dtype=dt)
+            for causal in (False, True):
+                m.first_split_k(q, k, v, cache_lengths=lengths, causal=causal, splits=splits)
+        lp = rand(rng, 5, 3, 37)
+        lp[0] = -np.inf                               # an empty first piece
+        m.combine_partials(rand(rng, 5, 3, 37, 100), lp, rows_per_block=16)
         ran.append("decode")
     if want("mma"):
         # the tensor-core building blocks (kernels/base/mma.py) through their tests' kernels

@@ -50,7 +50,9 @@ Real decode inputs:
 
 The launcher is ``decode_attention(q, k_cache, v_cache, cache_lengths=..., causal=...,
 schedule="stream-k" | "split-k")``; ``split_count`` is split-K's wave-efficiency rule and
-``stream_k_schedule`` stream-K's cut of the work (the chapter's exercises).
+``stream_k_schedule`` stream-K's cut of the work (an exercise of the chapter). The kernel
+exercises (``EXERCISES``): split-K's combine, ``make_combine``, and a first partial, one
+block a (query row, split), ``make_first_partial`` (launched by ``first_split_k``).
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from kernels.base.fused import (FASTMATH, LOG2E, MASKED, MINUS_INF, make_row_reductions, nan_max,
-                                padded_head_dim)
+from kernels.base.fused import (FASTMATH, LOG2E, MASKED, MAX_GRID_Y, MINUS_INF, make_row_reductions,
+                                nan_max, padded_head_dim)
 from kernels.base.runtime import (
     ArrayKind,
     LaunchTemplate,
@@ -72,6 +74,7 @@ from kernels.base.runtime import (
     check_array,
     check_flag,
     check_int,
+    check_out,
     check_scale,
     device_empty,
     device_pointer,
@@ -84,7 +87,8 @@ from kernels.online_softmax import merge_state
 
 __all__ = ["decode_attention", "prepare_decode", "PreparedDecode", "DecodeCall", "DecodeLaunches", "DecodePlan", "plan", "make_attend_key_range_mma", "split_count", "wave_efficiency", "stream_k_schedule",
            "StreamKSchedule", "check_schedule", "gpu_slots", "key_tile", "split_ranges", "merge_partials_numpy", "decode_numpy", "make_split_k",
-           "make_combine", "make_stream_k", "io_model_bytes", "ptx_targets", "MAX_QUERIES"]
+           "make_combine", "make_stream_k", "io_model_bytes", "ptx_targets", "MAX_QUERIES", "EXERCISES",
+           "make_first_partial", "first_split_k", "combine_partials"]
 
 MAX_QUERIES = 16                  # new tokens a sequence (speculative decoding drafts up to 16)
 GPU_THREADS = 128                 # a block on the GPU: 4 warps (the simulator: one warp)
@@ -1051,15 +1055,18 @@ MAX_CACHED_CALLS = 64
 
 def _launches_for(call: DecodeCall, q, k, v, o, lse) -> DecodeLaunches:
     """The launches of ``call``, from the cache (the most recent MAX_CACHED_CALLS calls) or
-    made now with these arrays. They hold no array of the call's own."""
-    launches = _launches.get(call)
+    made now with these arrays. They hold no array of the call's own. The key holds the
+    combine's factory too: a learner's ``make_combine`` put in place of the course's
+    (``EXERCISES``) is planned anew, never served the course's cached kernel."""
+    key = (call, make_combine)
+    launches = _launches.get(key)
     if launches is None:
         views = _views(call, q, k, v, o, lse)
-        launches = _launches[call] = DecodeLaunches(call, views)
+        launches = _launches[key] = DecodeLaunches(call, views)
         if len(_launches) > MAX_CACHED_CALLS:
             _launches.popitem(last=False)
     else:
-        _launches.move_to_end(call)
+        _launches.move_to_end(key)
     return launches
 
 
@@ -1143,6 +1150,162 @@ def key_tile(p: DecodePlan) -> int:
     return 2 * p.keys_per_step
 
 
+# --------------------------------------------------------------------------- the first versions
+# The notebook's two kernel exercises (their solutions, not printed there). A learner's
+# factory of the same name replaces the course's (``kernels.base.learner``) and
+# tests/test_decode.py grades it:
+#   make_combine        split-K's second kernel (above), the production one: graded on drawn
+#                       partials (``combine_partials``) and inside ``decode_attention``'s
+#                       split-K, whose plan looks the factory up when it is made.
+#   make_first_partial  a first split-K partial, one block a (query row, split), one thread
+#                       a column of O, everything from global memory; graded by
+#                       ``first_split_k``, which runs it and then the combine.
+# Correct, and slow: each thread of a first partial reads the whole of q and every key row
+# of its range (d loads a key, the block's d threads all reading the same ones), and a
+# block has one query row, so K and V are read once for every query row of a group.
+
+EXERCISES = {"make_combine": "test_combine", "make_first_partial": "test_first_split_k"}
+
+
+@functools.lru_cache(maxsize=None)
+def make_first_partial():
+    """Kernel (q, k, v, lengths, o_part, l_part, scale, causal): a first split-K partial.
+
+    q (B, Hq, Nq, d); k and v (B, Hkv, Nmax, d) float32 or float16; lengths (B,) int32;
+    o_part (R, splits, d) and l_part (R, splits) float32, R = B*Hq*Nq query rows, row
+    ((b*Hq) + h)*Nq + i. Grid (R, splits), d threads: block (row, s) takes split s of the
+    keys of its sequence b (n = lengths[b] keys, chunks of ceil(n / splits), as
+    ``split_ranges``), of KV head h // (Hq/Hkv); thread c owns column c of O. It writes
+    O_s = softmax(S[slice]) V[slice] (normalised) to o_part[row, s] and L_s =
+    logsumexp(S[slice]) to l_part[row, s]; O_s = 0 and L_s = -inf where the row sees no key
+    of the slice (an empty slice, or every key past its causal diagonal i + n - Nq)."""
+
+    @cuda.jit(fastmath=FASTMATH)
+    def first_partial(q, k, v, lengths, o_part, l_part, scale, causal):
+        row = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        c = cuda.threadIdx.x                      # this thread's column of O
+        hq, nq, d = q.shape[1], q.shape[2], q.shape[3]
+        b = row // (hq * nq)
+        h = (row // nq) % hq
+        i = row % nq
+        kv = h // (hq // k.shape[1])              # GQA: the group's KV head
+        n = lengths[b]                            # the sequence's keys; rows past n are not its keys
+        splits = cuda.gridDim.y
+        chunk = (n + splits - 1) // splits
+        start = min(s * chunk, n)
+        end = min(start + chunk, n)
+        m = MINUS_INF                             # running max, sum and O of the slice
+        l = float32(0.0)
+        o = float32(0.0)
+        for j in range(start, end):
+            if causal and j > i + n - nq:         # the new tokens are the last Nq of the sequence
+                break
+            x = float32(0.0)                      # S_ij = scale q_i . k_j (every thread: the same)
+            for t in range(d):
+                x += float32(q[b, h, i, t]) * float32(k[b, kv, j, t])
+            x *= scale
+            m_new = nan_max(m, x)
+            alpha = math.exp(m - m_new) if m != MINUS_INF else float32(0.0)   # no exp(-inf - (-inf))
+            p = math.exp(x - m_new)
+            l = l * alpha + p
+            o = o * alpha + p * float32(v[b, kv, j, c])
+            m = m_new
+        if l == float32(0.0):                     # no key visible: the empty piece
+            o_part[row, s, c] = float32(0.0)
+            if c == 0:
+                l_part[row, s] = MINUS_INF
+        else:                                     # (a NaN stays NaN)
+            o_part[row, s, c] = o / l
+            if c == 0:
+                l_part[row, s] = m + math.log(l)
+
+    return first_partial
+
+
+def _block_threads() -> int:
+    """A combine block's threads, as ``plan`` chooses them: one warp in the simulator."""
+    return 32 if on_simulator() else GPU_THREADS
+
+
+def first_split_k(q, k_cache, v_cache, *, cache_lengths=None, causal=False, scale=None, splits=4, out=None,
+                  lse_out=None):
+    """Split-K by the first versions: ``make_first_partial``'s kernel, then ``make_combine``'s
+    (both looked up at the call, so a learner's replace them). The arguments are
+    ``decode_attention``'s; ``splits`` (1..1024) slices each sequence's keys. Returns (o, lse)
+    like it; ``out`` (B, Hq, Nq, d) and ``lse_out`` (B, Hq, Nq): float32 device arrays to
+    write into (returned as given)."""
+    if splits is None:
+        raise TypeError("splits: expected an int, got NoneType")
+    call = _check_call(q, k_cache, v_cache, cache_lengths, causal, scale, "split-k", splits, None, False)
+    B, hq, n_q, d, splits = call.B, call.hq, call.n_q, call.d, call.splits
+    kind = ArrayKind(q)
+    o = check_out(out, "out", (B, hq, n_q, d))
+    lse = check_out(lse_out, "lse_out", (B, hq, n_q))
+    o = device_empty((B, hq, n_q, d)) if o is None else o
+    lse = device_empty((B, hq, n_q)) if lse is None else lse
+    rows = B * hq * n_q
+    if rows:
+        # the partials, NaN until written: a slot the partial kernel never writes shows in O
+        o_part = cuda.to_device(np.full((rows, splits, d), np.nan, np.float32))
+        l_part = cuda.to_device(np.full((rows, splits), np.nan, np.float32))
+        lengths = cuda.to_device(np.asarray(call.lengths, np.int32))
+        make_first_partial()[(rows, splits), d](to_device(q, "q"), to_device(k_cache, "k_cache"),
+                                                to_device(v_cache, "v_cache"), lengths, o_part, l_part,
+                                                np.float32(call.scale), call.causal)
+        # the combine, one row a block (RT = 1): row r's partials are slots r*splits .. r*splits + splits - 1
+        threads = _block_threads()
+        make_combine(padded_head_dim(d), 1, threads)[(rows, 1), threads](
+            o_part.reshape(rows * splits, 1, d), l_part.reshape(rows * splits, 1), o.reshape(1, rows, d),
+            lse.reshape(1, rows), np.int32(splits), np.int32(d))
+    return (out if out is not None else kind.give_back(o),
+            lse_out if lse_out is not None else kind.give_back(lse))
+
+
+def combine_partials(o_parts, l_parts, *, rows_per_block=None, out=None, lse_out=None):
+    """Split-K's second kernel (``make_combine``, looked up at the call) on partials you give it.
+
+    o_parts (S, H, rows, d) and l_parts (S, H, rows) float32: partial s of row r of head h
+    (O_s normalised, L_s natural log; an empty piece O_s = 0, L_s = -inf). They are laid out
+    as split-K leaves them (head h's row tile t of RT rows, split s: slot (h*tiles + t)*S + s;
+    the rows past the last tile's end NaN) and the combine runs on grid (tiles, H), as in
+    ``decode_attention``. ``rows_per_block``: RT, 1..16 (default: the plan's for ``rows``).
+    Returns (O (H, rows, d), L (H, rows)) float32; ``out``/``lse_out``: device arrays of
+    those shapes to write into (returned as given)."""
+    (S, H, rows, d), _ = check_array(o_parts, "o_parts", ndim=4)
+    l_shape, _ = check_array(l_parts, "l_parts", ndim=3)
+    if l_shape != (S, H, rows):
+        raise ValueError(f"l_parts: expected shape {(S, H, rows)} like o_parts' first three, got {l_shape}")
+    if S < 1:
+        raise ValueError("o_parts: expected at least one partial (S >= 1)")
+    if not 1 <= d <= 128:
+        raise ValueError(f"o_parts: expected head dim d in 1..128, got {d}")
+    if H > MAX_GRID_Y:
+        raise ValueError(f"o_parts: expected at most {MAX_GRID_Y} heads, got {H}")
+    rt = plan(d, max(rows, 1)).RT if rows_per_block is None else check_int(rows_per_block, "rows_per_block", 1,
+                                                                           MAX_ROWS)
+    kind = ArrayKind(o_parts)
+    o = check_out(out, "out", (H, rows, d))
+    lse = check_out(lse_out, "lse_out", (H, rows))
+    o = device_empty((H, rows, d)) if o is None else o
+    lse = device_empty((H, rows)) if lse is None else lse
+    if H and rows:
+        host = [x.copy_to_host() if is_device_array(x) else np.asarray(x) for x in (o_parts, l_parts)]
+        tiles = cdiv(rows, rt)
+        po = np.full((S, H, tiles * rt, d), np.nan, np.float32)
+        pl = np.full((S, H, tiles * rt), np.nan, np.float32)
+        po[:, :, :rows], pl[:, :, :rows] = host
+        # (S, H, tiles, RT, ...) -> slots (H, tiles, S): the order make_split_k writes them in
+        po = po.reshape(S, H, tiles, rt, d).transpose(1, 2, 0, 3, 4).reshape(H * tiles * S, rt, d)
+        pl = pl.reshape(S, H, tiles, rt).transpose(1, 2, 0, 3).reshape(H * tiles * S, rt)
+        threads = _block_threads()
+        make_combine(padded_head_dim(d), rt, threads)[(tiles, H), threads](
+            cuda.to_device(np.ascontiguousarray(po)), cuda.to_device(np.ascontiguousarray(pl)), o, lse,
+            np.int32(S), np.int32(d))
+    return (out if out is not None else kind.give_back(o),
+            lse_out if lse_out is not None else kind.give_back(lse))
+
+
 # --------------------------------------------------------------------------- the IO model
 
 def io_model_bytes(B: int, hq: int, hkv: int, n_q: int, n_keys, d: int, *, kv_itemsize: int = 4,
@@ -1185,4 +1348,8 @@ def ptx_targets(every_shape: bool = False):
                  i32_1, i32_1, i32_1, i32_1, i32_1, i32_1, i32_1)))
     p = plan(128, 1)
     out.append(("combine", make_combine(p.D, p.RT, p.threads), (f32_3, f32_2, f32_3, f32_2, types.int32, types.int32)))
+    f32_4, f16_4 = types.float32[:, :, :, ::1], types.float16[:, :, :, ::1]
+    for kv in (f32_4, f16_4):                           # the first version (the exercise's kernel)
+        out.append((f"first partial, {'fp16' if kv is f16_4 else 'fp32'} KV (a block a row and split)",
+                    make_first_partial(), (f32_4, kv, kv, i32_1, f32_3, f32_2, types.float32, types.boolean)))
     return out

@@ -5,7 +5,8 @@ and multi-query heads, Nq up to 16 with causal masking relative to the end of ea
 float32 and float16 caches, any split count and any stream-K grid; large logits; NaN
 beyond the cache lengths (never read into the result) and in a query row (that row only);
 bitwise reproducibility; the stream-K schedule and the split-K rule; the merge in NumPy;
-the launcher's validation.
+the launcher's validation; the first versions (the notebook's kernel exercises: split-K's
+combine and a first partial, which a learner's kernels replace, ``kernels.base.learner``).
 """
 
 import numpy as np
@@ -14,14 +15,17 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference as ref
+from kernels.base.fused import padded_head_dim
 from kernels.base.runtime import is_device_array, on_simulator
 from kernels.base.testing import Floor, assert_close, attention_floors, magnitude_for_logits, random_array
 from kernels.decode import (
     MAX_QUERIES,
     StreamKSchedule,
     check_schedule,
+    combine_partials,
     decode_attention,
     decode_numpy,
+    first_split_k,
     io_model_bytes,
     merge_partials_numpy,
     plan,
@@ -211,6 +215,197 @@ def test_split_k_and_stream_k_agree_with_chapter_4():
         o, lse = decode_attention(case.q, case.k, case.v, causal=True, schedule=schedule)
         np.testing.assert_allclose(o, o4, rtol=0, atol=1e-5)
         np.testing.assert_allclose(lse, l4, rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the first versions
+# The notebook's kernel exercises (EXERCISES in kernels/decode.py; a learner's factories
+# replace the course's): split-K's combine, on drawn partials and inside decode_attention,
+# then the first partial through first_split_k (which runs the combine after it, so a
+# combine that is wrong fails the tests above first). Outputs start as NaN, so an element
+# never written shows; the messages name the block and thread that own the worst element.
+
+U = 2.0 ** -24                      # half an ulp of 1 in float32: one rounding
+
+
+class PartialSet:
+    """Partials as split-K leaves them: o_parts (S, H, rows, d), l_parts (S, H, rows)
+    float32; each row's scores (some -inf) cut into S slices, some empty, and each slice's
+    (O_s, L_s) from the oracle (O_s = 0, L_s = -inf for a slice the row sees nothing of).
+    ``rt``: the rows a combine block takes."""
+
+    def __init__(self, S=3, H=1, rows=2, d=3, n=6, cuts=None, rt=1, masked=0.0, magnitude=1.0, seed=0):
+        rng = np.random.default_rng(seed)
+        cuts = sorted(rng.integers(0, n + 1, S - 1).tolist()) if cuts is None else list(cuts)
+        x = rng.standard_normal((H, rows, n)) * magnitude
+        x[rng.random((H, rows, n)) < masked] = -np.inf
+        vals = rng.standard_normal((H, n, d))
+        bounds = [0, *cuts, n]
+        o_parts, l_parts = np.zeros((S, H, rows, d)), np.full((S, H, rows), -np.inf)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            for s in range(S):
+                a, b = bounds[s], bounds[s + 1]
+                if b > a:
+                    o_parts[s] = ref.softmax(x[..., a:b]) @ vals[:, a:b]
+                    l_parts[s] = ref.logsumexp(x[..., a:b])
+        self.o_parts, self.l_parts = o_parts.astype(np.float32), l_parts.astype(np.float32)
+        self.rt, self.cuts = rt, cuts
+
+    def __repr__(self):
+        S, H, rows, d = self.o_parts.shape
+        return (f"PartialSet(S={S}, H={H}, rows={rows}, d={d}, RT={self.rt}, cuts={self.cuts}, "
+                f"L_s={np.round(self.l_parts, 2).tolist()})")
+
+
+@st.composite
+def partial_sets(draw):
+    n = draw(st.integers(0, 10))
+    S = draw(st.integers(1, 5))
+    return PartialSet(S=S, H=draw(st.integers(1, 2)), rows=draw(st.integers(1, 6)), d=draw(st.integers(1, 9)), n=n,
+                      cuts=sorted(draw(st.lists(st.integers(0, n), min_size=S - 1, max_size=S - 1))),
+                      rt=draw(st.sampled_from([1, 2, 4])), masked=draw(st.sampled_from([0.0, 0.3, 1.0])),
+                      magnitude=draw(st.sampled_from([1.0, 10.0, 300.0])), seed=draw(st.integers(0, 2**31)))
+
+
+def merge_float32(o_parts, l_parts):
+    """The merge in float32 NumPy: the baseline whose error sets the tolerance."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = l_parts.max(axis=0)
+        base = np.where(np.isfinite(m), m, np.float32(0.0))
+        w = np.exp(l_parts - base)                               # 0 for an empty piece
+        total = w.sum(axis=0)
+        o = np.einsum("s...,s...d->...d", w, o_parts) / np.where(total > 0, total, 1)[..., None]
+        lse = np.where(total > 0, base + np.log(np.where(total > 0, total, 1)), -np.inf)
+    return o.astype(np.float32), lse.astype(np.float32)
+
+
+def merge_floors(o_parts, l_parts, o, lse):
+    """Floors of the merge's own roundings, element by element: each weight exp(L_s - L)
+    errs by its argument's rounding (|L_s - max L| U) and exp's, moving O by that much of
+    |O_s - O|; the S products and sums err by about U of sum_s P_s |O_s| each; L by U of
+    |L|, of its terms and of log l."""
+    o_parts, l_parts = o_parts.astype(np.float64), l_parts.astype(np.float64)
+    S = len(l_parts)
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = np.max(l_parts, axis=0)
+        p = np.where(np.isfinite(l_parts) & np.isfinite(lse), np.exp(l_parts - np.where(np.isfinite(lse), lse, 0)), 0)
+        spread = np.where(p > 0, np.abs(l_parts - np.where(np.isfinite(m), m, 0)), 0)
+    f_o = 4 * U * (S * np.einsum("s...,s...d->...d", p, np.abs(o_parts))
+                   + np.einsum("s...,s...d->...d", p * (2 + spread), np.abs(o_parts - o)))
+    f_l = 4 * U * (np.abs(np.where(np.isfinite(lse), lse, 0)) + S + (p * spread).sum(axis=0))
+    return (Floor(f_o, "O floor: the merge's weights and sums, element by element"),
+            Floor(f_l, "L floor: m + log l and the weights' arguments"))
+
+
+@given(partial_sets())
+@example(PartialSet(S=3, H=2, rows=3, d=5, n=0, rt=2))                                    # every piece empty
+@example(PartialSet(S=4, H=2, rows=6, d=5, n=7, cuts=[0, 3, 3], rt=4, masked=0.3, magnitude=300.0))
+@example(PartialSet(S=2, H=1, rows=5, d=9, n=8, cuts=[8], rt=4, masked=1.0))              # rows all masked
+def test_combine_of_drawn_partials_matches_the_merge(parts):
+    """Split-K's combine kernel on partials laid out as split-K leaves them (RT rows a
+    slot, the last tile ragged, d < the padded D), against the float64 merge of the same
+    float32 partials: empty pieces (L_s = -inf) weigh nothing and a row of nothing but
+    empty pieces is O = 0, L = -inf, never NaN."""
+    from numba import cuda
+
+    S, H, rows, d = parts.o_parts.shape
+    exact_o, exact_l = merge_partials_numpy(parts.o_parts, parts.l_parts)
+    base_o, base_l = merge_float32(parts.o_parts, parts.l_parts)
+    out = cuda.to_device(np.full((H, rows, d), np.nan, np.float32))       # NaN: an element never written shows
+    lse_out = cuda.to_device(np.full((H, rows), np.nan, np.float32))
+    combine_partials(parts.o_parts, parts.l_parts, rows_per_block=parts.rt, out=out, lse_out=lse_out)
+    f_o, f_l = merge_floors(parts.o_parts, parts.l_parts, exact_o, exact_l)
+    threads, D, rt = 32 if SIM else 128, padded_head_dim(d), parts.rt
+    assert_close(out.copy_to_host(), exact_o, base_o, floor=f_o,
+                 name=f"O (element [h, r, c] is block (r // {rt}, h)'s, thread ((r % {rt}) * {D} + c) % {threads})")
+    assert_close(lse_out.copy_to_host(), exact_l, base_l, floor=f_l,
+                 name=f"L (row [h, r] is block (r // {rt}, h)'s, thread ((r % {rt}) * {D}) % {threads})")
+
+
+@pytest.mark.parametrize("case", [
+    make_case(b=3, lengths=[8, 0, 1], schedule="split-k", splits=3),                     # empty caches, empty splits
+    make_case(b=2, hkv=1, group=2, nq=3, n_max=9, d=5, lengths=[9, 2], causal=True, logit_std=30.0,
+              schedule="split-k", splits=4),                                 # GQA: 6 rows of a tile of 8
+], ids=repr)
+def test_combine_inside_split_k_decode(case):
+    """The same kernel as decode_attention's split-K combine (its plan looks the factory
+    up when it is made), against the float64 oracle."""
+    o, lse = decode_attention(case.q, case.k, case.v, **case.options)
+    exact_o, exact_l = ref.decode_attention(case.q, case.k, case.v, case.lengths, case.causal, case.scale)
+    base_o, base_l = ref.decode_attention(case.q, case.k, case.v, case.lengths, case.causal, case.scale,
+                                          dtype=np.float32)
+    B, hq, nq, d = case.q.shape
+    hkv = case.k.shape[1]
+    p = plan(d, hq // hkv * nq)
+    # element [b, h, i, c] is row (h % g)*Nq + i of KV head b*Hkv + h // g: the combine's
+    # block (that row // RT, b*Hkv + h // g), thread ((row % RT) * D + c) % THREADS
+    whose = (f"[b, h, i, c]: row = (h % {hq // hkv})*{nq} + i, the combine's block (row // {p.RT}, "
+             f"b*{hkv} + h // {hq // hkv}), thread ((row % {p.RT}) * {p.D} + c) % {p.threads}")
+    f_o, f_l = decode_floors(case)
+    assert_close(o, exact_o, base_o, name=f"O ({whose})", floor=f_o)
+    assert_close(lse, exact_l, base_l, name=f"L ({whose}, c = 0)", floor=f_l)
+
+
+@st.composite
+def first_split_k_cases(draw):
+    """Small decode batches for the first partial (a block a query row and split): ragged
+    lengths (0 and 1), more splits than keys, GQA, causal with Nq > length."""
+    b = draw(st.integers(1, 2))
+    n_max = draw(st.integers(0, 12))
+    lengths = draw(st.one_of(st.none(), st.lists(st.sampled_from([0, min(1, n_max), n_max]) | st.integers(0, n_max),
+                                                 min_size=b, max_size=b)))
+    return make_case(b=b, hkv=draw(st.integers(1, 2)), group=draw(st.sampled_from([1, 2])), nq=draw(st.integers(0, 2)),
+                     n_max=n_max, d=draw(st.integers(1, 8)), lengths=lengths, causal=draw(st.booleans()),
+                     scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))), schedule="split-k",
+                     splits=draw(st.integers(1, 4)), logit_std=draw(st.sampled_from(LOGIT_STDS)),
+                     kv_dtype=draw(st.sampled_from([np.float32, np.float16])), seed=draw(st.integers(0, 2**31)))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@given(first_split_k_cases())
+@example(make_case(b=2, hkv=1, group=2, nq=2, n_max=9, d=5, lengths=[9, 0], causal=True, schedule="split-k",
+                   splits=3))                                                            # an empty cache
+@example(make_case(b=2, hkv=2, nq=2, n_max=10, d=3, lengths=[2, 1], causal=True, schedule="split-k",
+                   splits=4, logit_std=30.0))                              # more splits than keys; length < Nq
+@example(make_case(b=1, hkv=1, group=2, nq=1, n_max=8, d=4, lengths=[5], logit_std=1e4, schedule="split-k",
+                   splits=2))                                                            # logits ~ 1e4
+def test_first_split_k_matches_the_oracle(case):
+    """The first partial, then the combine, against the float64 oracle. Rows past each
+    sequence's length hold NaN: a partial that reads them spoils its row."""
+    from numba import cuda
+
+    k, v = case.k.copy(), case.v.copy()
+    lengths = [k.shape[2]] * k.shape[0] if case.lengths is None else case.lengths
+    for b, n in enumerate(lengths):
+        k[b, :, n:] = np.nan
+        v[b, :, n:] = np.nan
+    out = cuda.to_device(np.full(case.q.shape, np.nan, np.float32))     # NaN: an element never written shows
+    lse_out = cuda.to_device(np.full(case.q.shape[:3], np.nan, np.float32))
+    first_split_k(case.q, k, v, cache_lengths=case.lengths, causal=case.causal, scale=case.scale,
+                  splits=case.splits, out=out, lse_out=lse_out)
+    exact_o, exact_l = ref.decode_attention(case.q, case.k, case.v, case.lengths, case.causal, case.scale)
+    base_o, base_l = ref.decode_attention(case.q, case.k, case.v, case.lengths, case.causal, case.scale,
+                                          dtype=np.float32)
+    f_o, f_l = decode_floors(case)
+    whose = ("row [b, h, i] is the partial blocks ((b*Hq + h)*Nq + i, s), one a split s, then the combine's "
+             "block ((b*Hq + h)*Nq + i, 0)")
+    assert_close(out.copy_to_host(), exact_o, base_o, floor=f_o, name=f"O ({whose}; column c: thread c of each)")
+    assert_close(lse_out.copy_to_host(), exact_l, base_l, floor=f_l, name=f"L ({whose})")
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda c: first_split_k(c.q, c.k, c.v, splits=None), TypeError, "splits: expected an int"),
+    (lambda c: first_split_k(c.q, c.k, c.v, splits=0), ValueError, "splits: expected an int in 1..1024"),
+    (lambda c: first_split_k(c.q, c.k, c.v, out=np.zeros(c.q.shape, np.float32)), TypeError,
+     "out: expected a device array"),
+    (lambda c: combine_partials(np.zeros((2, 1, 3, 4), np.float32), np.zeros((2, 1, 4), np.float32)), ValueError,
+     "l_parts: expected shape"),
+    (lambda c: combine_partials(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3))), TypeError, "o_parts: expected dtype"),
+    (lambda c: combine_partials(np.zeros((2, 1, 3, 4), np.float32), np.zeros((2, 1, 3), np.float32),
+                                rows_per_block=17), ValueError, "rows_per_block: expected an int in 1..16"),
+])
+def test_first_versions_name_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call(make_case(b=1, hkv=1, group=2, n_max=4))
 
 
 # --------------------------------------------------------------------------- hard input

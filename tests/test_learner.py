@@ -87,3 +87,18 @@ def test_chapter_6s_lists_with_the_causal_test_on_the_first_row_fail(capsys):
     out = capsys.readouterr().out
     assert "test_first_tile_lists_match_the_host_lists" in out and "count[0, 0] = 6, expected 7" in out
     assert "block 0, thread 0" in out
+
+
+def test_chapter_7s_combine_without_the_empty_case_fails(capsys):
+    """A learner's split-K combine in place of the production one (decode_attention's plan
+    looks it up): a row whose every piece is empty forms exp(-inf - (-inf)) = NaN."""
+    assert not learner.grade(FILES / "decode_combine_no_empty_split.py")
+    out = capsys.readouterr().out
+    assert "make_combine from decode_combine_no_empty_split.py" in out and "not yet:" in out
+    assert "NaN entries where the oracle is not NaN" in out and "block (r // " in out
+
+
+def test_chapter_7s_first_partial_past_the_cache_length_fails(capsys):
+    assert not learner.grade(FILES / "decode_partial_ignores_cache_length.py")
+    out = capsys.readouterr().out
+    assert "test_first_split_k_matches_the_oracle" in out and "the partial blocks" in out

@@ -63,7 +63,6 @@ from kernels.decode import (
     key_tile,
     make_attend_key_range,
     make_attend_key_range_mma,
-    make_combine,
     make_stream_k,
     merge_partials_numpy,
     plan,
@@ -1067,83 +1066,173 @@ _ = check_exercise(schedule_prop(my_stream_k_schedule), schedule_cases, host=Tru
 _ = check_exercise(schedule_prop(stream_k_schedule), schedule_cases, host=True)
 
 # %% [markdown]
-# ### Exercise 3 (a kernel): the combine on the GPU
+# ### Exercises 3 and 4 (kernels): split-K's combine, and a first partial
 #
-# Write split-K's second kernel as a Numba CUDA kernel `my_combine(o_part, l_part, o, lse)`:
-# `o_part` (S, rows, d) and `l_part` (S, rows) float32 partials in, `o` (rows, d) and `lse`
-# (rows,) float32 out. Launch: **one block a row, one thread a column**,
-# `my_combine[rows, d](...)`. Same contract as exercise 1: an empty piece is
-# $(O_s = 0, L_s = -\infty)$, an all-empty row gives $O = 0$, $L = -\infty$.
+# Write each in your own file (the cells below make them from templates the first time:
+# `workbook/mine/my_decode_combine.py` and `workbook/mine/my_first_partial.py`); `grade`
+# runs this chapter's tests on your kernel in place of the course's and prints the smallest
+# case that fails, naming the block and thread that own the worst element. The tests fill
+# every output with NaN first, so an element no thread writes shows.
 #
-# The starter compiles and runs, but merges nothing: it copies the first partial. The
-# checker launches your kernel on drawn partials (tiny, for the simulator) and compares it
-# with `merge_partials_numpy` on the same float32 partials; its report names the smallest
-# case it gets wrong.
+# **Exercise 3: split-K's combine.** Write `make_combine(D, RT, THREADS)`, the course's own
+# factory: your kernel replaces it inside `decode_attention(..., schedule="split-k")` (its
+# plan looks the factory up when it is made) and in `combine_partials`, which runs it on
+# partials the test draws. It returns a kernel `combine(o_part, l_part, o, lse, splits, d)`,
+# launched on grid `(row tiles, H)` with `THREADS` threads a block:
 #
-# **Hint 1.** Every thread of a row can compute the row's merged $L$ on its own: S is
-# small, so a loop over the S values of `l_part[:, row]` is cheaper than sharing it through
-# shared memory. Start from $m = -\infty$, $l = 0$ and fold the states $(L_s, 1)$ with
-# chapter 3's merge.
+# * block `(t, h)` takes rows `t*RT .. t*RT + RT - 1` of head `h`, those below `o.shape[1]`
+#   (the last tile may be short);
+# * its partials are the slots `first .. first + splits - 1`, with
+#   `first = (h * cuda.gridDim.x + t) * splits`: split `s` of row `t*RT + r` left
+#   $O_s$ (normalised) in `o_part[first + s, r, :]` and $L_s$ in `l_part[first + s, r]`;
+# * it writes `o[h, row, c]` for the columns `c < d`, and `lse[h, row]`. `D >= d` is the
+#   padded head dim: a block's `RT * D` elements are shared among its `THREADS` threads.
 #
-# **Hint 2.** Carry $O$ (this thread's column) along in the same loop: when the running
-# max moves from $m$ to $m'$, multiply $O$ by $e^{m - m'}$ and add $O_s e^{L_s - m'}$.
-# Guard the case $m' = -\infty$ (nothing seen yet: no `exp(-inf - (-inf))`). At the end
-# $O / l$ and $L = m + \log l$, or $(0, -\infty)$ when $l = 0$. Thread 0 writes `lse`.
-# `merge_state` (from `kernels.online_softmax`) is the device merge of chapter 3; the
-# module's own version of this loop is `make_merge_partials` in `kernels/decode.py`.
+# An empty piece has $L_s = -\infty$ (and $O_s = 0$); a row whose pieces are all empty (an
+# empty cache) gives $O = 0$, $L = -\infty$, never NaN. Graded by
+# `test_combine_of_drawn_partials_matches_the_merge` (drawn partials, some empty, logits up
+# to 300, a ragged last tile) and `test_combine_inside_split_k_decode`.
+#
+# **Exercise 4: a first split-K partial.** Write `make_first_partial()`, returning a kernel
+# `first_partial(q, k, v, lengths, o_part, l_part, scale, causal)`: q `(B, Hq, Nq, d)`; k
+# and v `(B, Hkv, Nmax, d)`, float32 or float16 (convert what you read with `float32(...)`:
+# the arithmetic is float32); lengths `(B,)` int32; o_part `(R, splits, d)` and l_part
+# `(R, splits)`, R = B·Hq·Nq query rows, row = (b·Hq + h)·Nq + i. Launch: grid
+# `(R, splits)`, **one block a (query row, split)**, **d threads, one a column of O**.
+# Block `(row, s)`:
+#
+# * reads sequence b's keys only: its first n = `lengths[b]` rows (the test fills the rows
+#   past n with NaN);
+# * reads KV head h // (Hq / Hkv) (GQA);
+# * takes split s of them, keys $[s c, \min((s + 1) c, n))$ with $c = \lceil n / \text{splits}
+#   \rceil$, as `split_ranges` cuts them (maybe empty);
+# * if `causal`, lets query i see key j only if $j \le i + n - N_q$;
+# * writes $O_s = \mathrm{softmax}(S_{\text{slice}}) V_{\text{slice}}$ (normalised) to
+#   `o_part[row, s, :]` and $L_s = \mathrm{logsumexp}(S_{\text{slice}})$ to `l_part[row, s]`:
+#   $O_s = 0$, $L_s = -\infty$ where the row sees no key of its slice.
+#
+# `first_split_k(q, k, v, cache_lengths=..., causal=..., splits=...)` launches it, then the
+# course's combine, and `test_first_split_k_matches_the_oracle` compares the result with
+# `ref.decode_attention` (ragged lengths with 0 and 1, more splits than keys, GQA, causal
+# with a length below Nq, fp16 caches, logits around 1e4).
+#
+# <details><summary>Hint 1 (exercise 3)</summary>
+#
+# `for e in range(cuda.threadIdx.x, RT * D, THREADS):` with `r, c = e // D, e % D` gives
+# each thread its elements; skip `t*RT + r >= o.shape[1]` and `c >= d`. `splits` is small:
+# each thread folds its row's splits alone, no shared memory.
+# </details>
+#
+# <details><summary>Hint 2 (exercise 3)</summary>
+#
+# The fold is chapter 3's merge of the states $(L_s, 1)$, with O carried along: start
+# $m = -\infty$, $l = 0$, $O = 0$; for each split, $m' = \max(m, L_s)$; if $m' = -\infty$
+# nothing is seen yet, so skip it (no `exp(-inf - (-inf))`); else
+# $l \leftarrow l e^{m - m'} + e^{L_s - m'}$, $O \leftarrow O e^{m - m'} + O_s e^{L_s - m'}$,
+# $m \leftarrow m'$. At the end $O / l$ and $L = m + \log l$, or $(0, -\infty)$ when
+# $l = 0$; the thread with `c == 0` writes `lse`.
+# </details>
+#
+# <details><summary>Hint 3 (exercise 4)</summary>
+#
+# `row, s, c = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x`; then b, h and i from
+# row, `n = lengths[b]`, `chunk = (n + splits - 1) // splits`, `start = min(s * chunk, n)`,
+# `end = min(start + chunk, n)`. Every thread of the block computes the same
+# $S_{ij} = \text{scale} \sum_t q_{it} k_{jt}$ on its own (d loads a key: the cost of a
+# first version).
+# </details>
+#
+# <details><summary>Hint 4 (exercise 4)</summary>
+#
+# Then chapter 3's online softmax over the slice, key by key: $m' = \max(m, S_{ij})$,
+# $\alpha = e^{m - m'}$ (0 while $m = -\infty$), $p = e^{S_{ij} - m'}$,
+# $l \leftarrow l \alpha + p$, and this thread's column $O_c \leftarrow O_c \alpha + p\,v_{jc}$.
+# Keys come in order, so a causal row can `break` at its first masked key. At the end
+# write $O_c / l$ and $m + \log l$, or 0 and $-\infty$ when $l = 0$.
+# </details>
 
 # %%
-from numba import cuda
+from kernels.base.learner import grade, my_file
+
+TEMPLATE_COMBINE = '''"""My split-K combine for chapter 7 (graded by tests/test_decode.py -k test_combine)."""
+CHAPTER = "decode"
+
+import functools
+import math
+
+from numba import cuda, float32
+
+from kernels.online_softmax import merge_state
 
 
-@cuda.jit
-def my_combine(o_part, l_part, o, lse):
-    row = cuda.blockIdx.x
-    c = cuda.threadIdx.x
-    # your code here: merge the S partials of this row, column c
-    o[row, c] = o_part[0, row, c]
-    if c == 0:
-        lse[row] = l_part[0, row]
+@functools.lru_cache(maxsize=None)      # one kernel per (D, RT, THREADS): compiled once on a GPU
+def make_combine(D, RT, THREADS):
+    @cuda.jit
+    def combine(o_part, l_part, o, lse, splits, d):
+        raise NotImplementedError       # your code: rows t*RT .. of head h, from their splits' partials
 
+    return combine
+'''
+
+mine_combine = my_file("my_decode_combine.py", TEMPLATE_COMBINE)
 
 # %%
-def launch_my_combine(o_parts, l_parts):
-    """my_combine on device copies of the partials: (O, L) as float32 NumPy arrays."""
-    S, rows, d = o_parts.shape
-    o = cuda.device_array((rows, d), np.float32)
-    lse = cuda.device_array(rows, np.float32)
-    my_combine[rows, d](cuda.to_device(o_parts.astype(np.float32)), cuda.to_device(l_parts.astype(np.float32)),
-                        o, lse)
-    return o.copy_to_host(), lse.copy_to_host()
-
-
-def kernel_prop(launch):
-    """The kernel against merge_partials_numpy on the same float32 partials."""
-    def prop(case):
-        o_parts, l_parts = case.o_parts.astype(np.float32), case.l_parts.astype(np.float32)
-        o_want, l_want = merge_partials_numpy(o_parts, l_parts)
-        o, lse = launch(o_parts, l_parts)
-        np.testing.assert_allclose(lse, l_want, rtol=1e-5, atol=1e-5, err_msg="L")
-        np.testing.assert_allclose(o, o_want, rtol=1e-5, atol=1e-5, err_msg="O")
-    return prop
-
-
-kernel_cases = partial_cases(max_slices=4, max_rows=4, max_d=8, max_keys=10)
-_ = check_exercise(kernel_prop(launch_my_combine), kernel_cases, max_examples=12)
+combine_passed = grade(mine_combine)
 
 # %% [markdown]
-# The same checker on the module's split-K combine kernel (`make_combine`, launched for
-# one (KV head, row tile) whose slots are the S partials):
+# The course's version, `make_combine` with its device function `make_merge_partials` in
+# `kernels/decode.py`, prints here once yours passes: stream-K's last block runs the same
+# device function.
 
 # %%
-def launch_module_combine(o_parts, l_parts):
-    S, rows, d = o_parts.shape
-    o = cuda.device_array((1, rows, d), np.float32)
-    lse = cuda.device_array((1, rows), np.float32)
-    make_combine(d, rows, 32)[(1, 1), 32](cuda.to_device(o_parts.astype(np.float32)),
-                                           cuda.to_device(l_parts.astype(np.float32)), o, lse, np.int32(S),
-                                           np.int32(d))
-    return o.copy_to_host()[0], lse.copy_to_host()[0]
+if combine_passed:
+    from kernels import decode as decode_module
+
+    print(inspect.getsource(decode_module.make_merge_partials))
+    print(inspect.getsource(decode_module.make_combine))
+else:
+    print("(shown once your kernel passes; stuck? read make_merge_partials and make_combine in kernels/decode.py)")
+
+# %%
+TEMPLATE_PARTIAL = '''"""My first split-K partial for chapter 7 (tests/test_decode.py -k test_first_split_k)."""
+CHAPTER = "decode"
+
+import functools
+import math
+
+from numba import cuda, float32
 
 
-_ = check_exercise(kernel_prop(launch_module_combine), kernel_cases, max_examples=12)
+@functools.lru_cache(maxsize=None)      # compiled once on a GPU
+def make_first_partial():
+    @cuda.jit
+    def first_partial(q, k, v, lengths, o_part, l_part, scale, causal):
+        raise NotImplementedError       # your code: (O_s, L_s) of block (row, split), thread c: column c
+
+    return first_partial
+'''
+
+mine_partial = my_file("my_first_partial.py", TEMPLATE_PARTIAL)
+
+# %%
+partial_passed = grade(mine_partial)
+
+# %% [markdown]
+# The course's version, `make_first_partial` in `kernels/decode.py`, prints here once yours
+# passes.
+
+# %%
+if partial_passed:
+    from kernels import decode as decode_module
+
+    print(inspect.getsource(decode_module.make_first_partial))
+else:
+    print("(shown once your kernel passes; stuck? read make_first_partial in kernels/decode.py)")
+
+# %% [markdown]
+# Counting: for each key of its slice, each of the block's d threads reads the whole key
+# row (d loads, the same addresses for every thread) and one element of V. And a block has
+# one query row: in a GQA group of g query heads, or with Nq > 1, every key and value is
+# read once for each of the group's g·Nq rows. Section 5's partial reads each K and V
+# element once for the whole group, one load a lane (16 bytes where rows are aligned), and
+# adds its dot products across the lanes with shuffles.
