@@ -145,3 +145,16 @@ def test_plots_in_the_simulator_show_time_not_rates():
     assert _metric(r, simulator=True) == (SIM_METRIC, 2.0) and SIM_METRIC == "median time (ms)"
     assert _metric(r, "GB/s", simulator=True) == (SIM_METRIC, 2.0)
     assert _metric(r) == ("TFLOP/s", r.tflops)  # a GPU run: rates, as before
+
+
+def test_chapter_plots_redraw_the_committed_csvs(tmp_path):
+    """The chapters' own plots (one question a panel) draw from the committed GPU results."""
+    import shutil
+
+    from kernels.bench.tour import GPU_RESULTS, replot
+
+    names = ("tiled_matmul", "online_softmax", "flash_backward", "block_sparse", "decode")
+    for name in names:
+        shutil.copy(GPU_RESULTS / f"{name}.csv", tmp_path)
+    replot(tmp_path)
+    assert all((tmp_path / f"{n}.png").stat().st_size > 10_000 for n in names)

@@ -301,6 +301,16 @@ def _one_mask(ctx, results, torch, b, h, n, d, mask, causal, label, extra0):
                     extra=dict(extra, part="forward"))
     r.extra["dense_equiv_tflops"] = round(dense_flops / (r.median_ms / 1e3) / 1e12, 2)
     results.append(r)
+    if extra0.get("density") == 0.125 or extra0.get("pattern"):   # the first version: slow, two points
+        from kernels.block_sparse import first_block_sparse_attention
+
+        results.append(ctx.measure(
+            CHAPTER, "first block-sparse forward (one thread a row)", config,
+            lambda q, k, v: first_block_sparse_attention(q, k, v, mask, causal=causal), sets, flops=flops,
+            model_bytes=4.0 * b * h * n * (2 * d + 1 + 2 * n * d * rho), peak_memory=False,
+            repeat=None if ctx.simulator else 3, warmup=None if ctx.simulator else 1,
+            note="launcher (the notebook's exercise 4): Q, K, V and the running O in HBM, no tiles",
+            extra=dict(extra, part="forward")))
     if extra0.get("density") == 1.0 or extra0.get("pattern"):
         _dense_chapter4(ctx, results, sets, config, dense_flops / (2 if causal else 1),
                         io_model_bytes(b, h, n, n, d, Br=cfg.Br, rho=1.0), dict(extra, part="forward", rho=1.0),
@@ -395,3 +405,97 @@ def run(ctx) -> list[Result]:
     if not ctx.quick:
         tile_sweep(ctx, results)
     return results
+
+
+# --------------------------------------------------------------------------- plot
+
+def plot(results, path, *, title, simulator, ceiling=math.nan, judged_by=None):
+    """Two questions: does the time track the kept fraction rho (forward and backward,
+    against chapter 4's and 5's dense kernels and FlexAttention), and what the causal sliding
+    window costs each of them. The tile sweep stays in the CSV. In the simulator (tiny
+    sizes), the tour's generic plot."""
+    from kernels.bench.tour import plot_results
+
+    rows = [r for r in results if "tile sweep" not in r.config and "N" in r.extra]
+    masks = [r for r in rows if "pattern" not in r.extra and r.kernel.startswith("block-sparse")]
+    if simulator or len({str(r.extra.get("density")) for r in masks}) < 3:
+        return plot_results(results, path, title=title, simulator=simulator, ceiling=ceiling, judged_by=judged_by)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = sorted({int(float(r.extra["N"])) for r in rows})
+    shades = dict(zip(ns, ("#1f77b4", "#08306b", "#6baed6")))
+    peer_shades = dict(zip(ns, ("0.55", "0.2", "0.75")))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5.6), gridspec_kw={"width_ratios": [1, 1, 1.1]})
+    names = {"forward": ("block-sparse forward", "peer: FlexAttention fp32", "dense fused forward (chapter 4)", 4),
+             "backward": ("block-sparse backward", "peer: FlexAttention fp32 backward", "dense backward (chapter 5)", 5)}
+    for ax, part in zip(axes, ("forward", "backward")):
+        ours_name, flex_name, dense_name, chapter = names[part]
+        gains = []
+        for n in ns:
+            def series(kernel):
+                pts = sorted((float(r.extra["rho"]), r.median_ms) for r in rows
+                             if r.kernel == kernel and "pattern" not in r.extra and int(float(r.extra["N"])) == n
+                             and r.extra.get("dq_mode", "atomic") == "atomic")
+                return pts
+            ours, flex = series(ours_name), series(flex_name)
+            dense = [r.median_ms for r in rows if r.kernel == dense_name and "pattern" not in r.extra
+                     and int(float(r.extra["N"])) == n]
+            if ours:
+                ax.plot(*zip(*ours), "-o", color=shades[n], lw=2.2, label=f"ours, N = {n}")
+            if flex:
+                ax.plot(*zip(*flex), "--s", color=peer_shades[n], lw=1.5, label=f"FlexAttention, N = {n}")
+            if dense and ours:
+                xs = [x for x, _ in ours]
+                ax.plot(xs, [dense[0] * x for x in xs], ":", color=shades[n], lw=1.2,
+                        label=f"dense (ch. 4 / 5) × rho, N = {n}")
+                near = min(ours, key=lambda p: abs(math.log2(p[0] / 0.125)))
+                gains.append((n, near[0], dense[0] / near[1]))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("kept fraction of the tiles, rho (random 128 × 128 masks)")
+        ax.set_ylabel(f"{part} time (ms, lower is better)")
+        ax.grid(True, which="both", alpha=0.3)
+        if gains:
+            ax.set_title(f"{part.capitalize()}: time falls with rho; at rho ≈ 1/8\n"
+                         + ", ".join(f"{g:.1f}× (N = {n})" for n, _, g in gains)
+                         + f"\nfaster than chapter {chapter}'s dense kernel", fontsize=11.5)
+
+    # the causal sliding window: each kernel's time, forward and backward, per N
+    ax = axes[2]
+    kinds = (("block-sparse", "ours", "#1f77b4", None),
+             ("dense", "ch. 4 / 5 dense (causal)", "#9ecae1", None),
+             ("peer: FlexAttention", "FlexAttention", "0.35", "//"),
+             ("peer: SDPA efficient", "SDPA (dense, causal)", "0.7", "//"))
+    window = [r for r in rows if r.extra.get("pattern") and r.extra.get("dq_mode", "atomic") == "atomic"]
+    groups = [(part, n) for part in ("forward", "backward") for n in ns]
+    width = 0.8 / len(kinds)
+    for k, (prefix, label, color, hatch) in enumerate(kinds):
+        xs, ys = [], []
+        for g, (part, n) in enumerate(groups):
+            hit = [r for r in window if r.kernel.startswith(prefix) and r.extra.get("part") == part
+                   and int(float(r.extra["N"])) == n]
+            if hit:
+                xs.append(g + (k - (len(kinds) - 1) / 2) * width)
+                ys.append(hit[0].median_ms)
+        ax.bar(xs, ys, width, color=color, hatch=hatch, edgecolor="white" if hatch else "black", lw=0.5, label=label)
+        for x, y in zip(xs, ys):
+            ax.text(x, y * 1.05, f"{y:.3g}", ha="center", va="bottom", fontsize=8.5, rotation=90)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(groups)), [f"{part}\nN = {n}" for part, n in groups], fontsize=10.5)
+    ax.set_ylabel("time (ms, log scale)")
+    ax.set_ylim(top=ax.get_ylim()[1] * 12)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=9, loc="upper left", ncol=2, columnspacing=0.8)
+    rho = next((float(r.extra["rho"]) for r in window if r.kernel == "block-sparse forward"), math.nan)
+    ax.set_title(f"Causal sliding window (rho = {rho:.3f}):\nours skips the tiles that the\n"
+                 "dense causal kernels compute", fontsize=11.5)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=10, bbox_to_anchor=(0.36, -0.1))
+    fig.suptitle(f"{title}\nd = 64, fp32, 128 × 128 mask blocks; ours and chapters 4/5: kernel launches; "
+                 f"FlexAttention: torch.compile, the same block mask", fontsize=12)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

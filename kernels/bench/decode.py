@@ -207,3 +207,107 @@ def _torch_peers(ctx, results, torch, q, k, v, lengths, hq, hkv, d, dtype, confi
                                    model_bytes=model, is_peer=True, note=note, extra=dict(extra), peak_memory=False))
     except RuntimeError as exc:
         ctx.progress(f"  plain PyTorch cannot run this case: {str(exc).splitlines()[0][:120]}")
+
+
+# --------------------------------------------------------------------------- plot
+
+_OURS = (("prepare_decode split-k (run)", "split-K, prepared", "#1f77b4", "-", "o"),
+         ("prepare_decode stream-k (run)", "stream-K, prepared", "#ff7f0e", "-", "o"),
+         ("decode_attention split-k", "split-K, one call", "#9ecae1", "-", "."))
+_PEERS = (("peer: SDPA flash", "SDPA flash", "0.15", "--", "s"),
+          ("peer: SDPA efficient", "SDPA mem.-efficient", "0.3", "--", "s"),
+          ("peer: SDPA math", "SDPA math", "0.5", "--", "^"),
+          ("peer: plain PyTorch", "plain PyTorch", "0.65", "--", "v"),
+          ("chapter 4: flash_attention", "chapter 4 flash_attention", "#d62728", ":", "x"))
+
+
+def plot(results, path, *, title, simulator, ceiling=math.nan, judged_by=None):
+    """Two questions, one row each, fp32 and fp16 caches side by side: how close to the
+    read bandwidth each kernel gets as one sequence's context grows (B = 1, 32 heads), and
+    which schedule wins on each batch shape (uniform, GQA, 40 heads, ragged). TB/s of the
+    compulsory bytes (K and V once). In the simulator (tiny sizes), the tour's generic plot."""
+    from kernels.bench.tour import plot_results
+
+    def key(r):
+        return tuple(str(r.extra.get(k)) for k in ("batch", "heads", "kv_heads", "shape"))   # (CSV: strings)
+
+    sweep = [r for r in results if key(r) == ("1", "32", "32", "uniform")]
+    if simulator or len({r.extra.get("N") for r in sweep}) < 3:
+        return plot_results(results, path, title=title, simulator=simulator, ceiling=ceiling, judged_by=judged_by)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    read = next((r.gbps / 1e3 for r in results if r.kernel.startswith("peer: read bandwidth")), math.nan)
+    fig, axes = plt.subplots(2, 2, figsize=(15, 11), gridspec_kw={"height_ratios": [1, 1.35]})
+    for col, kv in enumerate(("fp32", "fp16")):
+        # (1) B = 1, 32 heads: TB/s against the context length
+        ax = axes[0, col]
+        rows = [r for r in sweep if r.extra.get("kv") == kv]
+        ns = sorted({int(r.extra["N"]) for r in rows})
+        for kernel, label, color, style, marker in _OURS + _PEERS:
+            pts = sorted((int(r.extra["N"]), r.gbps / 1e3) for r in rows if r.kernel == kernel)
+            if pts:
+                ax.plot(*zip(*pts), linestyle=style, marker=marker, color=color, label=label,
+                        lw=2.2 if style == "-" and not label.endswith("one call") else 1.4)
+        if math.isfinite(read):
+            ax.axhline(read, color="0.4", linestyle=":", lw=1.5)
+            ax.text(ns[0], read * 1.02, f"read bandwidth {read:.2f} TB/s", fontsize=10, color="0.3", va="bottom")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [f"{n // 1024}k" for n in ns])
+        ax.set_ylim(0, max(read if math.isfinite(read) else 0, max(r.gbps for r in rows) / 1e3) * 1.6)
+        ax.set_xlabel("keys in the cache (B = 1, 32 heads, d = 128)")
+        ax.set_ylabel("TB/s of K and V read (higher is better)")
+        best = max((r.gbps / 1e3, int(r.extra["N"])) for r in rows if r.kernel == _OURS[0][0] or r.kernel == _OURS[1][0])
+        ax.set_title(f"{kv} cache, B = 1: prepared decode reaches {best[0] / read:.0%} of the\n"
+                     f"read bandwidth measured in the same run (at {best[1] // 1024}k keys)", fontsize=12)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=9, loc="upper right", ncol=2, columnspacing=1.0)
+
+        # (2) every batch shape at its largest size: split-K, stream-K and the best peer
+        ax = axes[1, col]
+        shapes = []
+        for r in results:
+            if r.extra.get("kv") == kv and r.kernel == _OURS[0][0] and key(r) != ("1", "32", "32", "uniform") \
+                    or r.extra.get("kv") == kv and r.kernel == _OURS[0][0] and r.config.startswith("B=1 Hq=32 Hkv=32 N=128k"):
+                shapes.append(r.config)
+        ys, labels = [], []
+        for g, config in enumerate(shapes):
+            here = [r for r in results if r.config == config]
+            peers = [r for r in here if r.is_peer and not r.kernel.startswith("peer: read")]
+            bars = [(r.gbps / 1e3, label, color, None) for kernel, label, color, *_ in _OURS[:2]
+                    for r in here if r.kernel == kernel]
+            if peers:
+                p = max(peers, key=lambda r: r.gbps)
+                bars.append((p.gbps / 1e3, "best PyTorch: " + p.kernel.replace("peer: ", ""), "0.55", "//"))
+            for b, (value, label, color, hatch) in enumerate(bars):
+                y = g * 4 + b
+                ax.barh(y, value, color=color, hatch=hatch, edgecolor="white" if hatch else "black", lw=0.5,
+                        label=label if g == 0 and not label.startswith("best") else None)
+                ax.text(value, y, f" {value:.2f}" + (f"  {label[14:]}" if label.startswith("best") else ""),
+                        va="center", fontsize=9)
+            ys.append(g * 4 + 1)
+            labels.append(config.replace(f" d=128 {kv} KV", "").replace("Hq=", "H=").replace(" Hkv=", "/")
+                          .replace("N=128k+8k+8k+8k", "ragged 128k+3×8k"))
+        if math.isfinite(read):
+            ax.axvline(read, color="0.4", linestyle=":", lw=1.5)
+        ax.set_yticks(ys, labels, fontsize=10.5)
+        ax.invert_yaxis()
+        ax.set_xlim(0, (read if math.isfinite(read) else 3) * 1.3)
+        ax.set_xlabel("TB/s of K and V read (dotted: the read bandwidth)")
+        ragged = {r.kernel: r.gbps for r in results if r.extra.get("kv") == kv and r.extra.get("shape") == "ragged"}
+        point = ""
+        if _OURS[0][0] in ragged and _OURS[1][0] in ragged:
+            point = f":\non the ragged batch stream-K reads {ragged[_OURS[1][0]] / ragged[_OURS[0][0]]:.1f}× as fast as split-K"
+        ax.set_title(f"{kv} cache, every batch shape (B, query / KV heads, keys){point}", fontsize=12)
+        ax.grid(True, axis="x", alpha=0.3)
+        handles, names = ax.get_legend_handles_labels()
+        handles.append(Patch(facecolor="0.55", hatch="//", edgecolor="white", label="best PyTorch backend"))
+        ax.legend(handles=handles, fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
+    fig.suptitle(f"{title}\none new token a sequence, d = 128; \"prepared\": prepare_decode's plan run again, "
+                 "\"one call\": decode_attention with its plan cached", fontsize=12.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)

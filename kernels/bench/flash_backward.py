@@ -407,6 +407,126 @@ def main(argv=None) -> int:
     return 0
 
 
+
+# --------------------------------------------------------------------------- plot
+
+# The N sweep's series, as the plot names them (ours solid, peers dashed).
+_SERIES = (("flash_attention_backward() launcher", "ours, atomic dQ (default)", "#1f77b4", "-", "o"),
+           ("flash_attention_backward() separate dQ", "ours, separate dQ", "#6baed6", "-", "o"),
+           ("peer: SDPA efficient fp32 backward", "SDPA memory-efficient", "0.2", "--", "s"),
+           ("peer: SDPA math fp32 backward", "SDPA math", "0.45", "--", "^"),
+           ("peer: plain PyTorch fp32 backward", "plain PyTorch", "0.65", "--", "v"))
+
+
+def plot(results, path, *, title, simulator, ceiling=math.nan, judged_by=None):
+    """Two questions, three panels: how the backward's time grows with N next to PyTorch's
+    backends (and as a ratio to the best of them), and what causal masking saves at the
+    reference size. The tile sweep stays in the CSV. In the simulator (one tiny size),
+    the tour's generic plot."""
+    from kernels.bench.tour import plot_results
+
+    sweep = [r for r in results if str(r.extra.get("sweep")) == "N"]
+    if simulator or len({float(r.extra["N"]) for r in sweep}) < 2:
+        return plot_results(results, path, title=title, simulator=simulator, ceiling=ceiling, judged_by=judged_by)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times = {}                                    # (kernel, N) -> ms
+    for r in sweep:
+        times[(r.kernel, int(float(r.extra["N"])))] = r.median_ms
+    ns = sorted({n for _, n in times})
+    peers = [k for k, *_ in _SERIES if k.startswith("peer")]
+    best = {n: min(times[(k, n)] for k in peers if (k, n) in times) for n in ns
+            if any((k, n) in times for k in peers)}
+    best_by = {min((times[(k, n)], k) for k in peers if (k, n) in times)[1] for n in best}
+    best_name = dict((k, label) for k, label, *_ in _SERIES)[best_by.pop()] if len(best_by) == 1 else "at each N"
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 5.4), gridspec_kw={"width_ratios": [1.15, 1, 1.05]})
+
+    # (a) time against N
+    for kernel, label, color, style, marker in _SERIES:
+        pts = [(n, times[(kernel, n)]) for n in ns if (kernel, n) in times]
+        if pts:
+            missing = [str(n) for n in ns if (kernel, n) not in times]
+            label += f" (no row at N = {', '.join(missing)})" if missing else ""
+            a.plot(*zip(*pts), linestyle=style, marker=marker, color=color, label=label, lw=2.2 if style == "-" else 1.6)
+    a.set_xscale("log", base=2)
+    a.set_yscale("log")
+    a.set_xticks(ns, [str(n) for n in ns])
+    a.set_xlabel("N (B·N = 16384 tokens, H = 16, d = 64, fp32)")
+    a.set_ylabel("backward time (ms, lower is better)")
+    a.set_title("Backward time against N\n(fixed tokens: the N² work grows like N)", fontsize=12)
+    a.grid(True, which="both", alpha=0.3)
+    a.legend(fontsize=9.5, loc="upper left")
+
+    # (b) time over the best peer's, at each N
+    worst = 1.0
+    for kernel, label, color, style, marker in _SERIES:
+        pts = [(n, times[(kernel, n)] / best[n]) for n in ns if (kernel, n) in times and n in best]
+        if pts and not all(v == 1.0 for _, v in pts):
+            b.plot(*zip(*pts), linestyle=style, marker=marker, color=color, label=label, lw=2.2 if style == "-" else 1.6)
+            worst = max(worst, max(v for _, v in pts))
+            if kernel == _SERIES[0][0]:
+                for n, v in pts:
+                    b.annotate(f"{v:.2f}×", (n, v), textcoords="offset points", xytext=(0, 8), ha="center",
+                               fontsize=10, color=color)
+    b.axhline(1.0, color="0.2", linestyle="--", lw=1.2)
+    b.text(ns[0], 0.97, "best PyTorch backend at that N", va="top", fontsize=9.5, color="0.3")
+    b.set_xscale("log", base=2)
+    b.set_xticks(ns, [str(n) for n in ns])
+    b.set_xlim(ns[0] / 1.35, ns[-1] * 1.35)
+    b.set_ylim(0.85, worst * 1.1)
+    b.set_xlabel("N")
+    b.set_ylabel("time ÷ the best peer's time")
+    ours = [times[(_SERIES[0][0], n)] / best[n] for n in ns if (_SERIES[0][0], n) in times and n in best]
+    b.set_title(f"Ours (atomic dQ) takes {min(ours):.2f}–{max(ours):.2f}× the best\n"
+                f"PyTorch backend's time ({best_name})", fontsize=12)
+    b.grid(True, which="both", alpha=0.3)
+    b.legend(fontsize=10, loc="upper right")
+
+    # (c) the reference size, causal or not
+    bars = (("flash_attention_backward() launcher", "ours,\natomic dQ", "#1f77b4"),
+            ("peer: SDPA efficient fp32 backward", "SDPA memory-\nefficient", "0.2"),
+            ("peer: SDPA math fp32 backward", "SDPA\nmath", "0.45"),
+            ("peer: plain PyTorch fp32 backward", "plain\nPyTorch", "0.65"))
+    ref = {(r.kernel, str(r.extra.get("causal"))): r for r in results
+           if "sweep" not in r.extra and "causal" in r.extra}
+    config = next((_without(r.config, "causal") for r in ref.values()), "")
+    width = 0.38
+    for k, causal in enumerate(("False", "True")):
+        xs, ys = [], []
+        for x, (kernel, _, color) in enumerate(bars):
+            if (kernel, causal) in ref:
+                xs.append(x + (k - 0.5) * width)
+                ys.append(ref[(kernel, causal)].median_ms)
+        rects = c.bar(xs, ys, width, color=[bars[round(x - (k - 0.5) * width)][2] for x in xs],
+                      hatch=None if causal == "False" else "//", edgecolor="white" if causal == "True" else "black",
+                      lw=0.6, label="non-causal" if causal == "False" else "causal (hatched)")
+        for rect, y in zip(rects, ys):
+            c.text(rect.get_x() + rect.get_width() / 2, y, f"{y:.1f}", ha="center", va="bottom", fontsize=9.5)
+    c.set_xticks(range(len(bars)), [label for _, label, _ in bars], fontsize=10.5)
+    c.set_ylabel("backward time (ms, lower is better)")
+    c.set_xlabel(config)
+    c.legend(fontsize=10, loc="upper left")
+    c.grid(True, axis="y", alpha=0.3)
+    saved = [ref[(kernel, "True")].median_ms / ref[(kernel, "False")].median_ms for kernel, _, _ in bars[:1] + bars[3:]
+             if (kernel, "True") in ref and (kernel, "False") in ref]
+    if len(saved) == 2:
+        c.set_title(f"Causal: ours takes {saved[0]:.2f}× its non-causal time\n"
+                    f"(skipped tiles); plain PyTorch {saved[1]:.2f}×", fontsize=12)
+    fig.suptitle(title + "\nours: flash_attention_backward() as a user calls it; peers: autograd.grad on a "
+                 "graph built outside the timed region", fontsize=12)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _without(config, key):
+    """``config`` without its ``key=...`` item."""
+    return " ".join(item for item in config.split() if not item.startswith(f"{key}="))
+
+
 if __name__ == "__main__":
     import sys
 

@@ -143,3 +143,61 @@ def run(ctx) -> list[Result]:
         results.extend(shape_results)
         del xs, p, lse
     return results
+
+
+# --------------------------------------------------------------------------- plot
+
+_BARS = (("row softmax kernel", "row softmax kernel", "#1f77b4", None),
+         ("softmax() launcher", "softmax() launcher", "#9ecae1", None),
+         ("peer: torch.softmax fp32", "torch.softmax", "0.35", "//"),
+         ("peer: CuPy softmax expression", "CuPy expression", "0.7", "//"))
+
+
+def plot(results, path, *, title, simulator, ceiling=float("nan"), judged_by=None):
+    """One question: what fraction of a same-size device copy's bandwidth each softmax
+    reaches, shape by shape (the copy reads and writes the same bytes: the ceiling). In the
+    simulator, the tour's generic plot."""
+    from kernels.bench.tour import plot_results
+
+    shapes = []
+    for r in results:
+        if r.config not in shapes and "pct_of_copy" in r.extra:
+            shapes.append(r.config)
+    if simulator or len(shapes) < 2:
+        return plot_results(results, path, title=title, simulator=simulator, ceiling=ceiling, judged_by=judged_by)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pct = {(r.kernel, r.config): float(r.extra["pct_of_copy"]) for r in results if "pct_of_copy" in r.extra}
+    fig, ax = plt.subplots(figsize=(13, 5.6))
+    width = 0.8 / len(_BARS)
+    for k, (kernel, label, color, hatch) in enumerate(_BARS):
+        xs = [g + (k - (len(_BARS) - 1) / 2) * width for g, c in enumerate(shapes) if (kernel, c) in pct]
+        ys = [pct[(kernel, c)] for c in shapes if (kernel, c) in pct]
+        ax.bar(xs, ys, width, color=color, hatch=hatch, edgecolor="white" if hatch else "black", lw=0.5, label=label)
+        for x, y in zip(xs, ys):
+            ax.text(x, y + 1, f"{y:.0f}", ha="center", va="bottom", fontsize=9)
+    ax.axhline(100, color="0.3", linestyle=":", lw=1.5)
+    ax.text(len(shapes) - 0.5, 101, "device copy of the same bytes = 100%", ha="right", va="bottom", fontsize=10,
+            color="0.3")
+    labels = []
+    for c in shapes:
+        twice = any(r.config == c and r.kernel == "row softmax kernel" and "read twice" in r.note for r in results)
+        labels.append(c.replace(" fp32", "").replace(" n=", "\nn = ").replace("rows=", "rows = ")
+                      + ("\n(read twice)" if twice else ""))
+    ax.set_xticks(range(len(shapes)), labels, fontsize=10.5)
+    ax.set_ylim(0, 118)
+    ax.set_ylabel("% of a device copy's bandwidth (higher is better)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=10.5, loc="upper left", ncol=4)
+    ours = [pct[("row softmax kernel", c)] for c in shapes if ("row softmax kernel", c) in pct]
+    torch_ = [pct[("peer: torch.softmax fp32", c)] for c in shapes if ("peer: torch.softmax fp32", c) in pct]
+    ax.set_title(f"The row softmax kernel reads and writes at {min(ours):.0f}–{max(ours):.0f}% of a device copy's rate "
+                 f"(torch.softmax: {min(torch_):.0f}–{max(torch_):.0f}%);\nthe launcher pays for allocating its "
+                 "outputs; CuPy's expression makes several passes", fontsize=12)
+    fig.suptitle(f"{title}; fp32, bytes counted: x read once, P and L written once", fontsize=12)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

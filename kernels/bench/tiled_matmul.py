@@ -289,3 +289,112 @@ def _tensor_core_rung(ctx, cp, torch):
         if cp is not None:
             cp.get_default_memory_pool().free_all_blocks()
     return results
+
+
+# --------------------------------------------------------------------------- plot
+
+_LADDER = (("rung 1 (global)", "rung 1: global", "#c6dbef", None),
+           ("rung 2 (shared tiles)", "rung 2: shared", "#6baed6", None),
+           ("rung 3 (registers)", "rung 3: registers", "#08519c", None),
+           ("peer: cuBLAS (CuPy) fp32", "cuBLAS fp32", "0.35", "//"))
+
+
+def plot(results, path, *, title, simulator, ceiling=float("nan"), judged_by=None):
+    """Three questions, one a panel: how far each rung of the fp32 ladder climbs toward
+    cuBLAS at every size; what the tilings the bench sweeps give at 4096^3; where the fp16
+    tensor-core rung stands against cuBLAS's. In the simulator, the tour's generic plot."""
+    from kernels.bench.tour import plot_results
+
+    sizes = []
+    for r in results:
+        if r.kernel == "rung 3 (registers)" and r.config.endswith("fp32") and r.config not in sizes:
+            sizes.append(r.config)
+    if simulator or len(sizes) < 2:
+        return plot_results(results, path, title=title, simulator=simulator, ceiling=ceiling, judged_by=judged_by)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tf = {(r.kernel, r.config): r.tflops for r in results}
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 5.8), gridspec_kw={"width_ratios": [1.5, 1.2, 0.75]})
+
+    # (a) the fp32 ladder at every size
+    width = 0.8 / len(_LADDER)
+    for k, (kernel, label, color, hatch) in enumerate(_LADDER):
+        pts = [(g + (k - (len(_LADDER) - 1) / 2) * width, tf[(kernel, s)]) for g, s in enumerate(sizes)
+               if (kernel, s) in tf]
+        if pts:
+            xs, ys = zip(*pts)
+            a.bar(xs, ys, width, color=color, hatch=hatch, edgecolor="white" if hatch else "black", lw=0.5, label=label)
+            for x, y in pts:
+                a.text(x, y + 0.6, f"{y:.3g}", ha="center", va="bottom", fontsize=9)
+    if ceiling == ceiling:
+        a.axhline(ceiling, color="red", linestyle=":", lw=1.2, label=f"FMA ceiling {ceiling:.1f}")
+
+    def short(config):
+        m, n, k = (int(item.split("=")[1]) for item in config.split()[:3])
+        return f"{m}³" if m == n == k else f"{m} × {n}\n× {k}"
+    a.set_xticks(range(len(sizes)), [short(s) for s in sizes], fontsize=10.5)
+    a.set_ylabel("TFLOP/s (higher is better)")
+    a.set_ylim(0, max(ceiling if ceiling == ceiling else 0, max(tf.get((k, s), 0) for k, *_ in _LADDER
+                                                                for s in sizes)) * 1.5)
+    a.grid(True, axis="y", alpha=0.3)
+    a.legend(fontsize=9.5, loc="upper left", ncol=2, columnspacing=0.8, handlelength=1.5)
+    share = [tf[("rung 3 (registers)", s)] / tf[("peer: cuBLAS (CuPy) fp32", s)] for s in sizes
+             if ("rung 3 (registers)", s) in tf and ("peer: cuBLAS (CuPy) fp32", s) in tf]
+    a.set_title(f"fp32: each rung multiplies the rate; rung 3 reaches\n{min(share):.0%}–{max(share):.0%} of "
+                "cuBLAS at every size, ragged included", fontsize=12)
+
+    # (b) the tilings swept at 4096^3 (rung 3 fp32, rung 4 fp16) and the launchers
+    ref32 = next((s for s in sizes if s.startswith("M=4096 N=4096")), sizes[0])
+    ref16 = ref32.replace("fp32", "fp16")
+    rows = [r for r in results if r.config in (ref32, ref16) and not r.is_peer
+            and (r.kernel.startswith("rung 3") or r.kernel.startswith("rung 4") or "launcher" in r.kernel)]
+    rows.sort(key=lambda r: (r.config.endswith("fp16"), "launcher" in r.kernel, -r.tflops))
+    ys = range(len(rows))
+    b.barh(list(ys), [r.tflops for r in rows], color=["#08519c" if r.config == ref32 else "#e6550d" for r in rows],
+           edgecolor="black", lw=0.5)
+    for y, r in zip(ys, rows):
+        b.text(r.tflops, y, f" {r.tflops:.3g}", va="center", fontsize=9.5)
+    b.set_yticks(list(ys), [r.kernel.replace(" (registers)", "").replace(" (tensor cores)", " (TC)")
+                            .replace(" launcher (rung 3)", "").replace(" launcher (rung 4)", "")
+                            + ("" if r.kernel[-1] in "0123456789" or "launcher" in r.kernel else " default")
+                            + (" launcher" if "launcher" in r.kernel else "")
+                            for r in rows], fontsize=10)
+    b.invert_yaxis()
+    b.set_xlabel("TFLOP/s at 4096³ (blue: fp32, orange: fp16 in, fp32 sums)")
+    b.set_xlim(0, max(r.tflops for r in rows) * 1.2)
+    b.grid(True, axis="x", alpha=0.3)
+    fastest = all(tf.get((default, cfg), 0) >= max(r.tflops for r in rows if r.kernel.startswith(default)
+                                                   and r.config == cfg)
+                  for default, cfg in (("rung 3 (registers)", ref32), ("rung 4 (tensor cores)", ref16)))
+    b.set_title(("Tilings at 4096³: the defaults are the fastest;" if fastest else "Tilings at 4096³ (the sweep);")
+                + "\nthe launchers add checks and allocation", fontsize=12)
+
+    # (c) fp16 on tensor cores against cuBLAS fp16
+    fp16 = [s for s in dict.fromkeys(r.config for r in results if r.config.endswith("fp16"))
+            if ("rung 4 (tensor cores)", s) in tf]
+    labels = [s.split(" N=")[0].replace("M=", "") + "³" for s in fp16]
+    for k, (kernel, label, color, hatch) in enumerate((("rung 4 (tensor cores)", "rung 4 (tensor cores)", "#e6550d", None),
+                                                       ("peer: cuBLAS (CuPy) fp16", "cuBLAS fp16", "0.35", "//"))):
+        pts = [(g + (k - 0.5) * 0.38, tf[(kernel, s)]) for g, s in enumerate(fp16) if (kernel, s) in tf]
+        if pts:
+            xs, ys_ = zip(*pts)
+            c.bar(xs, ys_, 0.38, color=color, hatch=hatch, edgecolor="white" if hatch else "black", lw=0.5, label=label)
+            for x, y in pts:
+                c.text(x, y + 5, f"{y:.3g}", ha="center", va="bottom", fontsize=9.5)
+    c.set_xticks(range(len(fp16)), labels, fontsize=10.5)
+    c.set_ylabel("TFLOP/s")
+    c.set_ylim(0, max(tf.get(("peer: cuBLAS (CuPy) fp16", s), 0) for s in fp16) * 1.2 if fp16 else 1)
+    c.grid(True, axis="y", alpha=0.3)
+    c.legend(fontsize=9.5, loc="upper left")
+    share16 = [tf[("rung 4 (tensor cores)", s)] / tf[("peer: cuBLAS (CuPy) fp16", s)] for s in fp16
+               if ("peer: cuBLAS (CuPy) fp16", s) in tf]
+    if share16:
+        c.set_title(f"fp16 on tensor cores: rung 4 reaches\n{min(share16):.0%}–{max(share16):.0%} of cuBLAS fp16",
+                    fontsize=12)
+    fig.suptitle(title, fontsize=12.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

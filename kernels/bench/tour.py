@@ -117,6 +117,18 @@ def _judged_by(name):
         return None
 
 
+def _plot_of(module_or_name):
+    """The chapter bench's own ``plot`` (same signature as ``plot_results``: one question a
+    panel), else the generic ``plot_results``."""
+    module = module_or_name
+    if isinstance(module_or_name, str):
+        try:
+            module = importlib.import_module(f"kernels.bench.{module_or_name}")
+        except ImportError:
+            return plot_results
+    return getattr(module, "plot", plot_results)
+
+
 def replot(folder):
     """Redraw every ``<idea>.png`` in ``folder`` from its committed ``<idea>.csv``."""
     for csv_path in sorted(Path(folder).glob("*.csv")):
@@ -132,8 +144,9 @@ def replot(folder):
         ceiling = next((100 * r.tflops / r.pct_fma_ceiling for r in results
                         if math.isfinite(r.pct_fma_ceiling) and r.pct_fma_ceiling > 0), math.nan)
         title = f"chapter {results[0].chapter}: {env.get('chapter', csv_path.stem).split(' ', 1)[-1]} ({env.get('device', '')})"
-        plot_results(results, csv_path.with_suffix(".png"), title=title, simulator="simulator" in env.get("device", "").lower(),
-                     ceiling=ceiling, judged_by=_judged_by(csv_path.stem))
+        _plot_of(csv_path.stem)(results, csv_path.with_suffix(".png"), title=title,
+                                simulator="simulator" in env.get("device", "").lower(),
+                                ceiling=ceiling, judged_by=_judged_by(csv_path.stem))
         print("redrew", csv_path.with_suffix(".png"))
 
 
@@ -329,7 +342,7 @@ def main(argv=None) -> int:
         csv_path, png_path = out / f"{c.name}.csv", out / f"{c.name}.png"
         try:
             harness.write_csv(csv_path, results, chapter_env)
-            plot_results(results, png_path, title=f"chapter {c.chapter}: {c.title} ({env['device']})",
+            _plot_of(c.module)(results, png_path, title=f"chapter {c.chapter}: {c.title} ({env['device']})",
                          simulator=simulator, ceiling=ceiling, judged_by=getattr(c.module, "JUDGED_BY", None))
             print(f"wrote {csv_path} and {png_path}  ({time.perf_counter() - t0:.1f} s)", flush=True)
             ran += 1
