@@ -102,3 +102,10 @@ def test_chapter_7s_first_partial_past_the_cache_length_fails(capsys):
     assert not learner.grade(FILES / "decode_partial_ignores_cache_length.py")
     out = capsys.readouterr().out
     assert "test_first_split_k_matches_the_oracle" in out and "the partial blocks" in out
+
+
+def test_chapter_2s_shared_tiles_that_skip_the_ragged_k_tile_fail(capsys):
+    assert not learner.grade(FILES / "matmul_shared_tiles_skips_ragged_k.py")
+    out = capsys.readouterr().out
+    assert "make_shared_tiles from matmul_shared_tiles_skips_ragged_k.py" in out and "not yet:" in out
+    assert "is wrong (A " in out and "it is block (" in out and "thread (" in out

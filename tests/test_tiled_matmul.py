@@ -1,5 +1,10 @@
 """Chapter 2: every rung of the tiled matmul against the float64 oracle, ragged sizes and
-drawn tile configurations included, plus the launcher's input validation."""
+drawn tile configurations included, plus the launcher's input validation.
+
+The tests whose ids name ``rung1`` or ``rung2`` grade the notebook's kernel exercises
+(``make_naive``, ``make_shared_tiles``; ``EXERCISES`` in the module): they write into an
+``out=`` filled with NaN, so an element no thread writes shows, and a failure names the
+element of C and the block and thread that own it."""
 
 from dataclasses import dataclass
 
@@ -7,16 +12,19 @@ import numpy as np
 import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
+from numba import cuda
 
 from kernels import reference as ref
 from kernels.base.runtime import on_simulator
 from kernels.base.testing import assert_close, matmul_floor, random_array
 from kernels.tiled_matmul import (
+    EXERCISES,
     MMA_TILES_GPU,
     MMA_TILES_SIM,
     RUNG3_CONFIGS,
     TileCase,
     check_tile_load,
+    default_tiles,
     global_bytes,
     load_tile,
     matmul,
@@ -107,15 +115,89 @@ def test_matmul_matches_oracle(c):
     check(c)
 
 
-@pytest.mark.parametrize("rung", [1, 2, 3])
+# --------------------------------------------------------------------------- each rung's kernel, into out=
+
+def owner(rung, tiles, i, j):
+    """The block and thread of ``matmul``'s launch that compute C[i, j]."""
+    if rung in (1, 2):
+        bx, by = tiles["block"] if rung == 1 else (tiles["tile"],) * 2
+        return (f"block ({j // bx}, {i // by}), thread ({j % bx}, {i % by})'s "
+                f"(blocks of {bx} x {by} threads; x along the columns of C, y along its rows)")
+    bm, bn, bk, tm, tn = tiles["register_tiles"]
+    vm, vn = min(4, tm), min(4, tn)
+    step_m, step_n = (bm // tm) * vm, (bn // tn) * vn
+    ty, tx = (i % bm) % step_m // vm, (j % bn) % step_n // vn
+    return (f"block ({j // bn}, {i // bm}), thread {ty * (bn // tn) + tx}'s "
+            f"(its TM x TN micro-tile in a {bm} x {bn} block tile)")
+
+
+def check_into_out(c):
+    """``matmul`` into an out= filled with NaN; a wrong or unwritten element of C is named
+    with the block and thread that own it (the first line of the message says it all)."""
+    (m, k), n = c.a.shape, c.b.shape[1]
+    tiles = {**default_tiles(c.rung), **c.tiles}
+    where = f"A {m}x{k} @ B {k}x{n}, rung {c.rung}, {', '.join(f'{key}={v}' for key, v in tiles.items())}"
+    out = cuda.to_device(np.full((m, n), np.nan, np.float32))   # NaN: an element never written shows
+    assert matmul(c.a, c.b, rung=c.rung, out=out, **tiles) is out
+    got = out.copy_to_host()
+    unwritten = np.argwhere(np.isnan(got))
+    if len(unwritten):
+        i, j = (int(x) for x in unwritten[0])
+        raise AssertionError(
+            f"C[{i}, {j}] is never written ({where}; out= was filled with NaN): it is "
+            f"{owner(c.rung, tiles, i, j)}; {len(unwritten)} of {m * n} elements of C are not written")
+    exact, baseline = ref.matmul(c.a, c.b), ref.matmul(c.a, c.b, dtype=np.float32)
+    record = []
+    try:
+        assert_close(got, exact, baseline, name=f"C (rung {c.rung})", floor=matmul_floor(c.a, c.b), record=record)
+    except AssertionError as e:
+        # the worst element, or (an infinity: no ratio to rank by) the first non-finite one
+        i, j = record[-1].index if record else (int(x) for x in np.argwhere(~np.isfinite(got))[0])
+        raise AssertionError(f"C[{i}, {j}] is wrong ({where}): it is {owner(c.rung, tiles, i, j)}. {e}") from None
+
+
+RUNG_IDS = ["rung1", "rung2", "rung3"]     # EXERCISES selects a rung's tests by these ids
+
+# Awkward sizes, pinned, for the kernels the learner writes (rung 1 and 2); first, so that a
+# kernel that does not run yet fails on the smallest case, at once.
+EDGE_CASES = [
+    pytest.param(1, (1, 1, 1), {"block": (8, 8)}, id="rung1-1x1x1"),
+    pytest.param(1, (9, 17, 5), {"block": (4, 16)}, id="rung1-ragged-blocks-4x16"),
+    pytest.param(1, (3, 0, 4), {"block": (8, 8)}, id="rung1-K0-C-is-zeros"),
+    pytest.param(1, (1, 7, 33), {"block": (16, 2)}, id="rung1-one-row"),
+    pytest.param(2, (1, 1, 1), {"tile": 4}, id="rung2-1x1x1"),
+    pytest.param(2, (5, 3, 6), {"tile": 8}, id="rung2-K-shorter-than-a-tile"),
+    pytest.param(2, (9, 17, 5), {"tile": 8}, id="rung2-one-past-a-tile-in-m-and-k"),
+    pytest.param(2, (8, 16, 12), {"tile": 4}, id="rung2-exact-tiles"),
+    pytest.param(2, (3, 0, 4), {"tile": 4}, id="rung2-K0-C-is-zeros"),
+]
+
+
+@pytest.mark.parametrize("rung, mkn, tiles", EDGE_CASES)
+def test_rung_kernel_edge_cases(rung, mkn, tiles):
+    m, k, n = mkn
+    check_into_out(case(m, k, n, rung, tiles, seed=m + k + n))
+
+
+@pytest.mark.parametrize("rung", [1, 2, 3], ids=RUNG_IDS)
 @given(data=st.data())
 def test_each_rung_matches_oracle(rung, data):
-    check(data.draw(matmul_cases(rungs=(rung,)), label="case"))
+    check_into_out(data.draw(matmul_cases(rungs=(rung,)), label="case"))
 
 
-@pytest.mark.parametrize("rung", [1, 2, 3])
+@pytest.mark.parametrize("rung", [1, 2, 3], ids=RUNG_IDS)
 def test_default_tiles_ragged(rung):
-    check(case(21, 19, 23, rung, tiles={}, seed=rung))
+    check_into_out(case(21, 19, 23, rung, tiles={}, seed=rung))
+
+
+def test_exercises_select_their_rungs_tests():
+    """The learner's hook runs ``pytest -k EXERCISES[name]``: each expression must select
+    the pinned cases and the drawn ones of its rung (and no other rung's)."""
+    edge_ids = [p.id for p in EDGE_CASES]
+    for name, rung in (("make_naive", 1), ("make_shared_tiles", 2)):
+        select = EXERCISES[name]
+        assert select == RUNG_IDS[rung - 1], f"{name}: selects {select!r}"
+        assert [i for i in edge_ids if select in i] == [i for i in edge_ids if i.startswith(f"rung{rung}-")]
 
 
 def test_device_arrays_in_device_array_out():

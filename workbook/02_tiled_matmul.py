@@ -28,11 +28,12 @@
 # |---|---|---|
 # | 1 | global memory (HBM, through the caches) | 4 |
 # | 2 | shared memory (a T x T tile staged by the block) | 4 / T |
-# | 3 | registers (a TM x TN micro-tile of C per thread) | 2 (BM + BN) / (BM BN) |
+# | 3 | registers (a TM x TN micro-tile of C per thread) | you count it (exercise 4) |
 #
-# By the end you will know how to count the bytes each rung moves per FLOP, how ragged
-# sizes (M, N, K that no tile divides) are handled with masked loads and stores, and how the
-# register-tiled kernel compares with cuBLAS on an H100.
+# By the end you will have written rungs 1 and 2 yourself (exercises 2 and 3, graded by
+# the chapter's own tests), and you will know how to count the bytes each rung moves per
+# FLOP, how ragged sizes (M, N, K that no tile divides) are handled with masked loads and
+# stores, and how the register-tiled kernel compares with cuBLAS on an H100.
 
 # %%
 import inspect
@@ -41,6 +42,8 @@ import numpy as np
 
 import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
 from kernels import reference as ref
+from kernels import tiled_matmul
+from kernels.base.learner import grade, my_file
 from kernels.base.runtime import device_name, on_simulator
 from kernels.base.testing import assert_close, check_exercise, matmul_floor
 from kernels.tiled_matmul import (
@@ -50,9 +53,7 @@ from kernels.tiled_matmul import (
     default_tiles,
     global_bytes,
     load_tile,
-    make_naive,
     make_register_tiles,
-    make_shared_tiles,
     matmul,
     tile_cases,
     tiled_matmul_numpy,
@@ -127,13 +128,49 @@ print("loops agree with the oracle; FLOPs for the full problem:", 2 * M * N * K)
 # Each element of an A tile is used by BN outputs, each element of a B tile by BM outputs.
 # The tiles at the right and bottom edges hang over the matrix when BM, BN or BK does not
 # divide M, N or K: loads outside the matrix give **0** (a zero adds nothing to a dot
-# product), and stores outside are **skipped**. Here is that idea in NumPy:
+# product), and stores outside are **skipped**. Here is that idea in NumPy, the tile walk
+# first; the masked load it calls (`load`) is yours to write.
 
 # %%
-print(inspect.getsource(load_tile))
 print(inspect.getsource(tiled_matmul_numpy))
 
+# %% [markdown]
+# ### Exercise 1: the masked tile load
+#
+# Write `my_load_tile(x, r0, c0, rows, cols)`: the `rows x cols` tile of `x` whose top-left
+# corner is `(r0, c0)`, as a float32 array of exactly that shape, with **0** wherever the
+# tile hangs over the edge of `x` (including when `x` has no rows or columns at all). This
+# is what every thread's `if row < M and k < K ... else 0` does, one element at a time. The
+# checker builds a whole tiled matmul with your function (ragged sizes, M, N, K from 0) and
+# compares it with the float64 oracle.
+#
+# <details><summary>Hint 1</summary>
+#
+# Start from `np.zeros((rows, cols), np.float32)` and copy in only the part of `x` that
+# exists.
+# </details>
+#
+# <details><summary>Hint 2</summary>
+#
+# That part ends at `min(r0 + rows, x.shape[0])` and `min(c0 + cols, x.shape[1])`; copy
+# nothing when it is empty (the tile starts past the edge).
+# </details>
+
 # %%
+def my_load_tile(x, r0, c0, rows, cols):
+    # your code here: return a (rows, cols) float32 array
+    raise NotImplementedError
+
+
+# %%
+_ = check_exercise(lambda case: check_tile_load(my_load_tile, case), tile_cases(), host=True)
+
+# %% [markdown]
+# The course's answer is `load_tile` in `kernels/tiled_matmul.py`; it passes the same
+# checker, and the tiled product below uses it:
+
+# %%
+_ = check_exercise(lambda case: check_tile_load(load_tile, case), tile_cases(), host=True)
 c_tiles = tiled_matmul_numpy(a, b, 8, 8, 4)
 assert_close(c_tiles, ref.matmul(a, b), ref.matmul(a, b, dtype=np.float32), name="tiled NumPy")
 print(f"tiled NumPy matmul with 8x8x4 tiles agrees with the oracle on a {M}x{K} @ {K}x{N} product")
@@ -141,13 +178,81 @@ print(f"tiled NumPy matmul with 8x8x4 tiles agrees with the oracle on a {M}x{K} 
 # %% [markdown]
 # ## 3. Rung 1: one thread per output, straight from global memory
 #
-# Thread `(row, col)` of a 2-D grid computes `C[row, col]`. Threads along x take consecutive
-# columns, so a warp's loads of B are coalesced (32 consecutive floats), and its loads of A
-# are one address (a broadcast). The `if row < M and col < N` is the whole ragged-edge story
-# here: threads past the edge do nothing.
+# Thread `(x, y)` of a 2-D grid computes `C[y, x]`: x runs along the columns of C, y along
+# its rows. Threads along x take consecutive columns, so a warp's loads of B are coalesced
+# (32 consecutive floats), and its loads of A are one address (a broadcast). The grid is rounded up to whole blocks, so it overhangs C
+# when a block does not divide it: threads past the edge must do nothing. That bounds check
+# is the whole ragged-edge story of this rung.
+#
+# ```
+#          N columns of C                   thread (x, y) of the grid computes C[y, x]:
+#   +--------+--------+-----+...+            x = blockIdx.x * BX + threadIdx.x   (a column)
+#   | block  | block  |     |   :            y = blockIdx.y * BY + threadIdx.y   (a row)
+#   | (0, 0) | (1, 0) |     |   :            C[y, x] = sum over k of A[y, k] B[k, x]
+#   +--------+--------+-----+...+
+#   | block  | block  |     |   :  M rows   the dotted part: threads of the last blocks
+#   | (0, 1) | (1, 1) |     |   :           that lie outside C (no load, no store)
+#   +--------+--------+-----+...+
+#   :........:........:.....:...:
+# ```
+#
+# ### Exercise 2 (kernel): rung 1
+#
+# A warm-up for rung 2, close to chapter 1's first scores kernel. Write `make_naive(BX, BY)`
+# in your own file (the next cell makes it from a template the first time:
+# `workbook/mine/my_naive_matmul.py`). It returns a kernel `(a, b, c)` on float32 arrays A
+# (M, K), B (K, N) and C (M, N), which `matmul(a, b, rung=1)` launches on a grid of
+# `(ceil(N/BX), ceil(M/BY))` blocks of `(BX, BY)` threads; thread `(x, y)` of the grid writes
+# `C[y, x]`. Every element of C must be written, K = 0 (C = 0) included: the tests fill C
+# with NaN first, so an element no thread writes shows. `grade` runs the chapter's rung-1
+# tests (`pytest -k rung1`: drawn ragged sizes and block shapes such as 4 x 16 and 16 x 2,
+# and pinned ones) and names the block and thread of the first wrong element.
+#
+# <details><summary>Hint 1</summary>
+#
+# `x, y = cuda.grid(2)` is the thread's column and row of C (blockIdx times blockDim plus
+# threadIdx, in x and in y); M, N and K come from `c.shape` and `a.shape`.
+# </details>
+#
+# <details><summary>Hint 2</summary>
+#
+# A thread with `y >= M` or `x >= N` lies outside C: it returns without a load or a store.
+# The others sum `a[y, k] * b[k, x]` over `range(K)` in a float32 started at
+# `float32(0.0)`, then store once (when K = 0 the loop runs zero times and the store writes 0).
+# </details>
 
 # %%
-print(inspect.getsource(make_naive))
+TEMPLATE_RUNG1 = '''"""My rung-1 kernel for chapter 2 (graded by tests/test_tiled_matmul.py -k rung1)."""
+CHAPTER = "tiled_matmul"
+
+import functools
+
+from numba import cuda, float32
+
+
+@functools.lru_cache(maxsize=None)      # one kernel per block shape: compiled once on a GPU
+def make_naive(BX=16, BY=16):
+    @cuda.jit
+    def naive_kernel(a, b, c):
+        raise NotImplementedError       # your code: C[y, x] for thread (x, y) of the grid
+
+    return naive_kernel
+'''
+
+mine_rung1 = my_file("my_naive_matmul.py", TEMPLATE_RUNG1)
+
+# %%
+rung1_passed = grade(mine_rung1)
+
+# %% [markdown]
+# The course's version, `make_naive` in `kernels/tiled_matmul.py`, prints here once yours
+# passes: compare the two.
+
+# %%
+if rung1_passed:
+    print(inspect.getsource(tiled_matmul.make_naive))
+else:
+    print("(shown once your kernel passes; stuck? read make_naive in kernels/tiled_matmul.py)")
 
 # %% [markdown]
 # Counting per thread: `K` loads of A and `K` of B for `K` FMAs: 8 bytes per 2 FLOPs. The
@@ -160,9 +265,80 @@ print(inspect.getsource(make_naive))
 # element of A and *one* of B into shared memory (0 outside the matrix), the block waits at
 # a barrier, then each thread runs T FMAs reading shared memory, and waits again before the
 # tile is overwritten. Every element fetched from global memory now serves T FMAs.
+#
+# ```
+#  k-tile k0 (K in steps of T):        thread (tx, ty) of block (bx, by), row = by*T + ty, col = bx*T + tx
+#    As[ty, tx] = A[row, k0 + tx]      one element of the A tile each (0 outside A)
+#    Bs[ty, tx] = B[k0 + ty, col]      one element of the B tile each (0 outside B)
+#    -- barrier --                     the tiles are complete
+#    acc += As[ty, kk] * Bs[kk, tx]    kk = 0 .. T-1: a row of As times a column of Bs
+#    -- barrier --                     nobody still reads the tiles the next k-tile overwrites
+#  then C[row, col] = acc, if (row, col) lies inside C
+# ```
+#
+# ### Exercise 3 (kernel): rung 2
+#
+# Write `make_shared_tiles(T)` in your own file (`workbook/mine/my_shared_tiles.py`, made by
+# the next cell). It returns a kernel `(a, b, c)`, the same arguments as rung 1's, which
+# `matmul(a, b, rung=2, tile=T)` launches on a grid of `(ceil(N/T), ceil(M/T))` blocks of
+# `(T, T)` threads, and which follows the schedule above with two `T x T` float32 arrays
+# in shared memory. `grade` runs the chapter's rung-2 tests (`pytest -k rung2`: T = 4 and 8,
+# K shorter than a tile, one past a tile, exact tiles, K = 0, drawn ragged sizes).
+#
+# <details><summary>Hint 1</summary>
+#
+# `As = cuda.shared.array((T, T), float32)` (T is a constant of the factory, as the shape
+# must be). Walk `for k0 in range(0, K, T)`: the last k-tile may be partial, and its
+# elements past K load as 0.
+# </details>
+#
+# <details><summary>Hint 2</summary>
+#
+# A thread outside C (row >= M or col >= N) still loads its share of the tiles (0 where
+# outside A or B) and still reaches every `cuda.syncthreads()`: its neighbours need the
+# elements it loads, and a barrier that only some threads of a block reach is undefined on
+# a GPU. Only the final store is guarded.
+# </details>
+#
+# <details><summary>Hint 3</summary>
+#
+# Two barriers per k-tile: after the loads (before anyone reads the tiles) and after the
+# FMAs (before anyone overwrites them with the next k-tile). Without the second, a fast
+# thread's next loads land while its neighbours still read the current tiles.
+# </details>
 
 # %%
-print(inspect.getsource(make_shared_tiles))
+TEMPLATE_RUNG2 = '''"""My rung-2 kernel for chapter 2 (graded by tests/test_tiled_matmul.py -k rung2)."""
+CHAPTER = "tiled_matmul"
+
+import functools
+
+from numba import cuda, float32
+
+
+@functools.lru_cache(maxsize=None)      # one kernel per tile size: compiled once on a GPU
+def make_shared_tiles(T=16):
+    @cuda.jit
+    def shared_kernel(a, b, c):
+        raise NotImplementedError       # your code: the k-tile loop through shared memory
+
+    return shared_kernel
+'''
+
+mine_rung2 = my_file("my_shared_tiles.py", TEMPLATE_RUNG2)
+
+# %%
+rung2_passed = grade(mine_rung2)
+
+# %% [markdown]
+# The course's version, `make_shared_tiles` in `kernels/tiled_matmul.py`, prints here once
+# yours passes.
+
+# %%
+if rung2_passed:
+    print(inspect.getsource(tiled_matmul.make_shared_tiles))
+else:
+    print("(shown once your kernel passes; stuck? read make_shared_tiles in kernels/tiled_matmul.py)")
 
 # %% [markdown]
 # Counting: per k-tile the block reads `2 T²` floats from global memory for `T³` FMAs:
@@ -332,49 +508,40 @@ else:
 
 # %% [markdown]
 # The candidate tilings the bench sweeps at 4096³ (the default is the one the measurements
-# pick):
+# pick); FLOP per global byte from section 7's count, A and B only:
 
 # %%
 for name, cfg in RUNG3_CONFIGS.items():
     bm, bn, bk, tm, tn = cfg
+    ab_bytes = global_bytes(S, S, S, rung=3, bm=bm, bn=bn) - 4 * S * S
     print(f"{name:18} {(bm // tm) * (bn // tn):4d} threads, shared {2 * 4 * bk * (bm + 4 + bn) / 1024:5.1f} KB, "
-          f"{2 * bm * bn / (4 * (bm + bn)):5.1f} FLOP per global byte"
+          f"{flops / ab_bytes:5.1f} FLOP per global byte"
           + ("   <- default" if name == RUNG3_DEFAULT else ""))
 
 # %% [markdown]
 # ## 9. Exercises
 #
-# ### Exercise 1: the masked tile load
+# Exercise 1 (the masked tile load) is in section 2, exercises 2 and 3 (the rung-1 and
+# rung-2 kernels) in sections 3 and 4. Two more, on counting:
 #
-# Write `my_load_tile(x, r0, c0, rows, cols)`: the `rows x cols` tile of `x` whose top-left
-# corner is `(r0, c0)`, as a float32 array of exactly that shape, with **0** wherever the
-# tile hangs over the edge of `x` (including when `x` has no rows or columns at all). This
-# is what every thread's `if row < M and k < K ... else 0` does, one element at a time. The
-# checker builds a whole tiled matmul with your function (ragged sizes, M, N, K from 0) and
-# compares it with the float64 oracle.
-
-# %%
-def my_load_tile(x, r0, c0, rows, cols):
-    # your code here: return a (rows, cols) float32 array
-    raise NotImplementedError
-
-
-# %%
-_ = check_exercise(lambda case: check_tile_load(my_load_tile, case), tile_cases(), host=True)
-
-# %% [markdown]
-# The same checker on the module's `load_tile`:
-
-# %%
-_ = check_exercise(lambda case: check_tile_load(load_tile, case), tile_cases(), host=True)
-
-# %% [markdown]
-# ### Exercise 2: bytes per FLOP of a block tile
+# ### Exercise 4: FLOPs per byte of a block tile
 #
 # A block computing a `BM x BN` tile of C reads, per k-step, BM values of A and BN values of
 # B (float32) from global memory and does `BM * BN` FMAs. Write `my_intensity(bm, bn)`: the
 # FLOPs per global byte. The checker compares it with the byte count of section 7 on large
 # square matrices.
+#
+# <details><summary>Hint 1</summary>
+#
+# An FMA is 2 FLOPs; a float32 is 4 bytes. Section 5 worked one case: a 128 x 128 tile
+# gives 32.
+# </details>
+#
+# <details><summary>Hint 2 (the answer)</summary>
+#
+# Per k-step, `2 * bm * bn` FLOPs over `4 * (bm + bn)` bytes (the course's count is
+# `global_bytes` in `kernels/tiled_matmul.py`).
+# </details>
 
 # %%
 def my_intensity(bm, bn):
@@ -396,17 +563,7 @@ intensity_cases = st.tuples(st.sampled_from([1, 2, 4, 16, 32, 64, 128]), st.samp
 _ = check_exercise(intensity_prop, intensity_cases, host=True)
 
 # %% [markdown]
-# A solution, through the same checker: 2 BM BN FLOPs per 4 (BM + BN) bytes.
-
-# %%
-def my_intensity(bm, bn):  # noqa: F811
-    return 2 * bm * bn / (4 * (bm + bn))
-
-
-_ = check_exercise(intensity_prop, intensity_cases, host=True)
-
-# %% [markdown]
-# ### Exercise 3 (on paper, then on a GPU)
+# ### Exercise 5 (on paper, then on a GPU)
 #
 # Rung 3 with 8 x 8 per thread does 64 FMAs per 4 128-bit shared loads. What changes with
 # 8 x 4 per thread (`"128x64x16 8x4"`)? Count the shared-memory bytes per FMA for both, and
