@@ -708,8 +708,9 @@ def standard_backward_bytes(B, H, n, d, itemsize=4):
 # the run-time d, in local memory).
 # Both rungs take D = rowsum(dO * O) from a pre-pass, one thread a row (``row_delta``: kernel 1
 # with a thread, not a warp, a row; the launcher runs it first). A thread
-# sums a gradient row over up to N rows in one float32 register: fine at the test sizes,
-# the reason rung 3 sums in two levels (ACC_ROWS) at N in the thousands.
+# sums a gradient row over up to N rows in one float32 register: within the tolerance rule
+# up to a couple of hundred rows (the tests draw N <= 160), not beyond: the reason rung 3
+# sums in two levels (ACC_ROWS).
 # A learner's factories replace these through ``kernels.base.learner``;
 # tests/test_flash_backward.py grades them through ``row_per_thread_backward`` and
 # ``shared_tile_backward``.
