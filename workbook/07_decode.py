@@ -830,8 +830,8 @@ else:
 # %% [markdown]
 # The same rows as a picture: TB/s against the context length at B = 1 (MHA, 32 heads),
 # peers dashed, the measured read bandwidth dotted. Below it, the bench's own plot
-# (`decode.png`): every configuration in GB/s (decode is judged by bandwidth, not FLOPs),
-# one panel per configuration family.
+# (`decode.png`): TB/s against context length (fp32 and fp16 caches; decode is judged by
+# bandwidth, not FLOPs), and every batch shape as split-K / stream-K / best PyTorch bars.
 
 # %%
 if csv_path.exists():
