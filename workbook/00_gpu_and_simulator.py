@@ -209,7 +209,91 @@ assert_close(got, exact, baseline, name="block sums")
 print(f"{len(got)} block sums agree with the float64 oracle within the float32 tolerance rule")
 
 # %% [markdown]
-# ## 5. Occupancy: how many warps an SM keeps busy
+# ## 5. Who touched which element: tracing a kernel
+#
+# In the simulator every GPU thread is a Python thread, so it can tell us exactly which
+# thread read or wrote which element. `kernels.base.trace.trace(kernel, grid, block, *args)`
+# launches `kernel[grid, block](*args)` as usual and records every access: to the kernel's
+# array arguments (global memory, HBM) and to its `cuda.shared.array`s (shared memory).
+# Registers and `cuda.local.array` are not memory traffic and are not recorded.
+#
+# The picture, one row an array: reads on the left, writes on the right; each cell is an
+# element, coloured by the thread that touched it (side-by-side stripes when several did),
+# with the number of accesses in it. `highlight=(block, thread)` outlines one thread's
+# cells and fades the rest. A 1-D array is drawn 32 elements a line: one warp's coalesced
+# load is one line.
+#
+# First the copy of section 3: 2 blocks of 8 threads (16 threads in the grid) over 40
+# elements, so the grid-stride loop goes round three times.
+
+# %%
+from kernels.base.trace import trace, tracing
+
+x = np.arange(40, dtype=np.float32)
+y = np.zeros_like(x)
+copy_trace = trace(gpu_basics.make_copy(1), 2, 8, x, y)
+assert np.array_equal(y, x)
+print(copy_trace.table())
+copy_trace.draw(highlight=(0, 3))
+plt.show()
+
+# %% [markdown]
+# Thread 3 of block 0 copies elements 3, 19 and 35: it starts at its global index and steps
+# by the 16 threads of the grid. Along a line, neighbouring elements belong to neighbouring
+# threads: a warp's loads land on consecutive addresses (coalesced). The counts say the
+# same in numbers: every element read once and written once, 2 × 4 × 40 bytes in all.
+
+# %%
+src = copy_trace["src"]
+print("block 0, thread 3 reads", src.elements("read", block=0, thread=3))
+print("element 35 is read by (block, thread)", src.threads_of(35, "read"))
+print("reads and writes of each thread of block 1:",
+      {thread: tuple(c) for (block, thread), c in src.by_thread.items() if block == 1})
+print("bytes read + written:", src.bytes_read + copy_trace["dst"].bytes_written)
+
+# %% [markdown]
+# Now the block sum of section 4, launched by its own launcher: `with tracing() as
+# launches:` traces every kernel launched inside, however it is launched. Shared memory
+# shows as its own array (`buf`, named as in the source). Each block has its own copy of
+# it; the picture shows one block's (here block 1, whose thread 0 is outlined: it reads
+# `buf[0]` at every step and writes the block's sum).
+
+# %%
+with tracing() as launches:
+    sums = gpu_basics.block_sums(np.arange(16, dtype=np.float32), threads=8)
+block_trace = launches[0]
+print(sums, "\n")
+print(block_trace.table())
+block_trace.draw(highlight=(1, 0))
+plt.show()
+
+# %% [markdown]
+# Each thread also counts the barriers it has passed: `phase=k` keeps the accesses made
+# between the k-th and the (k+1)-th `cuda.syncthreads()`. Phase 0 is the load into shared
+# memory; phases 1 to 3 the steps of the tree, where `half` threads read two elements and
+# write one; phase 4 thread 0 reading the block's sum. The barrier is what makes this safe:
+# nobody reads `buf[t + half]` in a phase before the phase that wrote it has ended.
+
+# %%
+buf = block_trace["buf"]
+for phase in range(block_trace.phases + 1):
+    # {thread: the elements of buf it read (wrote) in this phase}, block 0, threads that did
+    reads = {t: e for t in range(8) if (e := buf.elements("read", block=0, thread=t, phase=phase))}
+    writes = {t: e for t in range(8) if (e := buf.elements("write", block=0, thread=t, phase=phase))}
+    print(f"phase {phase}: reads {reads}  writes {writes}")
+print("most by one thread:", block_trace.max_per_thread())
+block_trace.draw("buf", block=0, phase=1)
+plt.show()
+
+# %% [markdown]
+# The same works on any kernel, your own included (the exercises' last cell traces yours),
+# and on 2-D arrays and 2-D blocks: chapter 2 draws a tiled matmul's shared tiles with it.
+# What the picture does not show: time (simulated threads interleave in any order), caches,
+# and how a warp's loads are merged into 128-byte transactions; the bytes in the table are
+# what the threads ask for.
+
+# %% [markdown]
+# ## 6. Occupancy: how many warps an SM keeps busy
 #
 # An SM hides the latency of a memory load (hundreds of cycles) by switching to another
 # warp that is ready. The more warps resident on an SM, the more latency it can hide. What
@@ -241,7 +325,7 @@ for name, args in [("copy: 256 threads, 16 regs, no shared", (256, 16, 0)),
     print(f"{name:<44}{blocks:>10}{warps:>10}  {limit}")
 
 # %% [markdown]
-# ## 6. With a GPU or without one
+# ## 7. With a GPU or without one
 #
 # Every chapter runs in two ways, chosen once when `kernels` is imported:
 #
@@ -301,7 +385,7 @@ exp_kernel[1, 32](x, out)
 print("kernel exp:", out, "| float32 exp:", np.exp(x), "| float64 exp:", np.exp(x.astype(np.float64)))
 
 # %% [markdown]
-# ## 7. How the course times
+# ## 8. How the course times
 #
 # `kernels.base.runtime.time_fn` (and the bench harness built on it) follows the same rules for
 # every kernel and every peer:
@@ -326,7 +410,7 @@ print(f"copy of {N_COPY} floats (host arrays, so transfers included): median {t.
       f"p10-p90 spread {t.spread:.0%}, clock: {t.clock}")
 
 # %% [markdown]
-# ## 8. How the course counts
+# ## 9. How the course counts
 #
 # * **FLOPs** of attention forward: $4 \cdot B \cdot H \cdot N^2 \cdot d$ (2 for each
 #   multiply-add of $S = QK^\top$ and as many for $O = PV$), halved when causal; backward
@@ -377,7 +461,7 @@ ax.grid(True, which="both", alpha=0.3)
 plt.show()
 
 # %% [markdown]
-# ## 9. The measured results
+# ## 10. The measured results
 #
 # `python -m kernels --chapters 0` measures, in one run: the copy kernel's bandwidth
 # against the driver's device-to-device copy and CuPy's copy kernel over N (bytes read +
@@ -404,7 +488,7 @@ else:
     print("GPU results are not committed yet: run `python -m kernels --chapters 0` on a GPU.")
 
 # %% [markdown]
-# ## 10. Exercises
+# ## 11. Exercises
 #
 # ### Exercise 1: the grid-stride index
 #
@@ -445,7 +529,7 @@ _ = check_exercise(grid_stride_property(gpu_basics.grid_stride_indices), launche
 #
 # Write the FLOPs per byte of HBM traffic of the standard (unfused) attention forward, for
 # `b` batches, `h` heads, sequence length `n`, head dim `d` and `bpe` bytes per element,
-# using the counts of section 8. Is it above or below the ridge of about 17 FLOP/B?
+# using the counts of section 9. Is it above or below the ridge of about 17 FLOP/B?
 
 # %%
 def my_standard_intensity(b, h, n, d, bpe):
@@ -546,6 +630,35 @@ mine = my_file("my_gpu_basics.py", TEMPLATE)
 _ = grade(mine)
 
 # %% [markdown]
+# ### Your kernel's accesses
+#
+# The trace of your block maximum (from your file, once it runs; until then the course's):
+# every element of `x` read once, by the thread that owns it, and the tree in shared memory
+# as in the block sum. A picture that differs (an element read twice, a thread that writes
+# `maxes`, one that never does) points at the line to look at.
+
+# %%
+from kernels.base.learner import load
+
+x = random_array(np.random.default_rng(2), (20,))
+maxes = np.full(3, np.nan, np.float32)       # 3 blocks of 8 threads over 20 elements
+try:
+    my_module, _, defined = load(mine)
+    if "make_block_max" not in defined:
+        raise NotImplementedError("no make_block_max in your file")
+    max_trace = trace(my_module.make_block_max(8), 3, 8, x, maxes)
+    whose = "your"
+except Exception as exc:  # the template, or a kernel that does not run yet
+    print(f"your make_block_max does not run yet ({type(exc).__name__}: {str(exc)[:100]}); "
+          f"tracing the course's")
+    max_trace = trace(gpu_basics.make_block_max(8), 3, 8, x, maxes)
+    whose = "the course's"
+print(f"{whose} maxima: {maxes}\n")
+print(max_trace.table())
+max_trace.draw(title=f"{whose} block max: {max_trace.kernel}[grid 3, block 8]")
+plt.show()
+
+# %% [markdown]
 # The course's answers are `gpu_basics.make_scale_add` and `gpu_basics.make_block_max`
 # (read them after yours pass). The copy and the block sum of sections 3 and 4 are
 # exercises too (`make_copy`, `make_block_sum`: define them in the same file to have the
@@ -558,6 +671,8 @@ _ = grade(mine)
 #   fp32 arithmetic runs at about 17 FLOPs per HBM byte: count bytes first.
 # * Threads in warps of 32, blocks on one SM with shared memory and barriers, a grid of
 #   independent blocks; coalesced loads; occupancy limited by registers and shared memory.
+# * In the simulator, `kernels.base.trace` shows which thread read and wrote which element,
+#   in global and in shared memory, between which barriers: a picture of a kernel's accesses.
 # * The simulator runs everything everywhere, but checks no types, computes exp in float64
 #   and misses races: the PTX check, the GPU test run and compute-sanitizer cover that.
 # * Time with events, warm-up, medians and rotating random inputs; count FLOPs by the
