@@ -15,7 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-import kernels  # noqa: E402,F401  (first: picks the GPU or the simulator)  # noqa: F401  (GPU or simulator first)
+import kernels  # noqa: E402,F401  (first: picks the GPU or the simulator)
 import matplotlib  # noqa: E402
 import matplotlib.text  # noqa: E402
 
