@@ -341,6 +341,52 @@ else:
     print("(shown once your kernel passes; stuck? read make_shared_tiles in kernels/tiled_matmul.py)")
 
 # %% [markdown]
+# ### Who reads what: rung 1 against rung 2, traced
+#
+# `kernels.base.trace` (chapter 0) runs a launch in the simulator and records which block
+# and thread touched which element. The same 8 x 8 product, tiles of 4: rung 1's threads
+# each read a whole row of A and column of B from global memory; rung 2's read one element
+# of each a k-tile, and the rest from shared memory. Yours is traced instead of the course's
+# once it passes.
+
+# %%
+from kernels.base.trace import tracing
+
+a_small = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
+b_small = np.ones((8, 8), np.float32)
+traces = {}
+for rung in (1, 2):
+    with tracing() as launches:
+        matmul(a_small, b_small, rung=rung, **({"block": (4, 4)} if rung == 1 else {"tile": 4}))
+    traces[rung] = launches[0]
+    counts = traces[rung].counts
+    print(f"rung {rung}: A read {counts['a'].reads} times from global memory "
+          f"(64 elements), shared reads {sum(c.reads for n, c in counts.items() if n not in ('a', 'b', 'c'))}")
+
+# %%
+traces[1].draw(["a", "b"], highlight=((0, 0), (1, 2)), title="rung 1: thread (1, 2) of block (0, 0) reads a row of A and a column of B")
+
+# %%
+for phase, what in ((0, "loads one element of A and of B into the tiles"),
+                    (1, "reads a row of As and a column of Bs")):
+    traces[2].draw(["a", "As", "Bs"], highlight=((0, 0), (1, 2)), phase=phase,
+                   title=f"rung 2, first k-tile: thread (1, 2) of block (0, 0) {what}")
+
+# %%
+if rung2_passed:                       # your kernel, traced the same way
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("my_shared_tiles", mine_rung2)
+    my_rung2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(my_rung2)
+    from kernels.base.trace import trace
+
+    yours = trace(my_rung2.make_shared_tiles(4), (2, 2), (4, 4), a_small, b_small, np.zeros((8, 8), np.float32))
+    print(yours.table())
+else:
+    print("(your rung 2 is traced here once it passes)")
+
+# %% [markdown]
 # Counting: per k-tile the block reads `2 T²` floats from global memory for `T³` FMAs:
 # `T / 4` FLOP per global byte (8 at T = 32). But each FMA still reads **two** values from
 # shared memory: 0.25 FLOP per shared byte. Shared memory is fast, but the H100 serves 128
@@ -379,6 +425,14 @@ else:
 # * **Registers, not local memory**: `acc`, `fa`, `fb` are `cuda.local.array`s of constant
 #   size indexed only by unrolled loop indices, so the compiler keeps them in registers.
 #   The PTX of every kernel is checked for `.local` (`python -m kernels.base.ptx_check`).
+
+# %% [markdown]
+# Which thread owns which piece of C, drawn from the kernel's own index arithmetic
+# (`slides/img/make_02_figures.py`): a small 32 x 32 block, then the production 128 x 128.
+#
+# ![register micro-tiles, small block](../slides/img/02_register_tiles_small.png)
+#
+# ![register micro-tiles, production](../slides/img/02_register_tiles_production.png)
 
 # %%
 print(inspect.getsource(make_register_tiles))
