@@ -33,17 +33,13 @@
 # The loop order is FlashAttention-2's: **the query tile is the outer loop** (one block of
 # the grid per tile of Br query rows), K and V stream past it in tiles of Bc rows.
 #
-# ```
-#              K^T / V tiles (Bc rows each), streamed through shared memory
-#              j = 0      j = 1      j = 2      ...   Tc - 1
-#            +----------+----------+----------+-----+----------+
-#  Q tile i  | S_i0     | S_i1     | S_i2     | ... | S_iTc-1  |  one block: Br rows
-#  (Br rows) +----------+----------+----------+-----+----------+
-#     kept on chip for the whole sweep:  m, l  (Br each)   O_i  (Br x d)
-#     per tile j:  S = Q_i K_j^T -> m' = max(m, rowmax S) -> P = exp(S - m')
-#                  l = e^(m - m') l + rowsum P,   O = e^(m - m') O + P V_j
-#     at the end:  O_i / l  -> HBM,   L_i = m + log l -> HBM
-# ```
+# ![one block of the fused forward: Q_i read once, K_j and V_j streamed through shared memory, S in registers, P in shared memory, only O_i and L_i written to HBM](../slides/img/04_dataflow.png)
+#
+# One block of the forward at d = 64 (Br = 256, Bc = 64), drawn by
+# `slides/img/make_04_figures.py` from the kernel's sizes: per K/V tile j,
+# `S = Q_i K_j^T -> m' = max(m, rowmax S) -> P = exp(S - m')`,
+# `l = e^(m - m') l + rowsum P`, `O = e^(m - m') O + P V_j`; at the end `O_i / l` and
+# `L_i = m + log l` go to HBM.
 
 # %%
 import inspect
@@ -235,6 +231,28 @@ from kernels.base.notebook import show_ladder
 show_ladder("results/flash_forward_ladder.csv")
 
 # %% [markdown]
+# What the block shares, traced (`kernels.base.trace`, chapter 0): one head, 8 queries and
+# 8 keys, d = 4, tiles of Br = 8 rows and Bc = 4 keys. Rung 1's 8 threads each read all of K
+# and V from global memory; rung 2's read each K/V element once a block, then from shared
+# memory.
+
+# %%
+from kernels.base.trace import tracing
+from kernels.flash_forward import query_tile_attention, row_per_thread_attention
+
+rng_t = np.random.default_rng(4)
+q_t, k_t, v_t = (rng_t.standard_normal((1, 1, 8, 4)).astype(np.float32) for _ in range(3))
+for name, launch, kw in (("rung 1", row_per_thread_attention, {}), ("rung 2", query_tile_attention, {"tiles": (8, 4)})):
+    with tracing() as launches:
+        launch(q_t, k_t, v_t, **kw)
+    counts = launches[0].counts
+    shared = sum(c.reads for n, c in counts.items() if n not in ("q", "k", "v", "o", "lse"))
+    print(f"{name}: K read {counts['k'].reads} times and V {counts['v'].reads} from global memory, "
+          f"shared-memory reads {shared}")
+launches[0].draw(["k", "K_j"], highlight=(0, 3),
+                 title="rung 2: each key element read once from global memory, then by all 8 rows from shared memory")
+
+# %% [markdown]
 # At B = 1, H = 16, N = 4096, d = 64 fp32 (one run, 2026-11-24), rung 1 took 58.4 ms, rung 2
 # 11.3 ms and the production kernel 3.3 ms (causal: 46.4, 7.6, 2.8 ms). Rung 2 changes two
 # things at once: a block reads each K/V tile from HBM once for its Br rows, and its loops
@@ -336,6 +354,14 @@ for t in SWEEP_D128:
 # stored). The kernel itself, `make_flash_forward`, only decides which block takes which
 # query tile and how many K/V tiles it visits. Chapter 6 reuses `attend` unchanged with a
 # list of kept tiles. We print it one section at a time.
+#
+# Which thread owns which entries of S and O, from the kernel's own index formulas
+# (`slides/img/make_04_figures.py`; every entry has exactly one owner): a small block with
+# the production structure, then the d = 64 default.
+#
+# ![thread to micro-tile map, small block](../slides/img/04_thread_map_small.png)
+#
+# ![thread to micro-tile map, d = 64](../slides/img/04_thread_map_d64.png)
 
 # %%
 SOURCE = (inspect.getsource(make_attend_query_tile) + inspect.getsource(make_flash_forward)).splitlines()

@@ -142,6 +142,8 @@ print("max |P rebuilt from L - softmax(S)| =", np.abs(p - ref.softmax(s)).max())
 #
 # Two loop nests, and no N x N array anywhere:
 #
+# ![the backward's loop orders: dK, dV down a column of tiles on chip; dQ across a row, by atomics or a second kernel](../slides/img/05_loops.png)
+#
 # ```
 #   dK, dV: K/V tiles outer                      dQ: Q tiles outer
 #   for each key tile j (Bc rows):               for each query tile i (Br rows):
@@ -601,6 +603,12 @@ else:
 from kernels.bench.harness import show_results
 
 rows_ = show_results("flash_backward", ("kernel", "config", "median_ms", "tflops", "peak_mem_mb"))
+
+# %% [markdown]
+# The same run as a picture (`results/flash_backward.png`): the backward's time against N
+# beside PyTorch's backends, its time over the best of them, and what causal masking saves.
+#
+# ![chapter 5 results on the H100](results/flash_backward.png)
 
 # %% [markdown]
 # ### What the fp32 peer executes
