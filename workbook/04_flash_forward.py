@@ -676,19 +676,19 @@ if png.exists():
 # and the softmax. What that means here:
 #
 # * Every product in our kernel runs on the fp32 FMA units (Numba exposes no tensor-core
-#   API; chapter 7 reaches the instruction through inline PTX). So at d = 64, where the fused forward is level with the memory-efficient
-#   kernel (34.1 against 34.4 TFLOP/s in this chapter's run; 1.02x faster in chapter 6's,
+#   API; chapter 7 reaches the instruction through inline PTX). So at d = 64, where the fused forward is close to the memory-efficient
+#   kernel (32.8 against 34.1 TFLOP/s in this chapter's run; 1.02x faster in chapter 6's,
 #   where both ran again), a kernel on the FMA units alone keeps pace with a tensor-core
 #   kernel that spends three TF32 products per fp32 product.
-# * At d = 128 that peer reaches 46.5 TFLOP/s, about 0.9x of cuBLAS's fp32 matmul with TF32
+# * At d = 128 that peer reaches 46.2 TFLOP/s, about 0.9x of cuBLAS's fp32 matmul with TF32
 #   off (50.9 TFLOP/s, chapter 0), the practical ceiling of the FMA units. An attention
 #   kernel, with its softmax and rescaling on the same units, cannot get that close on the
 #   FMA units alone; the peer does because its products run on the tensor cores. Our
-#   kernel's 29.1 TFLOP/s at d = 128 is what the FMA units give it.
+#   kernel's 28.8 TFLOP/s at d = 128 is what the FMA units give it.
 # * Plain PyTorch fp32 attention is the FMA-only peer: `torch.backends.cuda.matmul.allow_tf32`
 #   is False there (the bench sets it so), so its two matmuls are cuBLAS's fp32 FMA kernels.
-#   At the reference size our forward beats it (34.1 against 20.7 TFLOP/s); at d = 128 it
-#   is 4% ahead of ours (30.3 against 29.1). Chapter 5's backward goal is SDPA's
+#   At the reference size our forward beats it (32.8 against 20.7 TFLOP/s); at d = 128 it
+#   is 5% ahead of ours (30.1 against 28.8). Chapter 5's backward goal is SDPA's
 #   memory-efficient backward, the same kind of tensor-core kernel.
 #
 # The counters, per kernel (`ms` is the one profiled call):

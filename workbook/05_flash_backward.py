@@ -335,7 +335,7 @@ print(inspect.getsource(make_delta))
 # 16-byte load (`ld.shared.v4.f32` in the PTX): rows start 16-byte aligned, offsets are
 # unsigned (Numba adds a negative-index wraparound to signed ones, which hides the
 # alignment from the compiler). The threads of one warp share a nearly square block of S
-# (16 x 16 at the d = 64 tiles), so that a step reads few distinct rows of Q and K: shared
+# (32 x 32 at the d = 64 tiles: 8 x 4 lanes of 4 x 8 each), so that a step reads few distinct rows of Q and K: shared
 # memory bandwidth, not the FMA units, is what a careless thread layout runs out of. And
 # the next Q/dO tile is loaded from HBM into registers while the current one is being
 # computed (a register prefetch), so the block rarely waits for memory. P and dS pass

@@ -207,7 +207,7 @@ def _check_kernel(tiles, Dh, kernel, dq_mode):
 
 # Production tiles by head-dim bucket (GPU), from the sweeps on the H100 (B=4 H=16 N=4096,
 # fp32; ``kernels/bench/flash_backward.py``). d = 64: dK/dV Br=64 Bc=128 with 256 threads
-# (8 x 4 S micro-tiles, 199 KB: one block an SM) was the fastest dK/dV kernel by far, with
+# (4 x 8 S micro-tiles, 199 KB: one block an SM) was the fastest dK/dV kernel by far, with
 # atomic dQ and with the separate one; the separate dQ kernel's best was Br=128 Bc=64 with
 # 256 threads. d = 32 and 128: dK/dV candidates timed with atomic dQ. d <= 16: not measured.
 GPU_TILES = {
