@@ -195,3 +195,21 @@ def test_workbook_device_rejects_nonsense():
     proc = _device_in_subprocess(WORKBOOK_DEVICE="tpu")
     assert proc.returncode != 0
     assert "WORKBOOK_DEVICE: expected 'gpu', 'sim' or 'auto'" in proc.stderr
+
+
+def test_a_launch_template_keeps_its_grid_when_the_kernel_runs_elsewhere():
+    """A template's grid is its own: another launch of the same kernel with another grid
+    (the simulator's kernel[grid, block] configures the kernel object itself) changes nothing."""
+    from kernels.base.runtime import LaunchTemplate, device_pointer, on_simulator
+
+    @cuda.jit
+    def mark(out):
+        out[cuda.blockIdx.x] = cuda.blockIdx.x + 1
+
+    first = cuda.to_device(np.zeros(4, np.float32))
+    template = LaunchTemplate(mark, 2, 1, (first,), slots={"out": 0})
+    mark[4, 1](cuda.to_device(np.zeros(4, np.float32)))          # the same kernel, another grid
+    out = cuda.to_device(np.zeros(4, np.float32))
+    template(out=out if on_simulator() else device_pointer(out))
+    cuda.synchronize()
+    assert out.copy_to_host().tolist() == [1, 2, 0, 0]

@@ -333,7 +333,9 @@ class LaunchTemplate:
         self.slots = dict(slots or {})
         taken = set(self.slots.values())
         self._args = [None if i in taken else a for i, a in enumerate(args)]
-        self._configured = kernel[grid, threads]
+        # (configured at each call: the simulator's kernel[grid, threads] configures the
+        # kernel object itself, so a launch elsewhere with another grid would change ours)
+        self._kernel, self._grid, self._threads = kernel, grid, threads
         self._data_at = None
         if on_simulator():
             return
@@ -361,7 +363,7 @@ class LaunchTemplate:
             args = list(self._args)
             for name, i in self.slots.items():
                 args[i] = arrays[name]
-            self._configured(*args)
+            self._kernel[self._grid, self._threads](*args)
             return
         from cuda.core import launch
 
