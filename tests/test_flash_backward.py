@@ -16,7 +16,8 @@ from kernels import reference as ref
 from kernels.base.backward_tiles import check_tiles, split
 from kernels.base.runtime import on_simulator
 from kernels.base.testing import assert_close, attention_cases, case_with, gradient_floor_scales, random_array
-from kernels.flash_backward import (ACC_ROWS, DQ_MODES, ROW_THREADS, BackwardTiles, default_tiles,
+from kernels.base.fused import padded_head_dim
+from kernels.flash_backward import (ACC_ROWS, DQ_MODES, ROW_THREADS, BackwardTiles, check_shared_tiles, default_tiles,
                                     flash_attention_backward, flash_backward_numpy, head_dim_bucket, recompute_p,
                                     row_per_thread_backward, shared_tile_backward)
 
@@ -143,12 +144,9 @@ def test_row_per_thread_backward_rung_matches_oracle(case, seed):
 @settings(max_examples=8 if SIM else 150)
 @rung_examples(tiles=SHARED_TILES[0])
 def test_shared_tile_backward_rung_matches_oracle(case, seed, tiles):
-    if tiles is None:
-        q_owner = k_owner = "a thread of the default tiles"
-    else:
-        Br, Bc = tiles
-        q_owner = f"make_shared_tile_dq's thread r % {Br} of block (r // {Br}, b*H + h)"
-        k_owner = f"make_shared_tile_dkdv's thread r % {Bc} of block (r // {Bc}, b*H + h)"
+    Br, Bc = check_shared_tiles(tiles, padded_head_dim(case.q.shape[-1]))     # (the defaults for None)
+    q_owner = f"make_shared_tile_dq's thread r % {Br} of block (r // {Br}, b*H + h)"
+    k_owner = f"make_shared_tile_dkdv's thread r % {Bc} of block (r // {Bc}, b*H + h)"
     check_rung(case, seed, shared_tile_backward, q_owner, k_owner, tiles=tiles)
 
 

@@ -20,7 +20,7 @@ def test_a_right_kernel_passes(capsys):
 def test_a_copy_that_stops_short_fails_naming_the_element_block_and_thread(capsys):
     assert not learner.grade(FILES / "copy_stops_short.py")
     out = capsys.readouterr().out
-    assert "not yet:" in out and "Falsifying" in out        # (an explicit or a drawn example)
+    assert "not yet:" in out and "smallest failing case:" in out        # (an explicit or a drawn example)
     # the last element is never copied: the message says which one and whose it is
     assert "elements wrong; the first, element" in out and "block" in out and "thread" in out
 

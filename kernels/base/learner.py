@@ -111,18 +111,30 @@ def grade(path, *, timeout: int = 900) -> bool:
 
 
 def _failure(out: str) -> list[str]:
-    """The lines of a pytest failure a learner needs: which test, the smallest drawn case
-    (Hypothesis's "Falsifying example"), and the error. (Hypothesis reports several
-    distinct failures as an exception group, its lines prefixed with "| ": stripped.)"""
+    """The lines of a pytest failure a learner needs: which test, the smallest drawn case,
+    and the error. Hypothesis prints the case as "Falsifying example: ..." on its own lines
+    (older versions) or as "Failing test case: ..." inside the error (E-prefixed; newer
+    ones); either way it is printed here after "smallest failing case:". Several distinct
+    failures come as an exception group, its lines prefixed with "| ": stripped."""
     lines = [re.sub(r"^\s*(\|\s?)+", "", line) if re.match(r"^\s*\|", line) else line
              for line in out.splitlines()]
+    plain = [re.sub(r"^E(\s|$)", "", line) for line in lines]          # the E prefix off
     keep = [line for line in lines if line.startswith("FAILED ")][:1]
-    start = next((i for i, line in enumerate(lines) if line.startswith("Falsifying")), None)
+    error = next((line.strip() for line in plain
+                  if re.match(r"^\s*[\w.]*(Error|Exception|Failed)\b:?", line)), None)
+    start = next((i for i, line in enumerate(plain)
+                  if re.match(r"^\s*(Falsifying|Failing test case)", line)), None)
     if start is not None:
-        for line in lines[start:start + 12]:
-            keep.append(line)
-            if line.startswith(")"):
+        keep.append("smallest failing case:")
+        header = plain[start].strip()
+        keep.append("  " + header.split(":", 1)[1].strip() if ":" in header else header)
+        indent = len(plain[start]) - len(plain[start].lstrip())
+        for line in plain[start + 1:start + 12]:
+            keep.append("  " + line[indent:] if line[:indent].strip() == "" else line)
+            if line.strip() == ")":
                 break
-    errors = [line[1:].strip() for line in lines if re.match(r"^E\s", line)]
-    keep += errors[:1] if start is not None else errors[:8]
+    if error:
+        keep.append(error)
+    elif start is None:
+        keep += [line[1:].strip() for line in lines if re.match(r"^E\s", line)][:8]
     return keep
