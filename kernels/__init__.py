@@ -5,6 +5,13 @@ Importing this package decides, once and before Numba is imported, whether kerne
 on the GPU or in the Numba CUDA simulator (see ``kernels.base.runtime``).
 """
 
-from kernels.base import runtime as runtime  # noqa: F401  (selects GPU or simulator first)
+import sys
+
+if sys.argv[:1] == ["-m"]:       # ``python -m kernels ...``: first use installs what is missing
+    from kernels._bootstrap import ensure
+
+    ensure()
+
+from kernels.base import runtime as runtime  # noqa: F401,E402  (selects GPU or simulator first)
 
 DEVICE = runtime.DEVICE

@@ -336,7 +336,7 @@ for name, args in [("copy: 256 threads, 16 regs, no shared", (256, 16, 0)),
 # | `sim` | the **Numba CUDA simulator**: every GPU thread becomes a Python thread on the CPU |
 #
 # ```bash
-# python -m pytest -n 2 --nbmake tests workbook     # tests and notebooks (simulator without a GPU)
+# python -m kernels test                           # tests and notebooks (simulator without a GPU)
 # WORKBOOK_DEVICE=sim jupyter lab                  # the notebooks, forced into the simulator
 # python -m kernels --chapters 0                   # this chapter's bench
 # python -m kernels.base.ptx_check                      # compile every kernel for the H100 (sm_90)
