@@ -210,6 +210,6 @@ def test_a_launch_template_keeps_its_grid_when_the_kernel_runs_elsewhere():
     template = LaunchTemplate(mark, 2, 1, (first,), slots={"out": 0})
     mark[4, 1](cuda.to_device(np.zeros(4, np.float32)))          # the same kernel, another grid
     out = cuda.to_device(np.zeros(4, np.float32))
-    template(out=out if on_simulator() else device_pointer(out))
+    template(out=out if on_simulator() else device_pointer(out, "out"))
     cuda.synchronize()
     assert out.copy_to_host().tolist() == [1, 2, 0, 0]

@@ -112,9 +112,10 @@ def grade(path, *, timeout: int = 900) -> bool:
 
 def _failure(out: str) -> list[str]:
     """The lines of a pytest failure a learner needs: which test, the smallest drawn case,
-    and the error. Hypothesis prints the case as "Falsifying example: ..." on its own lines
-    (older versions) or as "Failing test case: ..." inside the error (E-prefixed; newer
-    ones); either way it is printed here after "smallest failing case:". Several distinct
+    and the error. Hypothesis prints the case as "Falsifying (explicit) example: ..." on its
+    own lines (older versions) or as "Failing test case: ..." / "Failing explicit example:
+    ..." inside the error (E-prefixed; newer ones); either way it is printed here after
+    "smallest failing case:". Several distinct
     failures come as an exception group, its lines prefixed with "| ": stripped."""
     lines = [re.sub(r"^\s*(\|\s?)+", "", line) if re.match(r"^\s*\|", line) else line
              for line in out.splitlines()]
@@ -123,7 +124,7 @@ def _failure(out: str) -> list[str]:
     error = next((line.strip() for line in plain
                   if re.match(r"^\s*[\w.]*(Error|Exception|Failed)\b:?", line)), None)
     start = next((i for i, line in enumerate(plain)
-                  if re.match(r"^\s*(Falsifying|Failing test case)", line)), None)
+                  if re.match(r"^\s*(Falsifying|Failing)( explicit)? (example|test case)", line)), None)
     if start is not None:
         keep.append("smallest failing case:")
         header = plain[start].strip()
