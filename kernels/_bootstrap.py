@@ -15,19 +15,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv"
 # What the tour and the tests import (a few of requirements.txt's packages stand for all).
-NEEDED = ("numpy", "numba", "numba.cuda", "matplotlib", "pytest", "hypothesis", "xdist", "nbmake", "jupytext")
+# Top-level names only: finding a submodule imports its parent, and Numba must not be
+# imported before ``kernels.base.runtime`` has chosen the GPU or the simulator.
+NEEDED = ("numpy", "numba", "numba_cuda", "matplotlib", "pytest", "hypothesis", "xdist", "nbmake", "jupytext")
 AGAIN = "WORKBOOK_BOOTSTRAPPED"          # set for the second run: never loop
 
 
 def missing() -> list[str]:
-    gone = []
-    for name in NEEDED:
-        try:
-            if importlib.util.find_spec(name) is None:
-                gone.append(name)
-        except ModuleNotFoundError:            # a submodule whose parent is missing
-            gone.append(name)
-    return gone
+    return [name for name in NEEDED if importlib.util.find_spec(name) is None]
 
 
 def venv_python() -> Path:

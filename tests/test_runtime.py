@@ -213,3 +213,15 @@ def test_a_launch_template_keeps_its_grid_when_the_kernel_runs_elsewhere():
     template(out=out if on_simulator() else device_pointer(out, "out"))
     cuda.synchronize()
     assert out.copy_to_host().tolist() == [1, 2, 0, 0]
+
+
+def test_python_dash_m_kernels_chooses_the_device_before_numba_is_imported():
+    """``python -m kernels`` first checks what is installed (kernels/_bootstrap.py): that
+    check must not import Numba, or the simulator switch comes too late."""
+    code = ("import sys; sys.argv[:1] = ['-m']; import kernels; from numba.core import config; "
+            "print(kernels.DEVICE, config.ENABLE_CUDASIM)")
+    env = dict(os.environ, WORKBOOK_DEVICE="sim")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)           # (this process's own choice, inherited)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "1", out.stdout
