@@ -361,6 +361,31 @@ MUTANTS += [
            T7, CH7_MMA, "tensor cores: V's B fragment takes the other half of each word (columns mixed up)"),
 ]
 
+# ---- tensor cores: the FlashAttention-2 forward on mma.sync
+TC = "kernels.flash_tensor_cores"
+T8 = ("tests/test_flash_tensor_cores.py",)
+CH8 = "test_pinned_cases or test_matches_oracle"
+MUTANTS += [
+    Mutant("tc-no-rescale", 8, TC,
+           (("""                for j in range(ND):
+                    acc[j, 2 * h] *= alpha
+                    acc[j, 2 * h + 1] *= alpha
+""", ""),),
+           T8, CH8, "O's accumulator fragments are not rescaled when the row's maximum grows"),
+    Mutant("tc-p-tiles-swapped", 8, TC,
+           (("""                a = (pack(sc[2 * kp, 0], sc[2 * kp, 1]), pack(sc[2 * kp, 2], sc[2 * kp, 3]),
+                     pack(sc[2 * kp + 1, 0], sc[2 * kp + 1, 1]), pack(sc[2 * kp + 1, 2], sc[2 * kp + 1, 3]))""",
+             """                a = (pack(sc[2 * kp + 1, 0], sc[2 * kp + 1, 1]), pack(sc[2 * kp + 1, 2], sc[2 * kp + 1, 3]),
+                     pack(sc[2 * kp, 0], sc[2 * kp, 1]), pack(sc[2 * kp, 2], sc[2 * kp, 3]))"""),),
+           T8, CH8, "P's two n8 tiles swapped in the A fragment of P V (keys 0-7 weigh V's rows 8-15)"),
+    Mutant("tc-causal-diagonal-shifted", 8, TC,
+           (("if key >= n_k or (causal != 0 and key > row + diag):", "if key >= n_k or (causal != 0 and key > row + diag + 1):"),),
+           T8, CH8, "causal: each query also sees the key after its own"),
+    Mutant("tc-lse-base-2", 8, TC,
+           (("lse[bh, row] = (m[h] + math.log2(total)) * float32(LN2)", "lse[bh, row] = m[h] + math.log2(total)"),),
+           T8, CH8, "L left in base 2 (the scores' base), not the natural log"),
+]
+
 BY_ID = {m.id: m for m in MUTANTS}
 assert len(BY_ID) == len(MUTANTS), "mutant ids must be unique"
 

@@ -1,0 +1,286 @@
+"""Tensor cores: the FlashAttention-2 forward with its two products on mma.sync (fp16 or bf16 in).
+
+Chapter 4's loops, the products moved from the FMA units to the tensor cores
+(``kernels.base.mma``: mma.sync m16n8k16, fp16 or bf16 in, fp32 accumulate):
+
+    one block          Br = 16 W query rows of one (batch, head), W warps
+    one warp           16 query rows: Q_i's A fragments stay in its registers
+    for each K/V tile (Bc keys, staged in shared memory by cp.async):
+        S    = Q_i K_j^T           Bc/8 accumulator tiles (16 x 8), D/16 mma each; K_j's B
+                                   fragments by ldmatrix (K is row-major: B = K^T is "col")
+        m'   = max(m, rowmax S)    a lane holds 2 scores a row a tile: the row's max is
+                                   over the 4 lanes of a quad (2 shuffles)
+        P    = exp2(S - m')        in the accumulator registers
+        l, O rescaled by exp2(m - m'), l += rowsum P (per lane; the quad adds at the end)
+        O   += P V_j               P's accumulator tiles sit exactly where an m16k16 A operand
+                                   needs them: packed to fp16/bf16 in registers, no shared
+                                   memory; V_j's B fragments by ldmatrix.trans
+    O / l and L = m + log l, as in chapter 4.
+
+Inputs are given as their 16-bit patterns (uint16 arrays): fp16 or bf16, chosen by
+``bf16`` (NumPy has no bf16; a PyTorch bf16 tensor is passed as its bits). The head dim
+is padded to D, a multiple of 16 (zeros past d). Causal masking skips the K/V tiles past
+the block's last row and masks the crossing tiles; a row that sees no key gets O = 0 and
+L = -inf. Scores are in base 2 (scale log2 e folded in), as in chapter 4.
+
+Precision: P is rounded to the input type before P V, as in FlashAttention-2; the tests
+hold the error to 2x that of a float32 reference that rounds P the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint16, uint32
+
+from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y, MINUS_INF, make_row_reductions, nan_max
+from kernels.base.runtime import ArrayKind, cdiv, check_array, check_flag, check_scale, device_empty, on_simulator, \
+    to_device
+
+__all__ = ["flash_attention_tc", "make_flash_forward_mma", "tc_tiles", "ptx_targets"]
+
+LN2 = math.log(2.0)
+
+
+def tc_tiles(d: int) -> tuple[int, int, int]:
+    """(Br, Bc, D): 64 query rows (4 warps) and 64 keys a tile on a GPU (16 and 16 in the
+    simulator), D = d rounded up to a multiple of 16."""
+    D = 16 * cdiv(max(int(d), 1), 16)
+    return (16, 16, D) if on_simulator() else (64, 64, D)
+
+
+@functools.lru_cache(maxsize=None)
+def make_flash_forward_mma(Br: int, Bc: int, D: int, bf16: bool = False):
+    """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D.
+
+    Launch: grid (ceil(Nq / Br), B*H), Br * 2 threads. Arguments: q (B*H, Nq, d), k and v
+    (B*H, Nk, d) uint16 (fp16 or bf16 bits); o (B*H, Nq, d) and lse (B*H, Nq) float32;
+    scale (float32), causal (int32 0/1), aligned (int32: rows 16-byte aligned, d % 8 == 0,
+    so whole 16-byte chunks go by cp.async)."""
+    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, ldmatrix, ldmatrix_trans,
+                                  mma_bf16, mma_f16, pack_bf16, pack_f16)
+
+    mma = mma_bf16 if bf16 else mma_f16
+    pack = pack_bf16 if bf16 else pack_f16
+    W = Br // 16
+    THREADS = 32 * W
+    KS, NS, KP, ND = D // 16, Bc // 8, Bc // 16, D // 8
+    SD = D + 8                                    # shared row stride (halves): ldmatrix rows in distinct banks
+    row_max, row_sum = make_row_reductions(4, THREADS)
+    if Br != Bc:
+        raise ValueError("tiles: the Q tile is staged through the K buffer: Br must equal Bc")
+
+    @cuda.jit(device=True, inline=True)
+    def stage_in(src, dst, rows, r0, d, tid, aligned):
+        """src[r0 + r, :d] -> dst[r, :D] (zeros past rows and d), 16 bytes a step."""
+        for ch in range(tid, Bc * (D // 8), THREADS):
+            r = ch // (D // 8)
+            c = (ch % (D // 8)) * 8
+            row = r0 + r
+            if aligned != 0 and row < rows and c + 8 <= d:
+                cp_async(dst, r, c, src, row, c)
+            else:
+                for e in range(8):
+                    x = uint16(0)
+                    if row < rows and c + e < d:
+                        x = src[row, c + e]
+                    dst[r, c + e] = x
+
+    @cuda.jit(fastmath=True)
+    def flash_forward_mma(q, k, v, o, lse, scale, causal, aligned):
+        bh = int32(cuda.blockIdx.y)
+        tid = int32(cuda.threadIdx.x)
+        warp = tid // 32
+        lane = tid % 32
+        group = lane // 4
+        t = lane % 4
+        q0 = (int32(cuda.gridDim.x) - 1 - int32(cuda.blockIdx.x)) * Br     # heaviest causal tiles first
+        qh, kh, vh = q[bh], k[bh], v[bh]
+        n_q, n_k, d = int32(q.shape[1]), int32(k.shape[1]), int32(q.shape[2])
+        Ks = cuda.shared.array((Bc, SD), uint16, alignment=16)
+        Vs = cuda.shared.array((Bc, SD), uint16, alignment=16)
+        # ldmatrix .x4: lane 8 j + r names row r of 8x8 matrix j.
+        ar = (lane // 8) % 2 * 8 + lane % 8          # A, and B by .trans: matrices rows +0/+8, then cols +0/+8
+        ac = (lane // 16) * 8
+        kr = (lane // 16) * 8 + lane % 8             # B = K^T from K's rows: keys +0/+8, dims +0/+8 first
+        kc = (lane // 8) % 2 * 8
+
+        # ---- Q_i: staged through Ks, then the warp's A fragments into registers
+        stage_in(qh, Ks, n_q, q0, d, tid, aligned)
+        cp_async_commit()
+        cp_async_wait_all()
+        cuda.syncthreads()
+        qf = cuda.local.array((KS, 4), uint32)
+        for s_ in range(KS):
+            x = ldmatrix(Ks, warp * 16 + ar, s_ * 16 + ac)
+            for e in range(4):
+                qf[s_, e] = x[e]
+
+        m = cuda.local.array(2, float32)             # running max (base 2), rows group, group + 8
+        l = cuda.local.array(2, float32)             # this lane's share of the running sums
+        acc = cuda.local.array((ND, 4), float32)     # O: ND accumulator tiles of 16 x 8
+        sc = cuda.local.array((NS, 4), float32)      # S, then P: NS accumulator tiles
+        for h in range(2):
+            m[h] = MASKED
+            l[h] = float32(0.0)
+        for j in range(ND):
+            for e in range(4):
+                acc[j, e] = float32(0.0)
+        scale2 = float32(scale * LOG2E)
+        diag = n_k - n_q
+        kv_end = n_k                                 # causal: the keys the block's last row sees
+        if causal != 0:
+            kv_end = min(n_k, q0 + Br + diag)
+        n_tiles = (max(kv_end, 0) + Bc - 1) // Bc
+
+        for jt in range(n_tiles):
+            k0 = jt * Bc
+            cuda.syncthreads()                       # everyone is done with the last tile (and Q)
+            stage_in(kh, Ks, n_k, k0, d, tid, aligned)
+            stage_in(vh, Vs, n_k, k0, d, tid, aligned)
+            cp_async_commit()
+            cp_async_wait_all()
+            cuda.syncthreads()
+
+            # ---- S = Q_i K_j^T: NS tiles of 16 x 8, scaled to base 2, masked
+            for nt2 in range(NS // 2):
+                c0 = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+                c1 = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+                for s_ in range(KS):
+                    x = ldmatrix(Ks, nt2 * 16 + kr, s_ * 16 + kc)
+                    a = (qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
+                    c0 = mma(a, (x[0], x[1]), c0)
+                    c1 = mma(a, (x[2], x[3]), c1)
+                for e in range(4):
+                    sc[2 * nt2, e] = c0[e]
+                    sc[2 * nt2 + 1, e] = c1[e]
+            for nt in range(NS):
+                for e in range(4):
+                    key = k0 + nt * 8 + 2 * t + e % 2
+                    row = q0 + warp * 16 + group + 8 * (e // 2)
+                    x = sc[nt, e] * scale2
+                    if key >= n_k or (causal != 0 and key > row + diag):
+                        x = MASKED
+                    sc[nt, e] = x
+
+            # ---- online softmax on the fragments: rows group (h = 0) and group + 8 (h = 1)
+            for h in range(2):
+                mx = m[h]
+                for nt in range(NS):
+                    mx = nan_max(mx, nan_max(sc[nt, 2 * h], sc[nt, 2 * h + 1]))
+                mx = row_max(mx)                     # the quad's 4 lanes hold the row
+                alpha = math.exp2(m[h] - mx)
+                m[h] = mx
+                l[h] *= alpha
+                for j in range(ND):
+                    acc[j, 2 * h] *= alpha
+                    acc[j, 2 * h + 1] *= alpha
+                base = mx if mx > MASKED else float32(0.0)     # nothing seen yet: every p is 0
+                for nt in range(NS):
+                    for e in range(2):
+                        p = math.exp2(sc[nt, 2 * h + e] - base)
+                        l[h] += p
+                        sc[nt, 2 * h + e] = p
+
+            # ---- O += P V_j: P's tiles 2 kp, 2 kp + 1 are one A fragment (packed in registers)
+            for kp in range(KP):
+                a = (pack(sc[2 * kp, 0], sc[2 * kp, 1]), pack(sc[2 * kp, 2], sc[2 * kp, 3]),
+                     pack(sc[2 * kp + 1, 0], sc[2 * kp + 1, 1]), pack(sc[2 * kp + 1, 2], sc[2 * kp + 1, 3]))
+                for dt in range(ND // 2):
+                    x = ldmatrix_trans(Vs, kp * 16 + ar, dt * 16 + ac)
+                    c0 = mma(a, (x[0], x[1]), (acc[2 * dt, 0], acc[2 * dt, 1], acc[2 * dt, 2], acc[2 * dt, 3]))
+                    c1 = mma(a, (x[2], x[3]),
+                             (acc[2 * dt + 1, 0], acc[2 * dt + 1, 1], acc[2 * dt + 1, 2], acc[2 * dt + 1, 3]))
+                    for e in range(4):
+                        acc[2 * dt, e] = c0[e]
+                        acc[2 * dt + 1, e] = c1[e]
+
+        # ---- O / l and L: the quad's sums first
+        for h in range(2):
+            total = row_sum(l[h])
+            row = q0 + warp * 16 + group + 8 * h
+            if row < n_q:
+                if total > float32(0.0) or total != total:
+                    inv = float32(1.0) / total
+                    for j in range(ND):
+                        for e in range(2):
+                            col = j * 8 + 2 * t + e
+                            if col < d:
+                                o[bh, row, col] = acc[j, 2 * h + e] * inv
+                    if t == 0:
+                        lse[bh, row] = (m[h] + math.log2(total)) * float32(LN2)
+                else:                                # saw no key
+                    for j in range(ND):
+                        for e in range(2):
+                            col = j * 8 + 2 * t + e
+                            if col < d:
+                                o[bh, row, col] = float32(0.0)
+                    if t == 0:
+                        lse[bh, row] = MINUS_INF
+
+    flash_forward_mma.threads = THREADS
+    return flash_forward_mma
+
+
+# --------------------------------------------------------------------------- the launcher
+
+def _bits(x, name):
+    """A device view of ``x`` as uint16 bits (float16 or uint16 arrays; uint16 holds bf16)."""
+    dev = to_device(x, name)
+    if dev.dtype == np.float16:
+        dev = dev.view(np.uint16)
+    return dev
+
+
+def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
+    """Attention forward on tensor cores. q (B, H, Nq, d), k and v (B, H, Nk, d), d <= 128:
+    float16 arrays, or uint16 arrays of bf16 bit patterns with ``bf16=True``. Returns
+    (o, lse): o (B, H, Nq, d) float32 and lse (B, H, Nq) float32 (natural log; -inf for a
+    row that sees no key). NumPy in, NumPy out; device arrays in, device arrays out."""
+    bf16 = check_flag(bf16, "bf16")
+    want = np.uint16 if bf16 else np.float16
+    shapes = []
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        shape, dtype = check_array(x, name, ndim=4, dtypes=(want,))
+        shapes.append(shape)
+    (B, H, n_q, d), ks, vs = shapes
+    if ks != vs:
+        raise ValueError(f"v: expected the shape of k {ks}, got {vs}")
+    if ks[:2] != (B, H) or ks[3] != d:
+        raise ValueError(f"k: expected (B, H, Nk, d) = ({B}, {H}, Nk, {d}) like q, got {ks}")
+    if not 1 <= d <= 128:
+        raise ValueError(f"q: expected head dim d in 1..128, got {d}")
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    BH = B * H
+    if BH > MAX_GRID_Y:
+        raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
+    kind = ArrayKind(q)
+    o = device_empty((BH, n_q, d), np.float32)
+    lse = device_empty((BH, n_q), np.float32)
+    if BH and n_q:
+        Br, Bc, D = tc_tiles(d)
+        qd, kd, vd = (_bits(x, n).reshape(BH, x.shape[2], d) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        aligned = int(d % 8 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
+            if not on_simulator() else int(d % 8 == 0)
+        kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16))
+        kernel[(cdiv(n_q, Br), BH), kernel.threads](qd, kd, vd, o, lse, np.float32(scale), np.int32(causal),
+                                                     np.int32(aligned))
+    return kind.give_back(o.reshape(B, H, n_q, d)), kind.give_back(lse.reshape(B, H, n_q))
+
+
+# --------------------------------------------------------------------------- PTX check
+
+def ptx_targets(every_shape: bool = False):
+    """The kernel at the GPU tiles, d = 64 (fp16 and bf16) and 128 (fp16; ``every_shape``:
+    bf16 too)."""
+    sig = ("void(uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
+           "float32, int32, int32)")
+    out = []
+    for D in (64, 128):
+        for bf16 in (False, True) if (every_shape or D == 64) else (False,):
+            out.append((f"flash fwd tensor cores {'bf16' if bf16 else 'fp16'} Br=Bc=64 D={D}",
+                        make_flash_forward_mma(64, 64, D, bf16), sig))
+    return out

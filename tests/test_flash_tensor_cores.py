@@ -1,0 +1,132 @@
+"""The FlashAttention-2 forward on tensor cores (fp16 and bf16 in) against the float64 oracle.
+
+The oracle runs on the inputs as rounded to fp16 or bf16. The yardstick is a float32
+reference that rounds P to the input type before P V, as the kernel (and FlashAttention-2)
+does: the kernel's error is at most 2x that reference's, plus the floor of chapter 4's
+exponents (``forward_floor_scales``). Drawn shapes: ragged N, Nq != Nk, d not a multiple
+of 16 (padded), causal rows that see no key, large logits pinned.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import reference as ref
+from kernels.base.mma import bf16_bits
+from kernels.base.runtime import on_simulator
+from kernels.base.testing import AttentionCase, assert_close, forward_floor_scales, magnitude_for_logits
+from kernels.flash_tensor_cores import flash_attention_tc
+
+SIM = on_simulator()
+MAX_N = 20 if SIM else 300
+HEAD_DIMS = [4, 16, 24] if SIM else [16, 40, 64, 100, 128]
+
+
+def to_input(x, bf16):
+    """(the kernel's input, its values as float64): fp16 arrays, or bf16 bits as uint16."""
+    if bf16:
+        bits = bf16_bits(x).astype(np.uint16)
+        return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    h = np.asarray(x, np.float32).astype(np.float16)
+    return h, h.astype(np.float64)
+
+
+def round_p(p, bf16):
+    if bf16:
+        return (bf16_bits(p).astype(np.uint32) << 16).view(np.float32)
+    return p.astype(np.float16).astype(np.float32)
+
+
+def rounded_p_reference(q, k, v, causal, scale, bf16):
+    """float32 attention with P = exp(S - rowmax) rounded to the input type before P V."""
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    nq, nk = q.shape[-2], k.shape[-2]
+    s = np.float32(scale) * (q @ np.swapaxes(k, -1, -2))
+    if causal:
+        allowed = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq)
+        s = np.where(allowed, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True) if nk else np.full(s.shape[:-1] + (1,), -np.inf, np.float32)
+    seen = np.isfinite(m)
+    with np.errstate(invalid="ignore"):
+        p = np.where(seen, np.exp(s - np.where(seen, m, 0)), 0).astype(np.float32)
+    l_ = p.sum(axis=-1, keepdims=True)
+    o = np.where(l_ > 0, (round_p(p, bf16) @ v) / np.where(l_ > 0, l_, 1), 0).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l_ > 0, m + np.log(np.where(l_ > 0, l_, 1)), -np.inf)[..., 0].astype(np.float32)
+    return o, lse
+
+
+@st.composite
+def tc_cases(draw):
+    b, h = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    nq, nk = draw(st.integers(0, MAX_N)), draw(st.integers(0, MAX_N))
+    d = draw(st.sampled_from(HEAD_DIMS))
+    causal = draw(st.booleans())
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
+    magnitude = magnitude_for_logits(draw(st.sampled_from([0.3, 1.0, 3.0, 8.0])), d, scale)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.standard_normal((b, h, nq, d)) * magnitude
+    k = rng.standard_normal((b, h, nk, d)) * magnitude
+    v = rng.standard_normal((b, h, nk, d))
+    return AttentionCase(q, k, v, causal, scale)
+
+
+def pinned(q_shape, k_shape, *, causal=False, magnitude=1.0, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(q_shape) * magnitude
+    k = rng.standard_normal(k_shape) * magnitude
+    return AttentionCase(q, k, rng.standard_normal(k_shape), causal, None)
+
+
+PINNED = [
+    pinned((1, 1, 1, 4), (1, 1, 1, 4)),                             # N = 1
+    pinned((1, 1, 19, 24), (1, 1, 23, 24), causal=True),            # ragged tiles, d padded to 32
+    pinned((2, 1, 11, 8), (2, 1, 5, 8), causal=True),               # Nq > Nk: rows that see no key
+    pinned((1, 1, 17, 16), (1, 1, 17, 16), magnitude=12.0),         # logits of several hundred
+    pinned((1, 1, 0, 8), (1, 1, 5, 8)),                             # Nq = 0
+    pinned((1, 1, 6, 8), (1, 1, 0, 8)),                             # Nk = 0: O = 0, L = -inf
+]
+
+
+def check(case, bf16):
+    q, qx = to_input(case.q, bf16)
+    k, kx = to_input(case.k, bf16)
+    v, vx = to_input(case.v, bf16)
+    o, lse = flash_attention_tc(q, k, v, causal=case.causal, scale=case.scale, bf16=bf16)
+    assert o.dtype == np.float32 and o.shape == case.q.shape and lse.shape == case.q.shape[:3]
+    scale = case.scale if case.scale is not None else 1 / np.sqrt(case.q.shape[-1])
+    exact_o, exact_l = ref.attention(qx, kx, vx, causal=case.causal, scale=scale)
+    base_o, base_l = rounded_p_reference(qx, kx, vx, case.causal, scale, bf16)
+    fs_o, fs_l = forward_floor_scales(qx, kx, vx, scale, causal=case.causal)
+    where = "(row [b, h, i] is warp (i % 64) // 16 of block (i // 64, b*H + h); lanes 4 (i % 8) .. +3)"
+    assert_close(o, exact_o, base_o, name=f"O {where}", floor_scale=fs_o)
+    assert_close(lse, exact_l, base_l, name=f"L {where}", floor_scale=fs_l)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
+@given(case=tc_cases())
+@settings(max_examples=4 if SIM else 150)
+def test_matches_oracle(case, bf16):
+    check(case, bf16)
+
+
+@pytest.mark.parametrize("case", PINNED, ids=range(len(PINNED)))
+def test_pinned_cases(case):
+    check(case, False)
+
+
+def test_bf16_pinned_causal_case():
+    check(PINNED[1], True)
+
+
+def test_bad_inputs_name_the_argument():
+    q = np.zeros((1, 1, 4, 8), np.float16)
+    with pytest.raises(TypeError, match="q"):
+        flash_attention_tc(q.astype(np.float32), q, q)
+    with pytest.raises(TypeError, match="q"):
+        flash_attention_tc(q, q, q, bf16=True)            # bf16 wants its bits as uint16
+    with pytest.raises(ValueError, match="v"):
+        flash_attention_tc(q, q, q[..., :3, :])
+    with pytest.raises(ValueError, match="head dim"):
+        flash_attention_tc(*(np.zeros((1, 1, 4, 130), np.float16),) * 3)
