@@ -108,6 +108,15 @@ def main(only):
                     backward.block_sparse_attention_backward(q, k, v, o, lse, rand(rng, b, h, nq, d), mask,
                                                              causal=causal, dq_mode=dq_mode)
         ran.append("block_sparse")
+    if want("flash_tensor_cores") and (m := have("flash_tensor_cores")):
+        from kernels.base.mma import bf16_bits
+
+        for b, h, nq, nk, d in shapes + [(1, 1, 200, 130, 100)]:     # d = 100: 128 rows a block
+            for causal in (False, True):
+                q, k, v = rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d)
+                m.flash_attention_tc(*(x.astype(np.float16) for x in (q, k, v)), causal=causal)
+                m.flash_attention_tc(*(bf16_bits(x).astype(np.uint16) for x in (q, k, v)), causal=causal, bf16=True)
+        ran.append("flash_tensor_cores")
     if want("decode") and (m := have("decode")):
         # ragged (an empty cache, a length of 1), GQA and MHA, Nq up to 16, causal, fp16 caches;
         # both schedules, stream-K on a small grid so that blocks cross heads and merge
