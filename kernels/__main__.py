@@ -5,7 +5,7 @@ the tests.
     python -m kernels --chapters 0,4   # some chapters
     python -m kernels --quick          # fewer sizes and repeats
     python -m kernels --list           # what would run
-    python -m kernels test             # the tests: python -m pytest -n 2 --nbmake tests workbook
+    python -m kernels test             # the tests: python -m pytest -n 2 --dist worksteal --nbmake tests workbook
     python -m kernels test -k rung     # (anything after "test" goes to pytest)
 
 On first use either installs requirements.txt into .venv (``kernels/_bootstrap.py``).
@@ -19,7 +19,8 @@ import kernels  # noqa: F401  (GPU or simulator, before Numba)
 
 if sys.argv[1:2] == ["test"]:
     root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-m", "pytest", "-n", "2", "--nbmake", "tests", "workbook", *sys.argv[2:]]
+    command = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "worksteal", "--nbmake", "tests", "workbook",
+               *sys.argv[2:]]
     sys.exit(subprocess.call(command, cwd=root))
 
 from kernels.bench.tour import main  # noqa: E402

@@ -63,7 +63,7 @@ print("running on:", device_name())
 # %% tags=["parameters"]
 # Tiny sizes in the simulator (every GPU thread is a Python thread there), real ones on a GPU.
 if on_simulator():
-    B, H, N, D_HEAD, BLOCK = 1, 2, 33, 6, 8      # kernel checks
+    B, H, N, D_HEAD, BLOCK = 1, 1, 33, 6, 8      # kernel checks
 else:
     B, H, N, D_HEAD, BLOCK = 2, 4, 1000, 64, 64
 N_STUDY = 512                                    # the accuracy study (NumPy only)
