@@ -59,21 +59,9 @@ else:
 # fixes. Drawn from the module's own position table (the one its emulation and tests use):
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(12, 4.2), gridspec_kw={"width_ratios": [16, 8, 8]})
-for ax, (name, position, count, shape) in zip(axes, (("A (16 x 16): a[0..7]", tc.a_position, 8, (16, 16)),
-                                                    ("B (16 x 8): b[0..3]", tc.b_position, 4, (16, 8)),
-                                                    ("C, D (16 x 8, fp32): c[0..3]", tc.c_position, 4, (16, 8)))):
-    owner = np.zeros(shape, int)
-    for lane in range(32):
-        for i in range(count):
-            owner[position(lane, i)] = lane
-    ax.imshow(owner % 4, cmap="Pastel1", vmin=0, vmax=8)
-    for (r, c), lane in np.ndenumerate(owner):
-        ax.text(c, r, str(lane), ha="center", va="center", fontsize=6)
-    ax.set_title(name, fontsize=9)
-    ax.set_xticks([]), ax.set_yticks([])
-fig.suptitle("which lane holds which element (colour: lane % 4, its place in its quad)", fontsize=9)
-fig.tight_layout()
+from kernels.base.notebook import draw_fragments
+
+draw_fragments()
 plt.show()
 
 # %% [markdown]

@@ -1,4 +1,5 @@
-"""What the notebooks share: printing a part of a kernel's source, and a ladder's timings.
+"""What the notebooks share: printing a part of a kernel's source, a ladder's timings, and
+the picture of mma.sync's fragments.
 
 A chapter shows its kernel a piece at a time, next to the text that explains that piece:
 ``show_source(make_stream_k, "for g in range(", "`last` is rewritten")`` prints the lines
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 
-__all__ = ["show_source", "show_ladder"]
+__all__ = ["show_source", "show_ladder", "draw_fragments"]
 
 
 def show_source(fn, first: str, last: str, more: int = 0) -> None:
@@ -44,3 +45,29 @@ def show_ladder(path) -> None:
         for r in these:
             print(f"  {r['kernel']:<38} {r['config']:<40} {r['median_ms']:9.2f} ms  "
                   f"{r['tflops']:6.2f} TFLOP/s  {r['median_ms'] / these[-1]['median_ms']:6.1f}x the last")
+
+
+def draw_fragments():
+    """The figure of which lane holds which element of mma.sync m16n8k16's A, B and C/D,
+    drawn from ``kernels.base.mma``'s position table (the one its emulation and tests use)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from kernels.base import mma as tc
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4.2), gridspec_kw={"width_ratios": [16, 8, 8]})
+    for ax, (name, position, count, shape) in zip(axes, (("A (16 x 16): a[0..7]", tc.a_position, 8, (16, 16)),
+                                                        ("B (16 x 8): b[0..3]", tc.b_position, 4, (16, 8)),
+                                                        ("C, D (16 x 8, fp32): c[0..3]", tc.c_position, 4, (16, 8)))):
+        owner = np.zeros(shape, int)
+        for lane in range(32):
+            for i in range(count):
+                owner[position(lane, i)] = lane
+        ax.imshow(owner % 4, cmap="Pastel1", vmin=0, vmax=8)
+        for (r, c), lane in np.ndenumerate(owner):
+            ax.text(c, r, str(lane), ha="center", va="center", fontsize=6)
+        ax.set_title(name, fontsize=9)
+        ax.set_xticks([]), ax.set_yticks([])
+    fig.suptitle("which lane holds which element (colour: lane % 4, the lane's place in its quad)", fontsize=9)
+    fig.tight_layout()
+    return fig
