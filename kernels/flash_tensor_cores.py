@@ -36,8 +36,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y, MINUS_INF, make_row_reductions, nan_max
-from kernels.base.runtime import ArrayKind, cdiv, check_array, check_flag, check_scale, device_empty, on_simulator, \
-    to_device
+from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, device_empty, \
+    is_bf16_array, on_simulator, to_device
 
 __all__ = ["flash_attention_tc", "make_flash_forward_mma", "tc_tiles", "ptx_targets"]
 
@@ -248,11 +248,18 @@ def _bits(x, name):
 
 def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
     """Attention forward on tensor cores. q (B, H, Nq, d), k and v (B, H, Nk, d), d <= 128:
-    float16 arrays, or uint16 arrays of bf16 bit patterns with ``bf16=True``. Returns
+    float16 arrays; with ``bf16=True``, bfloat16 device arrays (PyTorch bf16 CUDA tensors)
+    or uint16 arrays of bf16 bit patterns (NumPy has no bf16). Returns
     (o, lse): o (B, H, Nq, d) float32 and lse (B, H, Nq) float32 (natural log; -inf for a
     row that sees no key). NumPy in, NumPy out; device arrays in, device arrays out."""
     bf16 = check_flag(bf16, "bf16")
     want = np.uint16 if bf16 else np.float16
+    kind = ArrayKind(q)
+    given = (q, k, v)
+    for x, name in zip(given, "qkv"):
+        if is_bf16_array(x) and not bf16:
+            raise TypeError(f"{name}: a bfloat16 array: pass bf16=True (or fp16 inputs)")
+    q, k, v = (Bf16Bits(x) if is_bf16_array(x) else x for x in given)     # bf16 tensors: their bits
     shapes = []
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         shape, dtype = check_array(x, name, ndim=4, dtypes=(want,))
@@ -269,9 +276,8 @@ def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
     BH = B * H
     if BH > MAX_GRID_Y:
         raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
-    kind = ArrayKind(q)
-    o = device_empty((BH, n_q, d), np.float32)
-    lse = device_empty((BH, n_q), np.float32)
+    o = kind.empty((BH, n_q, d), np.float32)           # the caller's allocator where it has one
+    lse = kind.empty((BH, n_q), np.float32)
     if BH and n_q:
         Br, Bc, D = tc_tiles(d)
         qd, kd, vd = (_bits(x, n).reshape(BH, x.shape[2], d) for x, n in ((q, "q"), (k, "k"), (v, "v")))

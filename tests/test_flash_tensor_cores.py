@@ -130,3 +130,33 @@ def test_bad_inputs_name_the_argument():
         flash_attention_tc(q, q, q[..., :3, :])
     with pytest.raises(ValueError, match="head dim"):
         flash_attention_tc(*(np.zeros((1, 1, 4, 130), np.float16),) * 3)
+
+
+class _Bf16Interface:
+    """A device array that says bfloat16 the way PyTorch does (typestr <V2); its pointer is
+    never read (the error comes first)."""
+
+    __cuda_array_interface__ = {"shape": (1, 1, 4, 8), "typestr": "<V2", "data": (0, False), "version": 3,
+                                "strides": None}
+
+
+def test_bf16_array_without_the_flag_names_it():
+    q = np.zeros((1, 1, 4, 8), np.float16)
+    with pytest.raises(TypeError, match=r"k: a bfloat16 array: pass bf16=True"):
+        flash_attention_tc(q, _Bf16Interface(), q)
+
+
+def test_torch_bf16_tensors_are_accepted():
+    """PyTorch bf16 CUDA tensors in (typestr <V2), the same answer as their bits as uint16."""
+    torch = pytest.importorskip("torch")
+    if SIM or not torch.cuda.is_available():
+        pytest.skip("needs a GPU and PyTorch: the simulator has no CUDA tensors")
+    rng = np.random.default_rng(13)
+    x = [rng.standard_normal((1, 2, 70, 40)).astype(np.float32) for _ in range(3)]
+    tensors = [torch.as_tensor(a, device="cuda").to(torch.bfloat16) for a in x]
+    bits = [t.view(torch.int16).cpu().numpy().view(np.uint16) for t in tensors]
+    o_t, lse_t = flash_attention_tc(*tensors, causal=True, bf16=True)
+    o_b, lse_b = flash_attention_tc(*bits, causal=True, bf16=True)
+    assert isinstance(o_t, torch.Tensor) and o_t.is_cuda, "PyTorch tensors in, PyTorch tensors out"
+    np.testing.assert_array_equal(o_t.cpu().numpy(), o_b)
+    np.testing.assert_array_equal(lse_t.cpu().numpy(), lse_b)

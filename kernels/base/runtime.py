@@ -218,6 +218,31 @@ def to_device(x, name: str):
     return cuda.to_device(np.ascontiguousarray(x))
 
 
+
+def is_bf16_array(x) -> bool:
+    """A bfloat16 device array, such as a PyTorch bf16 CUDA tensor. NumPy has no bf16: the
+    array interface spells it ``<V2`` (two bytes of "void", the ml_dtypes spelling that
+    PyTorch adopted), which NumPy reads as ``|V2``."""
+    if isinstance(x, np.ndarray) or not is_device_array(x):
+        return False
+    if str(getattr(x, "dtype", "")).endswith("bfloat16"):
+        return True
+    cai = getattr(x, "__cuda_array_interface__", None)
+    return cai is not None and np.dtype(cai["typestr"]) == np.dtype("V2")
+
+
+class Bf16Bits:
+    """A bfloat16 device array seen as its 16-bit patterns (uint16), zero-copy: the same
+    ``__cuda_array_interface__`` with typestr ``<u2``. Keeps the array alive."""
+
+    def __init__(self, x):
+        self.owner = x
+        cai = dict(x.__cuda_array_interface__)
+        cai["typestr"] = "<u2"
+        cai["descr"] = [("", "<u2")]
+        self.__cuda_array_interface__ = cai
+        self.shape = tuple(cai["shape"])
+
 def device_empty(shape, dtype=np.float32):
     return cuda.device_array(shape, dtype=dtype)
 
@@ -245,7 +270,8 @@ def check_array(x, name: str, *, ndim: int | None = None, dtypes=(np.float32,)):
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {shape}")
     if dtypes is not None and dtype not in [np.dtype(t) for t in dtypes]:
         allowed = ", ".join(np.dtype(t).name for t in dtypes)
-        raise TypeError(f"{name}: expected dtype {allowed}, got {dtype}")
+        got = "bfloat16 (typestr <V2)" if dtype == np.dtype("V2") else dtype
+        raise TypeError(f"{name}: expected dtype {allowed}, got {got}")
     return tuple(shape), np.dtype(dtype)
 
 
