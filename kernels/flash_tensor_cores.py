@@ -39,7 +39,8 @@ from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y, MINUS_INF, make_row_re
 from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, device_empty, \
     is_bf16_array, on_simulator, to_device
 
-__all__ = ["flash_attention_tc", "make_flash_forward_mma", "tc_tiles", "ptx_targets"]
+__all__ = ["flash_attention_tc", "make_flash_forward_mma", "make_flash_forward_mma_from", "make_load_a_fragment",
+           "make_p_to_a", "a_fragment_registers", "p_to_a_registers", "tc_tiles", "ptx_targets", "EXERCISES"]
 
 LN2 = math.log(2.0)
 
@@ -56,20 +57,78 @@ def tc_tiles(d: int) -> tuple[int, int, int]:
     return (64 if D <= 64 else 128), 64, D
 
 
-@functools.lru_cache(maxsize=None)
+# --------------------------------------------------------------------------- the two fragment hooks
+# The kernel's two steps where a lane must know which elements it holds (the notebook's
+# kernel exercises, ``EXERCISES``): Q's A fragments, and P repacked as P V's A operand. A
+# learner's factory of the same name replaces the course's (``kernels.base.learner``);
+# ``make_flash_forward_mma`` looks both up when it is called.
+
+def make_load_a_fragment():
+    """Device function ``load_a_fragment(s, row0, col0, lane) -> (a0, a1, a2, a3)``: the
+    A fragment (``kernels.base.mma.a_position``) of the 16 x 16 block A = s[row0:row0 + 16,
+    col0:col0 + 16] of a shared uint16 array, as lane ``lane`` (= 4 group + t) holds it:
+    a0 = A[group, 2t .. 2t+1], a1 = A[group + 8, 2t .. 2t+1], a2 = A[group, 2t+8 .. 2t+9],
+    a3 = A[group + 8, 2t+8 .. 2t+9], the lower column in the low 16 bits. The kernel loads
+    Q_i's fragments with it, one k-step (16 columns of d) at a time.
+
+    The course's answer: one ``ldmatrix .x4``, whose four 8 x 8 matrices are a0 .. a3. Lane
+    8 j + r gives the address of row r of matrix j, and each lane receives, of each matrix,
+    row group, columns 2t and 2t + 1: the A mapping, done by the hardware."""
+    from kernels.base.mma import ldmatrix
+
+    @cuda.jit(device=True, inline=True)
+    def load_a_fragment(s, row0, col0, lane):
+        # matrices j = 0..3 at (rows +0, cols +0), (+8, +0), (+0, +8), (+8, +8)
+        return ldmatrix(s, row0 + (lane // 8) % 2 * 8 + lane % 8, col0 + (lane // 16) * 8)
+
+    return load_a_fragment
+
+
+def make_p_to_a(bf16: bool = False):
+    """Device function ``p_to_a(c0, c1) -> (a0, a1, a2, a3)``: P's two accumulator tiles of
+    16 x 8 (keys 0-7 and 8-15 of a 16-key step; a lane's 4 floats of each, c[i] = P[group +
+    8 (i // 2), 2t + i % 2]) as the A fragment of P V's mma, packed to fp16 (bf16 if
+    ``bf16``): a0 = P[group, 2t .. 2t+1] and a1 = P[group + 8, 2t .. 2t+1] from c0, a2 and
+    a3 the same rows, keys 8 + 2t .. 8 + 2t + 1, from c1; the lower key in the low 16 bits.
+    Every element is already in the lane that needs it: no shuffle, no shared memory."""
+    from kernels.base.mma import pack_bf16, pack_f16
+
+    pack = pack_bf16 if bf16 else pack_f16
+
+    @cuda.jit(device=True, inline=True)
+    def p_to_a(c0, c1):
+        return (pack(c0[0], c0[1]), pack(c0[2], c0[3]), pack(c1[0], c1[1]), pack(c1[2], c1[3]))
+
+    return p_to_a
+
+
+EXERCISES = {"make_load_a_fragment": "test_load_a_fragment or test_pinned_cases or test_bf16_pinned_causal_case",
+             "make_p_to_a": "test_p_to_a or test_pinned_cases or test_bf16_pinned_causal_case"}
+
+
 def make_flash_forward_mma(Br: int, Bc: int, D: int, bf16: bool = False):
-    """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D.
+    """The forward kernel (``make_flash_forward_mma_from``) with the module's two fragment
+    hooks as they are now: a learner's ``make_load_a_fragment`` or ``make_p_to_a`` put in
+    their place gets its own kernel, never the course's cached one."""
+    return make_flash_forward_mma_from(Br, Bc, D, bool(bf16), make_load_a_fragment, make_p_to_a)
+
+
+@functools.lru_cache(maxsize=None)
+def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment_factory, p_to_a_factory):
+    """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D, Q's
+    A fragments loaded by ``a_fragment_factory()`` and P repacked by ``p_to_a_factory(bf16)``.
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads (Br = Bc or 2 Bc: Q is staged through
     the K and V buffers). Arguments: q (B*H, Nq, d), k and v
     (B*H, Nk, d) uint16 (fp16 or bf16 bits); o (B*H, Nq, d) and lse (B*H, Nq) float32;
     scale (float32), causal (int32 0/1), aligned (int32: rows 16-byte aligned, d % 8 == 0,
     so whole 16-byte chunks go by cp.async)."""
-    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, ldmatrix, ldmatrix_trans,
-                                  mma_bf16, mma_f16, pack_bf16, pack_f16)
+    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, ldmatrix, ldmatrix_trans, mma_bf16,
+                                  mma_f16)
 
     mma = mma_bf16 if bf16 else mma_f16
-    pack = pack_bf16 if bf16 else pack_f16
+    load_a_fragment = a_fragment_factory()
+    p_to_a = p_to_a_factory(bf16)
     W = Br // 16
     THREADS = 32 * W
     KS, NS, KP, ND = D // 16, Bc // 8, Bc // 16, D // 8
@@ -124,9 +183,9 @@ def make_flash_forward_mma(Br: int, Bc: int, D: int, bf16: bool = False):
         r0 = (warp * 16) % Bc
         for s_ in range(KS):
             if warp * 16 < Bc:
-                x = ldmatrix(Ks, r0 + ar, s_ * 16 + ac)
+                x = load_a_fragment(Ks, r0, s_ * 16, lane)
             else:
-                x = ldmatrix(Vs, r0 + ar, s_ * 16 + ac)
+                x = load_a_fragment(Vs, r0, s_ * 16, lane)
             for e in range(4):
                 qf[s_, e] = x[e]
 
@@ -198,8 +257,8 @@ def make_flash_forward_mma(Br: int, Bc: int, D: int, bf16: bool = False):
 
             # ---- O += P V_j: P's tiles 2 kp, 2 kp + 1 are one A fragment (packed in registers)
             for kp in range(KP):
-                a = (pack(sc[2 * kp, 0], sc[2 * kp, 1]), pack(sc[2 * kp, 2], sc[2 * kp, 3]),
-                     pack(sc[2 * kp + 1, 0], sc[2 * kp + 1, 1]), pack(sc[2 * kp + 1, 2], sc[2 * kp + 1, 3]))
+                a = p_to_a((sc[2 * kp, 0], sc[2 * kp, 1], sc[2 * kp, 2], sc[2 * kp, 3]),
+                           (sc[2 * kp + 1, 0], sc[2 * kp + 1, 1], sc[2 * kp + 1, 2], sc[2 * kp + 1, 3]))
                 for dt in range(ND // 2):
                     x = ldmatrix_trans(Vs, kp * 16 + ar, dt * 16 + ac)
                     c0 = mma(a, (x[0], x[1]), (acc[2 * dt, 0], acc[2 * dt, 1], acc[2 * dt, 2], acc[2 * dt, 3]))
@@ -234,6 +293,72 @@ def make_flash_forward_mma(Br: int, Bc: int, D: int, bf16: bool = False):
 
     flash_forward_mma.threads = THREADS
     return flash_forward_mma
+
+
+# --------------------------------------------------------------------------- the hooks on their own
+# One warp runs a hook on values you give it and returns every lane's registers: what the
+# tests check against the PTX mapping (and a learner can print).
+
+PROBE_TILE = (32, 40)                 # the probe's shared tile: the kernel's (Bc, D + 8) at Bc = D = 32
+
+
+@functools.lru_cache(maxsize=None)
+def _a_fragment_probe(a_fragment_factory):
+    load_a_fragment = a_fragment_factory()
+    R, C = PROBE_TILE
+
+    @cuda.jit
+    def probe(tile, row0, col0, out):
+        lane = int32(cuda.threadIdx.x)
+        s = cuda.shared.array(PROBE_TILE, uint16, alignment=16)
+        for e in range(lane, R * C, 32):
+            s[e // C, e % C] = tile[e // C, e % C]
+        cuda.syncthreads()
+        x = load_a_fragment(s, row0, col0, lane)
+        for i in range(4):
+            out[lane, i] = x[i]
+
+    return probe
+
+
+@functools.lru_cache(maxsize=None)
+def _p_to_a_probe(p_to_a_factory, bf16):
+    p_to_a = p_to_a_factory(bf16)
+
+    @cuda.jit
+    def probe(p, out):
+        lane = int32(cuda.threadIdx.x)
+        x = p_to_a((p[lane, 0], p[lane, 1], p[lane, 2], p[lane, 3]), (p[lane, 4], p[lane, 5], p[lane, 6], p[lane, 7]))
+        for i in range(4):
+            out[lane, i] = x[i]
+
+    return probe
+
+
+def a_fragment_registers(tile, row0: int, col0: int) -> np.ndarray:
+    """Every lane's (a0, a1, a2, a3) from the module's ``make_load_a_fragment`` (as it is
+    now) on the 16 x 16 block at (row0, col0) of ``tile``, a uint16 array of PROBE_TILE's
+    shape staged in shared memory: (32, 4) uint32."""
+    tile = np.ascontiguousarray(tile)
+    if tile.dtype != np.uint16 or tile.shape != PROBE_TILE:
+        raise ValueError(f"tile: expected a uint16 array of shape {PROBE_TILE}, got {tile.dtype} {tile.shape}")
+    if not (0 <= row0 <= PROBE_TILE[0] - 16 and 0 <= col0 <= PROBE_TILE[1] - 16 and col0 % 8 == 0):
+        raise ValueError(f"row0, col0: expected a 16 x 16 block inside the tile, col0 a multiple of 8; got {row0}, {col0}")
+    out = cuda.to_device(np.zeros((32, 4), np.uint32))
+    _a_fragment_probe(make_load_a_fragment)[1, 32](cuda.to_device(tile), np.int32(row0), np.int32(col0), out)
+    return out.copy_to_host()
+
+
+def p_to_a_registers(p, bf16: bool = False) -> np.ndarray:
+    """Every lane's (a0, a1, a2, a3) from the module's ``make_p_to_a`` (as it is now): p
+    (32, 8) float32, lane l's c[0..3] of the first accumulator tile then of the second.
+    (32, 4) uint32."""
+    p = np.ascontiguousarray(p, dtype=np.float32)
+    if p.shape != (32, 8):
+        raise ValueError(f"p: expected shape (32, 8) (a lane's 4 floats of each of two tiles), got {p.shape}")
+    out = cuda.to_device(np.zeros((32, 4), np.uint32))
+    _p_to_a_probe(make_p_to_a, check_flag(bf16, "bf16"))[1, 32](cuda.to_device(p), out)
+    return out.copy_to_host()
 
 
 # --------------------------------------------------------------------------- the launcher
