@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels import flash_tensor_cores as tensor_cores
 from kernels import reference as ref
-from kernels.base.mma import bf16_bits
+from kernels.base.mma import a_position, bf16_bits, c_position, words_to_halves
 from kernels.base.runtime import on_simulator
 from kernels.base.testing import AttentionCase, assert_close, forward_floor_scales, magnitude_for_logits
 from kernels.flash_tensor_cores import flash_attention_tc
@@ -102,6 +103,86 @@ def check(case, bf16):
     where = "(row [b, h, i] is warp (i % 64) // 16 of block (i // 64, b*H + h); lanes 4 (i % 8) .. +3)"
     assert_close(o, exact_o, base_o, name=f"O {where}", floor_scale=fs_o)
     assert_close(lse, exact_l, base_l, name=f"L {where}", floor_scale=fs_l)
+
+
+# ---- the two fragment hooks on their own (the chapter's kernel exercises): every lane's
+# registers against the PTX mapping, each wrong half named (lane, register, what it holds)
+
+def _guess(got, want):
+    """What a misplaced element suggests, from where it came: (row, col) against (row, col)."""
+    (gr, gc), (wr, wc) = got, want
+    if gc == wc and abs(gr - wr) == 8:
+        return " (rows group and group + 8 swapped?)"
+    if gr == wr and abs(gc - wc) == 8:
+        return " (columns +0 and +8 swapped: for P, tiles 2 kp and 2 kp + 1?)"
+    if gr == wr and gc == wc ^ 1:
+        return " (the two halves of the register swapped? the lower column goes in the low 16 bits)"
+    return ""
+
+
+def _first_wrong(halves, want, what):
+    """halves (32, 8): what each lane's element i holds, as (row, col) or a string; want:
+    a_position. The message for the first wrong one, or None."""
+    wrong = [(lane, i) for lane in range(32) for i in range(8) if halves[lane][i] != want(lane, i)]
+    if not wrong:
+        return None
+    lane, i = wrong[0]
+    got, (r, c) = halves[lane][i], want(lane, i)
+    held = f"{what}[{got[0]}, {got[1]}]" if isinstance(got, tuple) else got
+    return (f"{len(wrong)} of 256 halves wrong; the first: lane {lane} (group {lane // 4}, t {lane % 4}), register "
+            f"a{i // 2}, {'low' if i % 2 == 0 else 'high'} half holds {held}; the mapping puts {what}[{r}, {c}] "
+            f"there (element {i}: row group + 8 ((i // 2) % 2) = {r}, col 2 t + i % 2 + 8 (i // 4) = {c})"
+            + (_guess(got, (r, c)) if isinstance(got, tuple) else ""))
+
+
+@pytest.mark.parametrize("row0, col0", [(0, 0), (16, 0), (0, 16), (16, 16)])
+def test_load_a_fragment_follows_the_ptx_mapping(row0, col0):
+    """Each element of the shared tile holds its own code (row * 64 + col, never 0); the
+    16 x 16 block at (row0, col0) must arrive in the lanes as a_position says."""
+    rows, cols = tensor_cores.PROBE_TILE
+    tile = (np.arange(rows)[:, None] * 64 + np.arange(cols)[None, :] + 1).astype(np.uint16)
+    regs = tensor_cores.a_fragment_registers(tile, row0, col0)
+    halves = []
+    for lane in range(32):
+        held = []
+        for i in range(8):
+            code = (int(regs[lane, i // 2]) >> (16 * (i % 2))) & 0xFFFF
+            r, c = (code - 1) // 64, (code - 1) % 64
+            if code == 0 or not (0 <= r < rows and c < cols):
+                held.append(f"0x{code:04x}, no element of s")
+            elif not (0 <= r - row0 < 16 and 0 <= c - col0 < 16):
+                held.append(f"s[{r}, {c}], outside the block A = s[{row0}:{row0 + 16}, {col0}:{col0 + 16}]")
+            else:
+                held.append((r - row0, c - col0))
+        halves.append(held)
+    problem = _first_wrong(halves, a_position, "A")
+    assert problem is None, f"load_a_fragment(s, {row0}, {col0}, lane): {problem}"
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
+def test_p_to_a_follows_the_ptx_mapping(bf16):
+    """Each lane's 8 accumulator floats hold their own position's code, (16 row + col + 1) / 256
+    (exact in fp16 and bf16); the packed registers must hold P as a_position says."""
+    p = np.zeros((32, 8), np.float32)
+    for lane in range(32):
+        for i in range(4):
+            r, c = c_position(lane, i)
+            p[lane, i] = (16 * r + c + 1) / 256              # tile 2 kp: keys 0-7
+            p[lane, 4 + i] = (16 * r + c + 8 + 1) / 256      # tile 2 kp + 1: keys 8-15
+    values = words_to_halves(tensor_cores.p_to_a_registers(p, bf16), "bf16" if bf16 else "f16").reshape(32, 8)
+    halves = []
+    for lane in range(32):
+        held = []
+        for x in values[lane]:
+            code = x * 256 - 1
+            if code == int(code) and 0 <= code < 256:
+                held.append((int(code) // 16, int(code) % 16))
+            else:
+                held.append(f"{x!r}, no element of P as {'bf16' if bf16 else 'fp16'} "
+                            f"(pack_{'bf16' if bf16 else 'f16'} packs two floats as {'bf16' if bf16 else 'fp16'})")
+        halves.append(held)
+    problem = _first_wrong(halves, a_position, "P")
+    assert problem is None, f"p_to_a(c0, c1) with bf16={bf16}: {problem}"
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])

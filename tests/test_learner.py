@@ -11,10 +11,19 @@ from kernels.base import learner
 FILES = Path(__file__).parent / "learner_files"
 
 
-def test_a_right_kernel_passes(capsys):
-    assert learner.grade(FILES / "scale_add_right.py")
+# A right answer per file: what grade() prints names the exercises it answers.
+RIGHT = {
+    "scale_add_right.py": "make_scale_add from scale_add_right.py",
+    # ch8: both fragment hooks, read by the PTX mapping (no ldmatrix), inside the production forward
+    "tc_fragments_right.py": "make_load_a_fragment, make_p_to_a from tc_fragments_right.py",
+}
+
+
+@pytest.mark.parametrize("name", RIGHT)
+def test_a_right_kernel_passes(name, capsys):
+    assert learner.grade(FILES / name)
     out = capsys.readouterr().out
-    assert "make_scale_add from scale_add_right.py" in out and "passed:" in out
+    assert RIGHT[name] in out and "passed:" in out
 
 
 # A planted learner mistake per file: the file fails its chapter's tests, and what grade()
@@ -43,6 +52,15 @@ MISTAKES = {
     "decode_combine_no_empty_split.py": ["make_combine from decode_combine_no_empty_split.py", "not yet:",
                                          "NaN entries where the oracle is not NaN", "block (r // "],
     "decode_partial_ignores_cache_length.py": ["test_first_split_k_matches_the_oracle", "the partial blocks"],
+    # ch8: the fragment hooks of the production tensor-core forward; each wrong register
+    # half is named (lane, register, the element it holds, the one the PTX mapping wants)
+    "tc_fragment_rows_swapped.py": ["make_load_a_fragment from tc_fragment_rows_swapped.py", "not yet:",
+                                    "lane 0 (group 0, t 0), register a0, low half holds A[8, 0]",
+                                    "the mapping puts A[0, 0] there", "rows group and group + 8 swapped?"],
+    "tc_p_halves_swapped.py": ["test_p_to_a_follows_the_ptx_mapping", "register a0, low half holds P[0, 1]",
+                               "the mapping puts P[0, 0] there", "the two halves of the register swapped?"],
+    "tc_p_tiles_swapped.py": ["test_p_to_a_follows_the_ptx_mapping", "register a0, low half holds P[0, 8]",
+                              "tiles 2 kp and 2 kp + 1?"],
 }
 
 
