@@ -28,9 +28,13 @@
 # 2. the kernel: S by mma, the online softmax on the accumulator fragments, P repacked in
 #    registers and fed to P V's mma;
 # 3. the check against the oracle, in fp16 and bf16;
-# 4. the H100 results against SDPA flash, cuDNN and chapter 4's kernel.
+# 4. the H100 results against SDPA flash, cuDNN and chapter 4's kernel;
+# 5. exercises, two of them kernels: Q's fragments by the mapping, and P's repacking, both
+#    inside this chapter's production kernel.
 
 # %%
+import inspect
+
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -39,7 +43,7 @@ from kernels import reference as ref
 from kernels.base import mma as tc
 from kernels.base.notebook import show_source
 from kernels.base.runtime import device_name, on_simulator
-from kernels.flash_tensor_cores import flash_attention_tc, make_flash_forward_mma, tc_tiles
+from kernels.flash_tensor_cores import flash_attention_tc, make_flash_forward_mma_from, tc_tiles
 
 print("running on:", device_name())
 
@@ -92,22 +96,22 @@ for lane in (0, 5, 31):
 #
 # | step | how |
 # |---|---|
-# | Q_i | staged once; each warp loads its A fragments with `ldmatrix` and keeps them in registers |
+# | Q_i | staged once; each warp loads its A fragments (`load_a_fragment`: one `ldmatrix`; exercise 4) and keeps them in registers |
 # | S = Q_i K_jᵀ | 8 accumulator tiles of 16 x 8 (64 keys), D/16 mma each; K's B fragments by `ldmatrix` (K is row-major, so Kᵀ is "col" as mma wants) |
 # | m', P, l | on the fragments: scale to base 2, mask, row max over the quad, `P = 2^(S - m')` |
-# | O += P V_j | P packed to fp16 (or bf16) in registers as above; V's B fragments by `ldmatrix.trans` |
+# | O += P V_j | P packed to fp16 (or bf16) in registers as above (`p_to_a`, exercise 5); V's B fragments by `ldmatrix.trans` |
 # | end | the quad adds its 4 partial row sums; O / l and L = m + log l |
 #
 # The pieces, from `kernels/flash_tensor_cores.py`:
 
 # %%
-show_source(make_flash_forward_mma, "# ---- S = Q_i K_j^T", "sc[nt, e] = x")
+show_source(make_flash_forward_mma_from, "# ---- S = Q_i K_j^T", "sc[nt, e] = x")
 
 # %%
-show_source(make_flash_forward_mma, "# ---- online softmax", "sc[nt, 2 * h + e] = p")
+show_source(make_flash_forward_mma_from, "# ---- online softmax", "sc[nt, 2 * h + e] = p")
 
 # %%
-show_source(make_flash_forward_mma, "# ---- O += P V_j", "acc[2 * dt + 1, e] = c1[e]")
+show_source(make_flash_forward_mma_from, "# ---- O += P V_j", "acc[2 * dt + 1, e] = c1[e]")
 
 # %% [markdown]
 # Precision: S and O accumulate in fp32; P is rounded to the input type before P V, as in
@@ -180,3 +184,138 @@ rows_ = show_results("flash_tensor_cores", ("kernel", "config", "median_ms", "tf
 # 3. Why can the kernel write `P = exp2(S - m')` straight into S's registers, while
 #    chapter 4's FMA kernel writes P to shared memory? (Hint: which thread holds P[r, j],
 #    and which thread needs it for O[r, :] += P[r, j] V[j, :].)
+
+# %% [markdown]
+# ### Exercises 4 and 5 (kernels): who holds what
+#
+# The kernel has two steps where a lane must know exactly which elements it holds, and
+# each is a hook you can fill: the kernel looks the two factories up in
+# `kernels/flash_tensor_cores.py` when it is built, so yours run inside the production
+# forward (the one timed in section 4). Write each in your own file (the cells below make
+# them from templates the first time: `workbook/mine/my_tc_a_fragment.py` and
+# `workbook/mine/my_tc_p_to_a.py`); `grade` runs this chapter's tests on yours in place of
+# the course's: first your device function alone, one warp, every lane's registers against
+# the PTX mapping (a wrong register half is named: its lane, register, the element it
+# holds and the one the mapping wants there), then the forward's pinned cases in fp16 and
+# bf16. The mapping is the figure of section 1 (A's panel), drawn from `a_position`:
+#
+#     lane = 4 group + t:  element i is A[group + 8 ((i // 2) % 2), 2t + i % 2 + 8 (i // 4)]
+#                          register j holds elements 2j (low 16 bits) and 2j + 1 (high)
+#
+# **Exercise 4: Q's A fragments, by the mapping.** Write `make_load_a_fragment()`,
+# returning a device function `load_a_fragment(s, row0, col0, lane)`: `s` is a shared
+# uint16 array (the fp16 or bf16 bit patterns of the staged Q tile), A = `s[row0:row0 +
+# 16, col0:col0 + 16]` (16 query rows of a warp, 16 columns of d: one k-step), `lane` is
+# the lane in its warp; it returns the 4 uint32 registers `(a0, a1, a2, a3)` that lane
+# holds of A, read element by element (no `ldmatrix`). The kernel calls it once per k-step
+# when it loads Q_i, before the K/V loop.
+#
+# **Exercise 5: P stays in registers.** Write `make_p_to_a(bf16)`, returning a device
+# function `p_to_a(c0, c1)`: `c0` and `c1` are a lane's 4 floats of P's two accumulator
+# tiles of 16 x 8 (keys 0-7 and 8-15 of a 16-key step; `c[i] = P[group + 8 (i // 2), 2t +
+# i % 2]`, the C panel of the figure); it returns the 4 uint32 registers of P V's A
+# operand, each two floats rounded to fp16 (bf16 when `bf16`) and packed. This is
+# FlashAttention-2's "P stays in registers": section 1 checked that every element is
+# already in the lane that needs it.
+#
+# <details><summary>Hint 1 (exercise 4)</summary>
+#
+# `group, t = lane // 4, lane % 4`. Register a0 holds A[group, 2t] and A[group, 2t + 1];
+# a1 the same columns of row group + 8; a2 and a3 the same two rows, columns 2t + 8 and
+# 2t + 9. In `s` that is row `row0 + ...`, column `col0 + ...`.
+# </details>
+#
+# <details><summary>Hint 2 (exercise 4)</summary>
+#
+# A register from two halves: `uint32(s[r, c]) | (uint32(s[r, c + 1]) << uint32(16))`.
+# `s` holds bit patterns: move the bits, never convert the values.
+# </details>
+#
+# <details><summary>Hint 3 (exercise 5)</summary>
+#
+# Compare the C panel with the A panel: c0's c[0], c[1] (row group, keys 2t, 2t + 1) are
+# A's elements 0, 1; c0's c[2], c[3] (row group + 8) are elements 2, 3; c1's are elements
+# 4 to 7 (keys 8 + 2t, 8 + 2t + 1).
+# </details>
+#
+# <details><summary>Hint 4 (exercise 5)</summary>
+#
+# `pack_f16(lo, hi)` and `pack_bf16(lo, hi)` (`kernels.base.mma`) round two floats and put
+# `lo` in the low 16 bits; pick one by `bf16` in the factory, outside the device function.
+# Return a tuple of 4.
+# </details>
+
+# %%
+from kernels.base.learner import grade, my_file
+
+TEMPLATE_A = '''"""My Q fragments for chapter 8 (tests/test_flash_tensor_cores.py -k test_load_a_fragment)."""
+CHAPTER = "flash_tensor_cores"
+
+from numba import cuda, uint32
+
+
+def make_load_a_fragment():
+    @cuda.jit(device=True, inline=True)
+    def load_a_fragment(s, row0, col0, lane):
+        raise NotImplementedError       # your code: (a0, a1, a2, a3) of A = s[row0:row0 + 16, col0:col0 + 16]
+
+    return load_a_fragment
+'''
+
+mine_a = my_file("my_tc_a_fragment.py", TEMPLATE_A)
+
+# %%
+a_passed = grade(mine_a)
+
+# %% [markdown]
+# The course's version, `make_load_a_fragment` in `kernels/flash_tensor_cores.py`, prints
+# here once yours passes.
+
+# %%
+from kernels import flash_tensor_cores as tensor_cores_module
+
+if a_passed:
+    print(inspect.getsource(tensor_cores_module.make_load_a_fragment))
+    print("ldmatrix .x4: lane 8 j + r points at row r of matrix j; each lane receives (matrix, row, col):")
+    for lane in (0, 5):
+        print(f"  lane {lane}:", [tc.ldmatrix_position(lane, i) for i in range(8)])
+else:
+    print("(shown once your function passes; stuck? read make_load_a_fragment in kernels/flash_tensor_cores.py)")
+
+# %% [markdown]
+# The course's answer is one instruction: `ldmatrix .x4` loads four 8 x 8 matrices, each
+# lane receiving row `group`, columns `2t, 2t + 1` of each (printed above); with the
+# matrices at A's four quarters, that is the A mapping, done by the hardware with one
+# shared-memory load a lane. Yours takes 8 loads of 16 bits a k-step; it runs once a block
+# (Q stays in registers), so the kernel's time hardly changes.
+
+# %%
+TEMPLATE_P = '''"""My P repacking for chapter 8 (tests/test_flash_tensor_cores.py -k test_p_to_a)."""
+CHAPTER = "flash_tensor_cores"
+
+from numba import cuda
+
+from kernels.base.mma import pack_bf16, pack_f16
+
+
+def make_p_to_a(bf16=False):
+    @cuda.jit(device=True, inline=True)
+    def p_to_a(c0, c1):
+        raise NotImplementedError       # your code: P V's (a0, a1, a2, a3) from P's two 16 x 8 tiles
+
+    return p_to_a
+'''
+
+mine_p = my_file("my_tc_p_to_a.py", TEMPLATE_P)
+
+# %%
+p_passed = grade(mine_p)
+
+# %% [markdown]
+# The course's version, `make_p_to_a`, prints here once yours passes.
+
+# %%
+if p_passed:
+    print(inspect.getsource(tensor_cores_module.make_p_to_a))
+else:
+    print("(shown once your function passes; stuck? read make_p_to_a in kernels/flash_tensor_cores.py)")
