@@ -25,6 +25,11 @@ L = -inf. Scores are in base 2 (scale log2 e folded in), as in chapter 4.
 
 Precision: P is rounded to the input type before P V, as in FlashAttention-2; the tests
 hold the error to 2x that of a float32 reference that rounds P the same way.
+
+The kernel exercises (``EXERCISES``) are the kernel's two fragment steps, as hooks a
+learner may fill: Q_i's A fragments (``make_load_a_fragment``) and P repacked as P V's A
+operand (``make_p_to_a``); ``a_fragment_registers`` and ``p_to_a_registers`` run each on
+one warp and return every lane's registers.
 """
 
 from __future__ import annotations
