@@ -30,6 +30,7 @@ so any PTX instruction: that is all this module does on the GPU. The device func
     ldmatrix(s, row, col), ldmatrix_trans   four 8x8 b16 matrices from shared memory -> 4 uint32
     cp_async(dst, drow, dcol, src, srow, scol)   16 bytes global -> shared, asynchronously
     cp_async_commit(), cp_async_wait_all(), cp_async_wait_prior()   (all but the last group done)
+    cp_async_wait_prior2()                  (all but the last two groups done)
 
 In the simulator the same calls run as Python. mma and ldmatrix need every lane's
 registers: each lane posts its fragment to a table shared by its warp, the block meets at
@@ -51,7 +52,7 @@ __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_posit
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
            "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "to_tf32",
            "load_words", "ldmatrix", "ldmatrix_trans", "cp_async", "cp_async_commit", "cp_async_wait_all",
-           "cp_async_wait_prior",
+           "cp_async_wait_prior", "cp_async_wait_prior2",
            "half_bits", "bf16_bits", "tf32_bits", "words_to_halves", "PTX"]
 
 M, N, K = 16, 8, 16          # the f16/bf16 shape; tf32 is 16 x 8 x 8
@@ -191,6 +192,7 @@ PTX = {
     "cp_async_commit": "cp.async.commit_group",
     "cp_async_wait_all": "cp.async.wait_all",
     "cp_async_wait_prior": "cp.async.wait_group 1",
+    "cp_async_wait_prior2": "cp.async.wait_group 2",
 }
 
 
@@ -497,6 +499,7 @@ def _gpu_functions():
         cp_async_commit=make_fence("cp.async.commit_group;"),
         cp_async_wait_all=make_fence("cp.async.wait_all;"),
         cp_async_wait_prior=make_fence("cp.async.wait_group 1;"),
+        cp_async_wait_prior2=make_fence("cp.async.wait_group 2;"),
     )
 
 
@@ -516,6 +519,7 @@ def _sim_functions():
         cp_async_commit=_sim_nothing,
         cp_async_wait_all=_sim_nothing,
         cp_async_wait_prior=_sim_nothing,
+        cp_async_wait_prior2=_sim_nothing,
     )
 
 
@@ -534,3 +538,4 @@ cp_async = _functions["cp_async"]
 cp_async_commit = _functions["cp_async_commit"]
 cp_async_wait_all = _functions["cp_async_wait_all"]
 cp_async_wait_prior = _functions["cp_async_wait_prior"]
+cp_async_wait_prior2 = _functions["cp_async_wait_prior2"]

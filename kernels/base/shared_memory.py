@@ -69,3 +69,50 @@ def launch_with_shared(make, nbytes, grid, threads, args):
     kernel = make(dynamic)
     allow_dynamic_shared_memory(kernel, args, nbytes)
     kernel[grid, threads, 0, nbytes if dynamic else 0](*args)
+
+
+def _sim_shared_view(base, offset, shape):
+    size = 1
+    for s in shape:
+        size *= int(s)
+    return base[int(offset):int(offset) + size].reshape(tuple(int(s) for s in shape))
+
+
+def _gpu_shared_view():
+    from numba.core import cgutils, types
+    from numba.cuda.extending import intrinsic
+    from numba.np.arrayobj import make_array, populate_array
+
+    @intrinsic
+    def shared_view(typingctx, base, offset, shape):
+        if not (isinstance(base, types.Array) and base.ndim == 1 and isinstance(offset, types.Integer)
+                and isinstance(shape, types.BaseTuple) and all(isinstance(s, types.Integer) for s in shape)):
+            raise TypeError(f"shared_view(base, offset, shape): expected a 1-D array, an int and a tuple of ints; "
+                            f"got {base}, {offset}, {shape}")
+        result = types.Array(base.dtype, len(shape), "C")
+
+        def codegen(context, builder, sig, args):
+            intp = context.get_value_type(types.intp)
+            ary = make_array(sig.args[0])(context, builder, args[0])
+            first = context.cast(builder, args[1], sig.args[1], types.intp)
+            dims = [context.cast(builder, builder.extract_value(args[2], k), sig.args[2][k], types.intp)
+                    for k in range(len(shape))]
+            strides, step = [], ary.itemsize
+            for d in reversed(dims):                      # C order: the last index is contiguous
+                strides.insert(0, step)
+                step = builder.mul(step, d)
+            out = make_array(sig.return_type)(context, builder)
+            populate_array(out, data=builder.gep(ary.data, [first]), shape=cgutils.pack_array(builder, dims, intp),
+                           strides=cgutils.pack_array(builder, strides, intp), itemsize=ary.itemsize, meminfo=None)
+            return out._getvalue()
+
+        return result(base, offset, shape), codegen
+
+    return shared_view
+
+
+# shared_view(base, offset, shape): the C-contiguous array of ``shape`` that starts at element
+# ``offset`` of the 1-D (dynamic) shared array ``base``, for carving one dynamic allocation
+# into several multi-dimensional tiles. (Numba's ``reshape`` calls a helper that the CUDA
+# target does not have.) Nothing is checked: the caller keeps it inside ``base``.
+shared_view = _sim_shared_view if on_simulator() else _gpu_shared_view()
