@@ -45,9 +45,11 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, uint16, uint32, uint64
+from numba import types as numba_types
 
-from kernels.base.runtime import ArrayKind, cdiv, check_array, check_out, device_empty, on_simulator, to_device
+from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_out, device_empty, on_simulator,
+                                 to_device)
 
 __all__ = ["EXERCISES", "matmul", "matmul_tensor_cores", "make_mma_tiles", "MMA_TILES_GPU", "MMA_TILES_SIM", "make_naive", "make_shared_tiles", "make_register_tiles", "RUNG3_CONFIGS",
            "RUNG3_DEFAULT", "default_tiles", "global_bytes", "load_tile", "tiled_matmul_numpy",
@@ -387,118 +389,193 @@ def matmul(a, b, *, rung: int = 3, out=None, block=None, tile=None, register_til
 
 # --------------------------------------------------------------------------- rung 4: tensor cores
 
-# (BM, BN, BK, WM, WN): a block's C tile, its K step, each warp's C tile.
-MMA_TILES_GPU = (128, 128, 32, 64, 32)        # 8 warps of 64 x 32: 4 x 4 mma tiles a warp
-MMA_TILES_SIM = (32, 32, 16, 16, 16)          # 4 warps (every thread is a Python thread)
+# (BM, BN, BK, WM, WN, STAGES): a block's C tile, its K step, each warp's C tile, and how many
+# K steps are in shared memory at once (cp.async fills STAGES - 1 ahead of the one in use).
+MMA_TILES_GPU = (128, 128, 64, 64, 32, 3)     # 8 warps of 64 x 32: 4 x 4 mma tiles a warp; 105 KB shared
+MMA_TILES_SIM = (32, 32, 16, 16, 16, 2)       # 4 warps (every thread is a Python thread)
+GROUP_M = 8                                   # block order: GROUP_M block rows sweep N together (L2 reuse)
+
+
+def mma_shared_bytes(BM: int, BN: int, BK: int, STAGES: int) -> int:
+    """Shared memory of ``make_mma_tiles``: STAGES stages of A (BM x BK) and B (BK x BN),
+    16-bit elements, rows padded by 8 elements."""
+    return 2 * STAGES * (BM * (BK + 8) + BK * (BN + 8))
 
 
 @functools.lru_cache(maxsize=None)
-def make_mma_tiles(BM: int, BN: int, BK: int, WM: int, WN: int):
-    """Rung 4: C (M, N) float32 = A (M, K) @ B (K, N), A and B float16, on tensor cores.
+def make_mma_tiles(BM: int, BN: int, BK: int, WM: int, WN: int, STAGES: int = 2, *, bf16: bool = False,
+                   dynamic: bool = False, group_m: int = GROUP_M):
+    """Rung 4: C (M, N) float32 = A (M, K) @ B (K, N), A and B fp16 (or bf16), on tensor cores.
 
-    Rung 3's structure with mma.sync (``kernels.base.mma``) in place of each thread's FMAs:
-    the block stages BM x BK of A and BK x BN of B in shared memory (two stages: cp.async
-    fills one while the warps compute on the other); each warp owns a WM x WN tile of C as
-    (WM/16) x (WN/8) accumulator fragments, and per 16 of K it loads its A fragments with
-    ldmatrix and its B fragments with ldmatrix.trans (B is row-major: k runs down), then
-    runs (WM/16)(WN/8) mma into a stage's partial sums, which are then added to C's in
-    float32 (two-level sums: the tensor core's own float32 additions are not rounded to
-    nearest, and over K = 4096 in one chain of mma their error measured 13 times NumPy's
-    float32 matmul on the H100). Shared rows are padded by 8 halves (16 bytes), so that the 8
-    row addresses of an ldmatrix fall in different banks. Ragged M, N, K: chunks that
-    reach past the matrix are copied element by element with zeros beyond it (as are all
-    chunks when ``aligned`` is 0: rows not 16-byte aligned)."""
-    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, ldmatrix,
-                                  ldmatrix_trans, mma_f16)
-    from numba.core.types import float16
+    Kernel (a, b, c, aligned): a, b the inputs' 16-bit patterns (uint16), c float32, on a
+    1-D grid of cdiv(M, BM) cdiv(N, BN) blocks of ``threads`` threads. Block p computes the C
+    tile the ``group_m`` order gives it: blocks run in order of p, and GROUP_M consecutive
+    block rows share each B column tile while it is in L2 (p goes down a group's rows first).
 
+    Rung 3's structure with mma.sync (``kernels.base.mma``) in place of each thread's FMAs.
+    The block keeps STAGES K steps (BM x BK of A, BK x BN of B) in shared memory: cp.async
+    fills the stage STAGES - 1 steps ahead while the warps compute on the current one, and
+    one barrier a step both publishes the arrived stage and frees the one just used. Each
+    warp owns a WM x WN tile of C as (WM/16) x (WN/8) accumulator fragments; per 16 of K it
+    loads its A fragments with ldmatrix and its B fragments with ldmatrix.trans (B is
+    row-major: k runs down), then runs (WM/16)(WN/8) mma into the step's partial sums, which
+    are then added to C's in float32 (two-level sums: the tensor core's own float32
+    additions are not rounded to nearest, and over K = 4096 in one chain of mma their error
+    measured 13 times NumPy's float32 matmul on the H100; a step's first mma starts from 0,
+    so the partial sums cost one add an element a step). Shared rows are padded by 8
+    elements (16 bytes), so that the 8 row addresses of an ldmatrix fall in different banks.
+    Each thread copies the same columns of every stage (its 16-byte chunks are a fixed
+    column, rows THREADS / (BK / 8) apart). Block tiles inside the matrices copy without
+    checks; on a ragged edge, chunks that reach past the matrix are copied element by element
+    with zeros beyond it (as are all chunks when ``aligned`` is 0: rows not 16-byte aligned).
+
+    ``dynamic``: the stages in dynamic shared memory (``cuda.shared.array(0, ...)``, above
+    48 KB; ``kernels.base.shared_memory.launch_with_shared`` raises the kernel's limit)."""
+    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
+                                  cp_async_wait_prior2, ldmatrix, ldmatrix_trans, mma_bf16, mma_f16)
+
+    from kernels.base.shared_memory import shared_view
+
+    mma = mma_bf16 if bf16 else mma_f16
+    wait_stage = {2: cp_async_wait_all, 3: cp_async_wait_prior, 4: cp_async_wait_prior2}[STAGES]
     WARPS_N = BN // WN
     THREADS = 32 * (BM // WM) * WARPS_N
     MT, NT, KS = WM // 16, WN // 8, BK // 16
-    SA, SB = BK + 8, BN + 8
-    A_CHUNKS, B_CHUNKS = BM * BK // 8, BK * BN // 8       # 16-byte chunks (8 halves) of a stage
+    SA, SB = BK + 8, BN + 8                               # padded shared row lengths
+    A_ROW_CHUNKS, B_ROW_CHUNKS = BK // 8, BN // 8         # 16-byte chunks (8 elements) a row
+    A_STEP, B_STEP = THREADS // A_ROW_CHUNKS, THREADS // B_ROW_CHUNKS   # rows between a thread's chunks
+    A_COPIES, B_COPIES = cdiv(BM, A_STEP), cdiv(BK, B_STEP)            # a thread's chunks a stage
+    A_SIZE, B_SIZE = STAGES * BM * SA, STAGES * BK * SB
 
     @cuda.jit(device=True, inline=True)
-    def stage_in(src, dst, rows, cols, r0, c0, chunks_per_row, chunks, tid, aligned):
-        """src[r0 + r, c0 + c ...] -> dst[r, c ...], one 16-byte chunk at a time."""
-        for ch in range(tid, chunks, THREADS):
-            r = ch // chunks_per_row
-            c = (ch % chunks_per_row) * 8
+    def copy_ragged(dst, src, r0, c0, rows, cols, first_row, col, step, tile_rows, aligned):
+        """The ragged edge's copy of a tile's chunks src[r0 + r, c0 + col:c0 + col + 8] ->
+        dst[r, col:col + 8] for r = first_row, first_row + step, ... < tile_rows: cp.async
+        where the 8 lie inside src (rows 16-byte aligned), else element by element, 0 outside."""
+        for r in range(first_row, tile_rows, step):   # (a loop at run time: few registers)
             row = r0 + r
-            col = c0 + c
-            if aligned != 0 and row < rows and col + 8 <= cols:
-                cp_async(dst, r, c, src, row, col)
+            if aligned != 0 and row < rows and c0 + col + 8 <= cols:
+                cp_async(dst, r, col, src, row, c0 + col)
             else:
                 for e in range(8):
-                    x = float16(0.0)
-                    if row < rows and col + e < cols:
-                        x = src[row, col + e]
-                    dst[r, c + e] = x
+                    x = uint16(0)
+                    if row < rows and c0 + col + e < cols:
+                        x = src[row, c0 + col + e]
+                    dst[r, col + e] = x
+
+    @cuda.jit(device=True, inline=True)
+    def stage_in(a, b, As, Bs, m0, n0, k0, M, N, K, ar, ac, br, bc, aligned):
+        """Step k0's A (BM x BK) and B (BK x BN) tiles into one stage; this thread's chunks
+        start at row ar, column ac of A's tile and row br, column bc of B's, and repeat
+        A_STEP (B_STEP) rows down."""
+        if aligned != 0 and m0 + BM <= M and k0 + BK <= K:
+            for i in range(A_COPIES):              # inside the matrix: no checks
+                r = ar + i * A_STEP
+                if BM % A_STEP == 0 or r < BM:
+                    cp_async(As, r, ac, a, m0 + r, k0 + ac)
+        else:
+            copy_ragged(As, a, m0, k0, M, K, ar, ac, A_STEP, BM, aligned)
+        if aligned != 0 and k0 + BK <= K and n0 + BN <= N:
+            for i in range(B_COPIES):
+                r = br + i * B_STEP
+                if BK % B_STEP == 0 or r < BK:
+                    cp_async(Bs, r, bc, b, k0 + r, n0 + bc)
+        else:
+            copy_ragged(Bs, b, k0, n0, K, N, br, bc, B_STEP, BK, aligned)
+
+    @cuda.jit(device=True, inline=True)
+    def k_step(As, Bs, ks, wm, wn, lr, lc, part):
+        """16 of K: the warp's A fragments by ldmatrix, its B fragments by ldmatrix.trans,
+        then MT x NT mma into ``part`` (from 0 at the step's first k-step)."""
+        af = cuda.local.array((MT, 4), uint32)
+        bf = cuda.local.array((NT, 2), uint32)
+        for i in range(MT):
+            x = ldmatrix(As, wm + i * 16 + lr, ks * 16 + lc)
+            for e in range(4):
+                af[i, e] = x[e]
+        for j in range(NT // 2):
+            x = ldmatrix_trans(Bs, ks * 16 + lr, wn + j * 16 + lc)
+            bf[2 * j, 0] = x[0]
+            bf[2 * j, 1] = x[1]
+            bf[2 * j + 1, 0] = x[2]
+            bf[2 * j + 1, 1] = x[3]
+        for i in range(MT):
+            for j in range(NT):
+                if ks == 0:
+                    d = mma((af[i, 0], af[i, 1], af[i, 2], af[i, 3]), (bf[j, 0], bf[j, 1]),
+                            (float32(0.0), float32(0.0), float32(0.0), float32(0.0)))
+                else:
+                    d = mma((af[i, 0], af[i, 1], af[i, 2], af[i, 3]), (bf[j, 0], bf[j, 1]),
+                            (part[i, j, 0], part[i, j, 1], part[i, j, 2], part[i, j, 3]))
+                for e in range(4):
+                    part[i, j, e] = d[e]
 
     @cuda.jit(fastmath=True)
     def mma_tile_kernel(a, b, c, aligned):
         M, K = a.shape
         N = b.shape[1]
+        M, N, K = int32(M), int32(N), int32(K)
+        # This block's C tile: block rows in groups of group_m, a group's blocks down its rows first.
+        tiles_m = (M + int32(BM - 1)) // int32(BM)
+        tiles_n = (N + int32(BN - 1)) // int32(BN)
+        p = int32(cuda.blockIdx.x)
+        first = p // int32(group_m * tiles_n) * int32(group_m)
+        rows_here = min(tiles_m - first, int32(group_m))
+        q = p % int32(group_m * tiles_n)
+        m0 = (first + q % rows_here) * int32(BM)
+        n0 = q // rows_here * int32(BN)
+
         tid = int32(cuda.threadIdx.x)
         warp = tid // 32
         lane = tid % 32
         wm = (warp // WARPS_N) * WM                # this warp's C tile, inside the block's
         wn = (warp % WARPS_N) * WN
-        m0 = int32(cuda.blockIdx.y) * BM
-        n0 = int32(cuda.blockIdx.x) * BN
-        As = cuda.shared.array((2, BM, SA), float16, alignment=16)
-        Bs = cuda.shared.array((2, BK, SB), float16, alignment=16)
+        if dynamic:
+            smem = cuda.shared.array(0, uint16, alignment=16)
+            As = shared_view(smem, 0, (STAGES, BM, SA))
+            Bs = shared_view(smem, A_SIZE, (STAGES, BK, SB))
+        else:
+            As = cuda.shared.array((STAGES, BM, SA), uint16, alignment=16)
+            Bs = cuda.shared.array((STAGES, BK, SB), uint16, alignment=16)
         acc = cuda.local.array((MT, NT, 4), float32)
         for i in range(MT):
             for j in range(NT):
                 for e in range(4):
                     acc[i, j, e] = float32(0.0)
-        part = cuda.local.array((MT, NT, 4), float32)   # this stage's sums (BK of K)
-        af = cuda.local.array((MT, 4), uint32)
-        bf = cuda.local.array((NT, 2), uint32)
+        part = cuda.local.array((MT, NT, 4), float32)   # this step's sums (BK of K)
         # ldmatrix: lane 8 q + r gives row r of 8 x 8 matrix q (q: rows +0/+8, columns +0/+8)
         lr = (lane // 8) % 2 * 8 + lane % 8
         lc = (lane // 16) * 8
+        ar, ac = tid // A_ROW_CHUNKS, tid % A_ROW_CHUNKS * 8      # this thread's chunks of a stage
+        br, bc = tid // B_ROW_CHUNKS, tid % B_ROW_CHUNKS * 8
 
-        n_k = (K + BK - 1) // BK
-        stage_in(a, As[0], M, K, m0, 0, BK // 8, A_CHUNKS, tid, aligned)
-        stage_in(b, Bs[0], K, N, 0, n0, BN // 8, B_CHUNKS, tid, aligned)
-        cp_async_commit()
+        n_k = (K + int32(BK - 1)) // int32(BK)
+        for s in range(STAGES - 1):                # the first STAGES - 1 steps on their way
+            if s < n_k:
+                stage_in(a, b, As[s], Bs[s], m0, n0, int32(s * BK), M, N, K, ar, ac, br, bc, aligned)
+            cp_async_commit()                      # (a group a step, empty or not: the count stays right)
         for kt in range(n_k):
-            if kt + 1 < n_k:                       # the next stage flies while this one is used
-                nxt = (kt + 1) % 2
-                stage_in(a, As[nxt], M, K, m0, (kt + 1) * BK, BK // 8, A_CHUNKS, tid, aligned)
-                stage_in(b, Bs[nxt], K, N, (kt + 1) * BK, n0, BN // 8, B_CHUNKS, tid, aligned)
-            cp_async_commit()                      # (empty on the last step: the count stays right)
-            cp_async_wait_prior()                  # this stage's copies are done ...
-            cuda.syncthreads()                     # ... every thread's
-            st = kt % 2
-            for i in range(MT):
-                for j in range(NT):
-                    for e in range(4):
-                        part[i, j, e] = float32(0.0)
-            for ks in range(KS):
-                for i in range(MT):
-                    x = ldmatrix(As[st], wm + i * 16 + lr, ks * 16 + lc)
-                    for e in range(4):
-                        af[i, e] = x[e]
-                for j in range(NT // 2):
-                    x = ldmatrix_trans(Bs[st], ks * 16 + lr, wn + j * 16 + lc)
-                    bf[2 * j, 0] = x[0]
-                    bf[2 * j, 1] = x[1]
-                    bf[2 * j + 1, 0] = x[2]
-                    bf[2 * j + 1, 1] = x[3]
-                for i in range(MT):
-                    for j in range(NT):
-                        d = mma_f16((af[i, 0], af[i, 1], af[i, 2], af[i, 3]), (bf[j, 0], bf[j, 1]),
-                                    (part[i, j, 0], part[i, j, 1], part[i, j, 2], part[i, j, 3]))
-                        for e in range(4):
-                            part[i, j, e] = d[e]
-            for i in range(MT):                    # the stage's partial sums into C's, rounded to
+            wait_stage()                           # step kt's copies are done (STAGES - 2 still flying) ...
+            cuda.syncthreads()                     # ... every thread's; and step kt - 1's stage is free
+            ahead = kt + int32(STAGES - 1)
+            if ahead < n_k:
+                st = ahead % int32(STAGES)
+                stage_in(a, b, As[st], Bs[st], m0, n0, ahead * int32(BK), M, N, K, ar, ac, br, bc, aligned)
+            cp_async_commit()
+            st = kt % int32(STAGES)
+            # The step's KS k-steps, written out (BK <= 64): constant k-steps keep every fragment
+            # in registers and let the compiler load a k-step's fragments while earlier mma run.
+            k_step(As[st], Bs[st], 0, wm, wn, lr, lc, part)
+            if KS > 1:
+                k_step(As[st], Bs[st], 1, wm, wn, lr, lc, part)
+            if KS > 2:
+                k_step(As[st], Bs[st], 2, wm, wn, lr, lc, part)
+            if KS > 3:
+                k_step(As[st], Bs[st], 3, wm, wn, lr, lc, part)
+            for i in range(MT):                    # the step's partial sums into C's, rounded to
                 for j in range(NT):                # nearest: the tensor core's own float32 sums
                     for e in range(4):             # truncate, and over all of K that error adds up
                         acc[i, j, e] += part[i, j, e]
-            cuda.syncthreads()                     # this stage is refilled two steps on
         cp_async_wait_all()
         # C from the accumulator fragments: element e of tile (i, j) is row group + 8 (e // 2),
         # column 2 t + e % 2 of the tile
@@ -513,45 +590,77 @@ def make_mma_tiles(BM: int, BN: int, BK: int, WM: int, WN: int):
                         c[row, col] = acc[i, j, e]
 
     mma_tile_kernel.threads = THREADS
+    mma_tile_kernel.shared_bytes = mma_shared_bytes(BM, BN, BK, STAGES)
     return mma_tile_kernel
 
 
+MMA_SIG = (numba_types.uint16[:, ::1], numba_types.uint16[:, ::1], numba_types.float32[:, ::1], numba_types.int32)
+
+
 def _check_mma_tiles(tiles):
-    if (not isinstance(tiles, tuple) or len(tiles) != 5
+    if (not isinstance(tiles, tuple) or len(tiles) not in (5, 6)
             or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1 for x in tiles)):
-        raise ValueError(f"tiles: expected (BM, BN, BK, WM, WN) positive ints, got {tiles!r}")
-    BM, BN, BK, WM, WN = tiles
-    threads = 32 * (BM // WM) * (BN // WN) if WM and WN else 0
-    if (BM % WM or BN % WN or WM % 16 or WN % 16 or BK % 16 or not 32 <= threads <= 1024
-            or 2 * 2 * (BM * (BK + 8) + BK * (BN + 8)) > 48 * 1024):
-        raise ValueError("tiles: expected WM | BM, WN | BN, WM, WN and BK multiples of 16, 1 to 32 warps and at "
-                         f"most 48 KB of shared memory; got {tiles!r}")
+        raise ValueError(f"tiles: expected (BM, BN, BK, WM, WN[, STAGES]) positive ints, got {tiles!r}")
+    BM, BN, BK, WM, WN, STAGES = tiles if len(tiles) == 6 else tiles + (2,)
+    threads = 32 * (BM // WM) * (BN // WN)
+    if (BM % WM or BN % WN or WM % 16 or WN % 16 or BK % 16 or BK > 64 or not 32 <= threads <= 1024
+            or threads % (BK // 8) or threads % (BN // 8) or STAGES not in (2, 3, 4)):
+        raise ValueError("tiles: expected WM | BM, WN | BN, WM, WN and BK multiples of 16, BK <= 64, 1 to 32 warps, "
+                         f"BK / 8 and BN / 8 dividing the threads, 2 to 4 stages; got {tiles!r}")
+    limit = 227 * 1024
+    if mma_shared_bytes(BM, BN, BK, STAGES) > limit:
+        raise ValueError(f"tiles: {tiles!r} needs {mma_shared_bytes(BM, BN, BK, STAGES)} bytes of shared memory "
+                         f"(2 STAGES (BM (BK + 8) + BK (BN + 8))), more than the {limit} a block may have")
+    return int(BM), int(BN), int(BK), int(WM), int(WN), int(STAGES)
 
 
-def matmul_tensor_cores(a, b, *, out=None, tiles=None):
-    """C = A @ B on tensor cores: A (M, K) and B (K, N) float16, row-major; C float32.
+def _bits16(x, name):
+    """A device view of ``x`` as uint16 bits (float16 or uint16 arrays; uint16 holds bf16)."""
+    dev = to_device(x, name)
+    return dev.view(np.uint16) if dev.dtype == np.float16 else dev
 
-    Rung 4 of the ladder (``make_mma_tiles``): fp16 products, exact in float32, summed in
-    float32 by the tensor cores. ``tiles`` = (BM, BN, BK, WM, WN), by default
-    ``MMA_TILES_GPU`` on a GPU and ``MMA_TILES_SIM`` in the simulator. NumPy in, NumPy
-    out; device arrays in, device array out (``out``: a float32 (M, N) device array)."""
-    M, N, K = _check_operands(a, b, out, np.float16)
+
+def launch_mma_tiles(da, db, dc, tiles, *, bf16=False, aligned=None, group_m=GROUP_M):
+    """Launch ``make_mma_tiles`` on device arrays: da (M, K), db (K, N) uint16 bits, dc
+    (M, N) float32; ``tiles`` as ``matmul_tensor_cores`` takes them (checked). ``aligned``:
+    None to find out (every row 16-byte aligned: cp.async may copy it)."""
+    from kernels.base.shared_memory import launch_with_shared
+    from kernels.base.wide_loads import is_aligned
+
+    BM, BN, BK, WM, WN, STAGES = _check_mma_tiles(tuple(tiles))
+    (M, K), N = da.shape, db.shape[1]
+    if aligned is None:
+        aligned = is_aligned(da, K, 2) and is_aligned(db, N, 2)
+    nbytes = mma_shared_bytes(BM, BN, BK, STAGES)
+    launch_with_shared(lambda dynamic: make_mma_tiles(BM, BN, BK, WM, WN, STAGES, bf16=bool(bf16),
+                                                      dynamic=dynamic, group_m=group_m),
+                       nbytes, cdiv(M, BM) * cdiv(N, BN), 32 * (BM // WM) * (BN // WN),
+                       (da, db, dc, np.int32(bool(aligned))))
+
+
+def matmul_tensor_cores(a, b, *, out=None, tiles=None, bf16=False):
+    """C = A @ B on tensor cores: A (M, K) and B (K, N) row-major, float16 arrays, or uint16
+    arrays of bf16 bit patterns with ``bf16=True`` (NumPy has no bf16; a PyTorch bf16 tensor
+    is passed as its bits, ``t.view(torch.uint16)``); C float32.
+
+    Rung 4 of the ladder (``make_mma_tiles``): fp16 (bf16) products, exact in float32, summed
+    in float32 by the tensor cores. ``tiles`` = (BM, BN, BK, WM, WN[, STAGES]) (2 stages if
+    left out), by default ``MMA_TILES_GPU`` on a GPU and ``MMA_TILES_SIM`` in the simulator.
+    NumPy in, NumPy out; device arrays in, device array out (``out``: a float32 (M, N)
+    device array)."""
+    bf16 = check_flag(bf16, "bf16")
+    M, N, K = _check_operands(a, b, out, np.uint16 if bf16 else np.float16)
     tiles = (MMA_TILES_SIM if on_simulator() else MMA_TILES_GPU) if tiles is None else tuple(tiles)
     _check_mma_tiles(tiles)
     kind = ArrayKind(a)
-    da, db = to_device(a, "a"), to_device(b, "b")
+    da, db = _bits16(a, "a"), _bits16(b, "b")
     dc = device_empty((M, N)) if out is None else to_device(out, "out")
     if M == 0 or N == 0:
         return kind.give_back(dc) if out is None else out
     if K == 0:
         dc[:, :] = 0
         return kind.give_back(dc) if out is None else out
-    from kernels.base.wide_loads import is_aligned
-
-    BM, BN = tiles[0], tiles[1]
-    kern = make_mma_tiles(*(int(x) for x in tiles))
-    aligned = np.int32(is_aligned(da, K, 2) and is_aligned(db, N, 2))
-    kern[(cdiv(N, BN), cdiv(M, BM)), kern.threads](da, db, dc, aligned)
+    launch_mma_tiles(da, db, dc, tiles, bf16=bf16)
     return kind.give_back(dc) if out is None else out
 
 
@@ -654,16 +763,18 @@ def check_tile_load(load, case):
 
 # --------------------------------------------------------------------------- PTX targets
 
-def ptx_targets():
-    """(label, dispatcher, signature) for every kernel at its production tiles."""
+def ptx_targets(every_shape: bool = False):
+    """(label, dispatcher, signature) for every kernel at its production tiles (rung 4 fp16;
+    ``every_shape``: bf16 too, whose code differs in the mma instruction's name only)."""
     targets = [
         ("matmul rung 1 fp32 16x16", make_naive(16, 16), SIG),
         ("matmul rung 2 fp32 T=32", make_shared_tiles(32), SIG),
     ]
     for name, cfg in RUNG3_CONFIGS.items():
         targets.append((f"matmul rung 3 fp32 {name}", make_register_tiles(*cfg), SIG3))
-    from numba import types
-
-    targets.append((f"matmul rung 4 fp16 tensor cores {MMA_TILES_GPU}", make_mma_tiles(*MMA_TILES_GPU),
-                    (types.float16[:, ::1], types.float16[:, ::1], types.float32[:, ::1], types.int32)))
+    BM, BN, BK, WM, WN, STAGES = MMA_TILES_GPU
+    dynamic = mma_shared_bytes(BM, BN, BK, STAGES) > 48 * 1024
+    for bf16 in (False, True) if every_shape else (False,):
+        targets.append((f"matmul rung 4 {'bf16' if bf16 else 'fp16'} tensor cores {MMA_TILES_GPU}",
+                        make_mma_tiles(*MMA_TILES_GPU, bf16=bf16, dynamic=dynamic), MMA_SIG))
     return targets

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from kernels import reference as ref
+from kernels.base.mma import bf16_bits
 from kernels.base.runtime import on_simulator
 from kernels.base.testing import assert_close, matmul_floor, random_array
 from kernels.tiled_matmul import (
@@ -275,35 +276,75 @@ def test_global_bytes_per_rung():
 
 # --------------------------------------------------------------------------- rung 4: tensor cores
 
-MMA_TILES = [MMA_TILES_SIM, (16, 32, 32, 16, 16)] + ([] if SIM else [MMA_TILES_GPU, (64, 64, 32, 32, 32)])
+MMA_TILES = [MMA_TILES_SIM, (16, 32, 32, 16, 16), (16, 32, 16, 16, 16, 3), (32, 32, 16, 16, 16, 4)] + (
+    [] if SIM else [MMA_TILES_GPU, (64, 64, 32, 32, 32), (128, 128, 32, 64, 32, 2), (128, 64, 64, 64, 32, 3)])
+
+
+def bf16_of(x):
+    """float32 values rounded to bf16: (bit patterns as uint16, their values as float32)."""
+    bits = bf16_bits(x).astype(np.uint16)
+    return bits, (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 @st.composite
-def mma_cases(draw, max_dim=48 if SIM else 700):
+def mma_cases(draw, max_dim=48 if SIM else 700, bf16=False):
+    """(a, b, tiles, a's values, b's values): a, b float16, or bf16 bits (uint16)."""
     m, k, n = (draw(st.integers(0, max_dim)) for _ in range(3))
     if draw(st.booleans()):                       # 16-byte rows (cp.async) or not (element copies)
         k, n = -(-k // 8) * 8, -(-n // 8) * 8
     magnitude = draw(st.sampled_from([0.01, 1.0, 100.0]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    a = random_array(rng, (m, k), magnitude).astype(np.float16)
-    b = random_array(rng, (k, n)).astype(np.float16)
-    return a, b, draw(st.sampled_from(MMA_TILES))
+    a, b = random_array(rng, (m, k), magnitude), random_array(rng, (k, n))
+    tiles = draw(st.sampled_from(MMA_TILES))
+    if bf16:
+        (a, av), (b, bv) = bf16_of(a), bf16_of(b)
+        return a, b, tiles, av, bv
+    a, b = a.astype(np.float16), b.astype(np.float16)
+    return a, b, tiles, a, b
 
 
-def check_mma(a, b, tiles):
-    got = matmul_tensor_cores(a, b, tiles=tiles)
+def check_mma(a, b, tiles, av=None, bv=None, bf16=False):
+    """Rung 4 against the oracle on the rounded inputs ``av``, ``bv`` (the products are exact in
+    float32 for fp16 and bf16 alike; the sums float32): the float32 rule of the other rungs."""
+    av, bv = (a, b) if av is None else (av, bv)
+    got = matmul_tensor_cores(a, b, tiles=tiles, bf16=bf16)
     assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == (a.shape[0], b.shape[1])
-    # the oracle on the fp16 inputs (the products are exact; the sums float32)
-    assert_close(got, ref.matmul(a, b), ref.matmul(a, b, dtype=np.float32), name="C (rung 4, tensor cores)",
-                 floor=matmul_floor(a, b))
+    assert_close(got, ref.matmul(av, bv), ref.matmul(av, bv, dtype=np.float32),
+                 name=f"C (rung 4, tensor cores, {'bf16' if bf16 else 'fp16'})", floor=matmul_floor(av, bv))
 
 
 @given(mma_cases())
-@example((np.ones((1, 1), np.float16), np.ones((1, 1), np.float16), MMA_TILES_SIM)).via("1 x 1 x 1")
-@example((np.ones((33, 40), np.float16), np.full((40, 17), 0.5, np.float16), MMA_TILES_SIM)).via("ragged")
-@example((np.ones((3, 0), np.float16), np.ones((0, 4), np.float16), MMA_TILES_SIM)).via("K = 0: C is zeros")
+@example((np.ones((1, 1), np.float16), np.ones((1, 1), np.float16), MMA_TILES_SIM, None, None)).via("1 x 1 x 1")
+@example((np.ones((33, 40), np.float16), np.full((40, 17), 0.5, np.float16), MMA_TILES_SIM, None, None)).via("ragged")
+@example((np.ones((3, 0), np.float16), np.ones((0, 4), np.float16), MMA_TILES_SIM, None, None)).via("K = 0: C is zeros")
 def test_tensor_core_rung_matches_oracle(case):
     check_mma(*case)
+
+
+def bf16_case(x, y, tiles):
+    (a, av), (b, bv) = bf16_of(x), bf16_of(y)
+    return a, b, tiles, av, bv
+
+
+@given(mma_cases(bf16=True))
+@example(bf16_case(np.full((33, 40), 1.5, np.float32), np.full((40, 17), 0.3, np.float32), MMA_TILES_SIM)
+         ).via("ragged; 0.3 is no bf16 value")
+def test_tensor_core_rung_bf16_matches_oracle(case):
+    check_mma(*case, bf16=True)
+
+
+def test_tensor_core_rung_bf16_tolerance_bites():
+    """The bf16 check catches bf16 bits read as fp16, and an oracle on the unrounded inputs
+    (the tolerance is the float32 rule, far below bf16's rounding of the inputs)."""
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((20, 24)).astype(np.float32), rng.standard_normal((24, 12)).astype(np.float32)
+    (a, av), (b, bv) = bf16_of(x), bf16_of(y)
+    check_mma(a, b, MMA_TILES_SIM, av, bv, bf16=True)
+    with pytest.raises(AssertionError):             # the wrong mma: bf16 bits taken as fp16
+        got = matmul_tensor_cores(a.view(np.float16), b.view(np.float16), tiles=MMA_TILES_SIM)
+        assert_close(got, ref.matmul(av, bv), ref.matmul(av, bv, dtype=np.float32), floor=matmul_floor(av, bv))
+    with pytest.raises(AssertionError):             # the oracle on the inputs before rounding
+        check_mma(a, b, MMA_TILES_SIM, x, y, bf16=True)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -311,6 +352,12 @@ def test_tensor_core_rung_matches_oracle(case):
     (dict(b=np.ones((4, 2), np.float16)), ValueError, "b: expected 3 rows"),
     (dict(tiles=(32, 32, 8, 16, 16)), ValueError, "tiles: expected"),
     (dict(tiles=(32, 32, 16, 16)), ValueError, "tiles: expected"),
+    (dict(tiles=(32, 32, 16, 16, 16, 5)), ValueError, "tiles: expected"),
+    (dict(tiles=(32, 32, 128, 16, 16)), ValueError, "tiles: expected"),
+    (dict(tiles=(256, 256, 64, 64, 64, 4)), ValueError, "tiles: .* bytes of shared memory"),
+    (dict(bf16=True), TypeError, "a: expected dtype uint16"),
+    (dict(bf16=1), TypeError, "bf16: expected True or False"),
+    (dict(a=np.ones((2, 3), np.uint16)), TypeError, "a: expected dtype float16"),
 ])
 def test_tensor_core_rung_bad_input(kwargs, error, match):
     args = dict(a=np.ones((2, 3), np.float16), b=np.ones((3, 2), np.float16))
@@ -327,3 +374,4 @@ def test_tensor_core_rung_long_k():
     a = rng.standard_normal((64, 4096)).astype(np.float16)
     b = rng.standard_normal((4096, 72)).astype(np.float16)
     check_mma(a, b, MMA_TILES_GPU)
+    check_mma(*bf16_case(a.astype(np.float32), b.astype(np.float32), MMA_TILES_GPU), bf16=True)
