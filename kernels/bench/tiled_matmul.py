@@ -24,7 +24,8 @@ Our kernels are timed as bare launches on preallocated device arrays; each resul
 checked against the float64 oracle on a few rows and columns before it is timed.
 
 Rung 4 (tensor cores, ``matmul_tensor_cores``): fp16 A and B, fp32 C, at 4096^3 (every
-tiling of ``MMA_CONFIGS``) and 8192^3, against cuBLAS fp16 (CuPy, torch.matmul; fp16 out).
+tiling of ``MMA_CONFIGS``) and 8192^3, against cuBLAS fp16 (CuPy, torch.matmul; fp16 out);
+and bf16 A and B (the default tiling) against cuBLAS bf16 (torch.matmul; bf16 out).
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ from kernels.tiled_matmul import (  # noqa: E402
     global_bytes,
     make_naive,
     make_register_tiles,
-    make_mma_tiles,
+    launch_mma_tiles,
     make_shared_tiles,
     matmul,
     matmul_tensor_cores,
     MMA_TILES_GPU,
+    MMA_TILES_SIM,
 )
+from kernels.base.mma import bf16_bits  # noqa: E402
 
 CHAPTER = 2
 TITLE = "tiled matmul"
@@ -219,75 +222,87 @@ def run(ctx) -> list[Result]:
     return results
 
 
-# Rung 4's candidate tilings (BM, BN, BK, WM, WN) at the reference size.
-MMA_CONFIGS = {"128x128x32 w64x32": MMA_TILES_GPU, "64x64x32 w32x32": (64, 64, 32, 32, 32),
-               "128x64x32 w64x32": (128, 64, 32, 64, 32)}
+# Rung 4's candidate tilings (BM, BN, BK, WM, WN, STAGES) at the reference size.
+MMA_CONFIGS = {"128x128x64 w64x32 s3": MMA_TILES_GPU, "128x128x32 w64x32 s2": (128, 128, 32, 64, 32, 2),
+               "128x128x32 w64x32 s4": (128, 128, 32, 64, 32, 4), "64x128x64 w32x64 s3": (64, 128, 64, 32, 64, 3)}
 
 
 def _tensor_core_rung(ctx, cp, torch):
-    """Rung 4: fp16 A and B, fp32 C, on tensor cores; peers cuBLAS fp16 (CuPy, torch)."""
+    """Rung 4: fp16 (then bf16) A and B, fp32 C, on tensor cores; peers cuBLAS fp16 (CuPy,
+    torch) and bf16 (torch)."""
     results = []
     sizes = [(32, 32, 16)] if ctx.simulator else ([(4096, 4096, 4096)] if ctx.quick
                                                   else [(4096, 4096, 4096), (8192, 8192, 8192)])
-    for index, (m, n, k) in enumerate(sizes):
-        config = f"M={m} N={n} K={k} fp16"
-        flops = 2.0 * m * n * k
-        rng = np.random.default_rng(400)
-        a_host = rng.standard_normal((m, k)).astype(np.float16)
-        b_host = rng.standard_normal((k, n)).astype(np.float16)
-        a, b = cuda.to_device(a_host), cuda.to_device(b_host)
-        c = cuda.device_array((m, n), np.float32)
-        sets = [(a, b, c)]
-        base = dict(N=m) if m == n == k else {}
-        rows = []
-        cublas_ms = None
-        if cp is not None:
-            ca, cb = cp.asarray(a), cp.asarray(b)
-            cc = cp.empty((m, n), cp.float16)
-            r = ctx.measure(CHAPTER, "peer: cuBLAS (CuPy) fp16", config, lambda a, b, c: cp.matmul(a, b, out=c),
-                            [(ca, cb, cc)], flops=flops, model_bytes=2.0 * (m * k + k * n + m * n), is_peer=True,
-                            peak_memory=False, note="cupy.matmul of fp16 (tensor cores; fp16 out)", extra=dict(base))
-            cublas_ms = r.median_ms
-            rows.append(r)
-        if torch is not None:
-            ta, tb = torch.as_tensor(a, device="cuda"), torch.as_tensor(b, device="cuda")
-            tc = torch.empty((m, n), device="cuda", dtype=torch.float16)
-            rows.append(ctx.measure(CHAPTER, "peer: torch.matmul fp16", config,
-                                    lambda a, b, c: torch.matmul(a, b, out=c), [(ta, tb, tc)], flops=flops,
-                                    model_bytes=2.0 * (m * k + k * n + m * n), is_peer=True, peak_memory=False,
-                                    note="fp16 in and out (tensor cores)", extra=dict(base)))
-        configs = {"sim 32x32x16 w16x16": None} if ctx.simulator else (
-            MMA_CONFIGS if index == 0 else {"128x128x32 w64x32": MMA_TILES_GPU})
-        for name, tiles in configs.items():
-            tiles = tiles or (32, 32, 16, 16, 16)
-            kern = make_mma_tiles(*tiles)
-            grid = (cdiv(n, tiles[1]), cdiv(m, tiles[0]))
+    for bf16 in (False, True):
+        dt = "bf16" if bf16 else "fp16"
+        for index, (m, n, k) in enumerate(sizes):
+            config = f"M={m} N={n} K={k} {dt}"
+            flops = 2.0 * m * n * k
+            rng = np.random.default_rng(400)
+            x, y = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+            if bf16:
+                a_host, b_host = bf16_bits(x).astype(np.uint16), bf16_bits(y).astype(np.uint16)
+                a_val, b_val = ((h.astype(np.uint32) << 16).view(np.float32) for h in (a_host, b_host))
+            else:
+                a_host, b_host = x.astype(np.float16).view(np.uint16), y.astype(np.float16).view(np.uint16)
+                a_val, b_val = (h.view(np.float16).astype(np.float32) for h in (a_host, b_host))
+            a, b = cuda.to_device(a_host), cuda.to_device(b_host)       # the 16-bit patterns
+            c = cuda.device_array((m, n), np.float32)
+            sets = [(a, b, c)]
+            base = dict(N=m) if m == n == k else {}
+            rows = []
+            cublas_ms = None
+            if cp is not None and not bf16:
+                ca, cb = cp.asarray(a).view(cp.float16), cp.asarray(b).view(cp.float16)
+                cc = cp.empty((m, n), cp.float16)
+                r = ctx.measure(CHAPTER, "peer: cuBLAS (CuPy) fp16", config, lambda a, b, c: cp.matmul(a, b, out=c),
+                                [(ca, cb, cc)], flops=flops, model_bytes=2.0 * (m * k + k * n + m * n), is_peer=True,
+                                peak_memory=False, note="cupy.matmul of fp16 (tensor cores; fp16 out)",
+                                extra=dict(base))
+                cublas_ms = r.median_ms
+                rows.append(r)
+            if torch is not None:
+                tdt = torch.bfloat16 if bf16 else torch.float16
+                ta = torch.as_tensor(a, device="cuda").view(tdt)
+                tb = torch.as_tensor(b, device="cuda").view(tdt)
+                tc = torch.empty((m, n), device="cuda", dtype=tdt)
+                r = ctx.measure(CHAPTER, f"peer: torch.matmul {dt}", config,
+                                lambda a, b, c: torch.matmul(a, b, out=c), [(ta, tb, tc)], flops=flops,
+                                model_bytes=2.0 * (m * k + k * n + m * n), is_peer=True, peak_memory=False,
+                                note=f"{dt} in and out (cuBLAS, tensor cores)", extra=dict(base))
+                if bf16:
+                    cublas_ms = r.median_ms
+                rows.append(r)
+            default = MMA_TILES_SIM if ctx.simulator else MMA_TILES_GPU
+            configs = {"sim": default} if ctx.simulator or bf16 or index else MMA_CONFIGS
+            for name, tiles in configs.items():
+                def rung4(a, b, c, tiles=tiles):
+                    launch_mma_tiles(a, b, c, tiles, bf16=bf16, aligned=True)
 
-            def rung4(a, b, c, kern=kern, grid=grid):
-                kern[grid, kern.threads](a, b, c, np.int32(1))
-
-            rung4(*sets[0])
-            _check(c, a_host.astype(np.float32), b_host.astype(np.float32), f"rung 4 {name}")
-            is_default = ctx.simulator or tiles == MMA_TILES_GPU
-            label = "rung 4 (tensor cores)" if is_default else f"rung 4 (tensor cores) {name}"
-            rows.append(ctx.measure(CHAPTER, label, config, rung4, sets, flops=flops,
-                                    model_bytes=2.0 * (m * k * cdiv(n, tiles[1]) + k * n * cdiv(m, tiles[0]))
-                                    + 4.0 * m * n, peak_memory=False,
-                                    note=f"mma.sync m16n8k16: BM={tiles[0]} BN={tiles[1]} BK={tiles[2]}, "
-                                         f"warp tile {tiles[3]}x{tiles[4]}, {kern.threads} threads",
-                                    extra=dict(base) if is_default else {}))
-        if index == 0:
-            rows.append(ctx.measure(CHAPTER, "matmul_tensor_cores() launcher (rung 4)", config,
-                                    lambda a, b, c: matmul_tensor_cores(a, b), sets, flops=flops,
-                                    model_bytes=2.0 * (m * k + k * n) + 4.0 * m * n, peak_memory=False,
-                                    note="argument checks and the output allocation included"))
-        for r in rows:
-            if cublas_ms:
-                r.note += f"; {cublas_ms / r.median_ms:.3f}x cuBLAS fp16's speed"
-        results.extend(rows)
-        del sets, a, b, c
-        if cp is not None:
-            cp.get_default_memory_pool().free_all_blocks()
+                rung4(*sets[0])
+                _check(c, a_val, b_val, f"rung 4 {dt} {name}")
+                is_default = tiles == default
+                label = "rung 4 (tensor cores)" if is_default else f"rung 4 (tensor cores) {name}"
+                bm, bn, bk, wm, wn, stages = tiles
+                rows.append(ctx.measure(CHAPTER, label, config, rung4, sets, flops=flops,
+                                        model_bytes=2.0 * (m * k * cdiv(n, bn) + k * n * cdiv(m, bm)) + 4.0 * m * n,
+                                        peak_memory=False,
+                                        note=f"mma.sync m16n8k16 {dt}: BM={bm} BN={bn} BK={bk}, warp tile {wm}x{wn}, "
+                                             f"{stages} stages, {32 * (bm // wm) * (bn // wn)} threads",
+                                        extra=dict(base) if is_default else {}))
+            if index == 0:
+                user = (lambda a, b, c: matmul_tensor_cores(a, b, bf16=True)) if bf16 else (
+                    lambda a, b, c: matmul_tensor_cores(a.view(np.float16), b.view(np.float16)))
+                rows.append(ctx.measure(CHAPTER, "matmul_tensor_cores() launcher (rung 4)", config, user, sets,
+                                        flops=flops, model_bytes=2.0 * (m * k + k * n) + 4.0 * m * n,
+                                        peak_memory=False, note="argument checks and the output allocation included"))
+            for r in rows:
+                if cublas_ms:
+                    r.note += f"; {cublas_ms / r.median_ms:.3f}x cuBLAS {dt}'s speed"
+            results.extend(rows)
+            del sets, a, b, c
+            if cp is not None:
+                cp.get_default_memory_pool().free_all_blocks()
     return results
 
 
