@@ -506,13 +506,13 @@ print(f"{c_.device} fp32 ridge: {c_.fp32_tflops:.1f} TFLOP/s / {c_.hbm_tbs:.2f} 
 # 16 x 8 product, fp32 sums. Numba has no API for them; `kernels/base/mma.py` emits the
 # instruction as inline PTX (and emulates it in the simulator). Rung 4
 # (`matmul_tensor_cores`, `make_mma_tiles`) keeps rung 3's shape: a block stages BM x BK of
-# A and BK x BN of B in shared memory (two stages, filled by `cp.async` while the other is
-# used), each warp owns a WM x WN tile of C as accumulator fragments, loads its operand
+# A and BK x BN of B in shared memory (several stages, three by default: `cp.async` fills the
+# ones ahead while one is used), each warp owns a WM x WN tile of C as accumulator fragments, loads its operand
 # fragments with `ldmatrix`, and runs the mma. One thing is new: the tensor core's own
 # float32 sums truncate, and over K = 4096 in one chain their error reached 13 times NumPy's
 # float32 error on the H100, so each stage's sums start from zero and are added to C's in
-# float32 (two-level sums, as chapter 5's backward does). fp16 inputs, float32 output,
-# against the oracle on the fp16 inputs:
+# float32 (two-level sums, as chapter 5's backward does). fp16 inputs (or bf16, as bit
+# patterns with `bf16=True`), float32 output, against the oracle on the fp16 inputs:
 
 # %%
 from kernels.tiled_matmul import matmul_tensor_cores
