@@ -3,9 +3,10 @@
 Chapter 4's loops, the products moved from the FMA units to the tensor cores
 (``kernels.base.mma``: mma.sync m16n8k16, fp16 or bf16 in, fp32 accumulate):
 
-    one block          Br = 16 W query rows of one (batch, head), W warps (64 or 128 rows)
+    one block          Br = 16 W query rows of one (batch, head), W warps (128 rows on a GPU)
     one warp           16 query rows: Q_i's A fragments stay in its registers
-    for each K/V tile (Bc keys, staged in shared memory by cp.async):
+    for each K/V tile (Bc keys, staged in shared memory by cp.async: K_j is copied while
+    the warps compute P V_{j-1}, V_j while they compute S_j, so copies hide behind mma):
         S    = Q_i K_j^T           Bc/8 accumulator tiles (16 x 8), D/16 mma each; K_j's B
                                    fragments by ldmatrix (K is row-major: B = K^T is "col")
         m'   = max(m, rowmax S)    a lane holds 2 scores a row a tile: the row's max is
@@ -17,10 +18,11 @@ Chapter 4's loops, the products moved from the FMA units to the tensor cores
                                    memory; V_j's B fragments by ldmatrix.trans
     O / l and L = m + log l, as in chapter 4.
 
-Inputs are given as their 16-bit patterns (uint16 arrays): fp16 or bf16, chosen by
-``bf16`` (NumPy has no bf16; a PyTorch bf16 tensor is passed as its bits). The head dim
+Inputs are fp16, or bf16 (``bf16=True``: PyTorch bf16 tensors, or their 16-bit patterns
+as uint16 arrays, since NumPy has no bf16); the kernel reads 16-bit patterns. The head dim
 is padded to D, a multiple of 16 (zeros past d). Causal masking skips the K/V tiles past
-the block's last row and masks the crossing tiles; a row that sees no key gets O = 0 and
+the block's last row, and only a tile that crosses a warp's diagonal (or the end of K)
+pays for the mask, element by element; a row that sees no key gets O = 0 and
 L = -inf. Scores are in base 2 (scale log2 e folded in), as in chapter 4.
 
 Precision: P is rounded to the input type before P V, as in FlashAttention-2; the tests
@@ -40,7 +42,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
-from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y, MINUS_INF, make_row_reductions, nan_max
+from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y, MINUS_INF, make_row_reductions
 from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, device_empty, \
     is_bf16_array, on_simulator, to_device
 
@@ -51,15 +53,15 @@ LN2 = math.log(2.0)
 
 
 def tc_tiles(d: int) -> tuple[int, int, int]:
-    """(Br, Bc, D), D = d rounded up to a multiple of 16. On a GPU 64 keys a tile, and 64
-    query rows (4 warps) up to D = 64, 128 rows (8 warps) above: measured on the H100 at
-    B=4 H=16 N=4096, fp16, bare launches, d = 64: 127 against 120 TFLOP/s; d = 128: 149
-    against 121 (each K/V tile serves twice the rows). In the simulator 16 keys and 16 or
-    32 rows (both code paths)."""
+    """(Br, Bc, D), D = d rounded up to a multiple of 16. On a GPU 128 query rows (8 warps)
+    and 64 keys a tile: each K/V tile then serves twice the rows of Br = 64. Measured on the
+    H100 at B=4 H=16 N=4096, fp16, bare launches (workbook/results/TUNING.md): d = 128,
+    174 against 131 TFLOP/s; d = 64 (with 128 registers a thread, two blocks an SM), 162
+    against 143. In the simulator 16 keys and 16 or 32 rows (both code paths)."""
     D = 16 * cdiv(max(int(d), 1), 16)
     if on_simulator():
         return (16 if D <= 16 else 32), 16, D
-    return (64 if D <= 64 else 128), 64, D
+    return 128, 64, D
 
 
 # --------------------------------------------------------------------------- the two fragment hooks
@@ -128,8 +130,8 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
     (B*H, Nk, d) uint16 (fp16 or bf16 bits); o (B*H, Nq, d) and lse (B*H, Nq) float32;
     scale (float32), causal (int32 0/1), aligned (int32: rows 16-byte aligned, d % 8 == 0,
     so whole 16-byte chunks go by cp.async)."""
-    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, ldmatrix, ldmatrix_trans, mma_bf16,
-                                  mma_f16)
+    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, ldmatrix,
+                                  ldmatrix_trans, mma_bf16, mma_f16)
 
     mma = mma_bf16 if bf16 else mma_f16
     load_a_fragment = a_fragment_factory()
@@ -138,7 +140,7 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
     THREADS = 32 * W
     KS, NS, KP, ND = D // 16, Bc // 8, Bc // 16, D // 8
     SD = D + 8                                    # shared row stride (halves): ldmatrix rows in distinct banks
-    row_max, row_sum = make_row_reductions(4, THREADS)
+    row_max, row_sum = make_row_reductions(4, THREADS, propagate_nan=False)     # (NaN: see the softmax)
     if Br not in (Bc, 2 * Bc):
         raise ValueError("tiles: the Q tile is staged through the K and V buffers: Br must be Bc or 2 Bc")
 
@@ -158,7 +160,11 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
                         x = src[row, c + e]
                     dst[r, c + e] = x
 
-    @cuda.jit(fastmath=True)
+    # At D <= 64 and 8 warps, 128 registers a thread (from 160, a few spilled) let two
+    # blocks share an SM: measured 1.2x faster on the H100 (workbook/results/TUNING.md).
+    registers = {"max_registers": 128} if D <= 64 and Br >= 128 and not on_simulator() else {}
+
+    @cuda.jit(fastmath=True, **registers)
     def flash_forward_mma(q, k, v, o, lse, scale, causal, aligned):
         bh = int32(cuda.blockIdx.y)
         tid = int32(cuda.threadIdx.x)
@@ -210,14 +216,19 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
         if causal != 0:
             kv_end = min(n_k, q0 + Br + diag)
         n_tiles = (max(kv_end, 0) + Bc - 1) // Bc
+        wrow0 = q0 + warp * 16                       # this warp's first query row
 
+        # ---- the copies overlap the products: K_j flies during P V_{j-1}, V_j during S_j
+        cuda.syncthreads()                           # Q is in registers: Ks and Vs are free
+        if n_tiles > 0:
+            stage_in(kh, Ks, n_k, 0, d, tid, aligned)
+        cp_async_commit()
         for jt in range(n_tiles):
             k0 = jt * Bc
-            cuda.syncthreads()                       # everyone is done with the last tile (and Q)
-            stage_in(kh, Ks, n_k, k0, d, tid, aligned)
+            cuda.syncthreads()                       # every warp is done with V_{j-1}
             stage_in(vh, Vs, n_k, k0, d, tid, aligned)
             cp_async_commit()
-            cp_async_wait_all()
+            cp_async_wait_prior()                    # K_j has landed (V_j may still fly)
             cuda.syncthreads()
 
             # ---- S = Q_i K_j^T: NS tiles of 16 x 8, scaled to base 2, masked
@@ -232,20 +243,28 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
                 for e in range(4):
                     sc[2 * nt2, e] = c0[e]
                     sc[2 * nt2 + 1, e] = c1[e]
-            for nt in range(NS):
-                for e in range(4):
-                    key = k0 + nt * 8 + 2 * t + e % 2
-                    row = q0 + warp * 16 + group + 8 * (e // 2)
-                    x = sc[nt, e] * scale2
-                    if key >= n_k or (causal != 0 and key > row + diag):
-                        x = MASKED
-                    sc[nt, e] = x
+            # only a tile that crosses n_k or this warp's causal diagonal is masked
+            if k0 + Bc > n_k or (causal != 0 and k0 + Bc - 1 > wrow0 + diag):
+                for nt in range(NS):
+                    for e in range(4):
+                        key = k0 + nt * 8 + 2 * t + e % 2
+                        row = wrow0 + group + 8 * (e // 2)
+                        x = sc[nt, e] * scale2
+                        if key >= n_k or (causal != 0 and key > row + diag):
+                            x = MASKED
+                        sc[nt, e] = x
+            else:
+                for nt in range(NS):
+                    for e in range(4):
+                        sc[nt, e] *= scale2
 
-            # ---- online softmax on the fragments: rows group (h = 0) and group + 8 (h = 1)
+            # ---- online softmax on the fragments: rows group (h = 0) and group + 8 (h = 1).
+            # max.f32 skips a NaN score, but its p = exp2(NaN - m) is NaN, and so are l and
+            # the row's O and L: NaN still reaches the output, one instruction a score.
             for h in range(2):
                 mx = m[h]
                 for nt in range(NS):
-                    mx = nan_max(mx, nan_max(sc[nt, 2 * h], sc[nt, 2 * h + 1]))
+                    mx = max(mx, max(sc[nt, 2 * h], sc[nt, 2 * h + 1]))
                 mx = row_max(mx)                     # the quad's 4 lanes hold the row
                 alpha = math.exp2(m[h] - mx)
                 m[h] = mx
@@ -260,6 +279,12 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
                         l[h] += p
                         sc[nt, 2 * h + e] = p
 
+            cp_async_wait_all()                      # V_j has landed ...
+            cuda.syncthreads()                       # ... and every warp is done with K_j
+            if jt + 1 < n_tiles:
+                stage_in(kh, Ks, n_k, k0 + Bc, d, tid, aligned)
+            cp_async_commit()
+
             # ---- O += P V_j: P's tiles 2 kp, 2 kp + 1 are one A fragment (packed in registers)
             for kp in range(KP):
                 a = p_to_a((sc[2 * kp, 0], sc[2 * kp, 1], sc[2 * kp, 2], sc[2 * kp, 3]),
@@ -273,10 +298,12 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
                         acc[2 * dt, e] = c0[e]
                         acc[2 * dt + 1, e] = c1[e]
 
+        cp_async_wait_all()                          # (the last, empty, group)
+
         # ---- O / l and L: the quad's sums first
         for h in range(2):
             total = row_sum(l[h])
-            row = q0 + warp * 16 + group + 8 * h
+            row = wrow0 + group + 8 * h
             if row < n_q:
                 if total > float32(0.0) or total != total:
                     inv = float32(1.0) / total
@@ -429,7 +456,6 @@ def ptx_targets(every_shape: bool = False):
     out = []
     for D in (64, 128):
         for bf16 in (False, True) if every_shape else (False,):
-            Br = 64 if D <= 64 else 128
-            out.append((f"flash fwd tensor cores {'bf16' if bf16 else 'fp16'} Br={Br} Bc=64 D={D}",
-                        make_flash_forward_mma(Br, 64, D, bf16), sig))
+            out.append((f"flash fwd tensor cores {'bf16' if bf16 else 'fp16'} Br=128 Bc=64 D={D}",
+                        make_flash_forward_mma(128, 64, D, bf16), sig))    # tc_tiles on a GPU
     return out

@@ -97,6 +97,11 @@ def nan_max(a, b):
 
 
 @cuda.jit(device=True, inline=True)
+def _plain_max(a, b):
+    return max(a, b)         # max.f32: one instruction (a NaN operand gives the other one)
+
+
+@cuda.jit(device=True, inline=True)
 def load_kv_or_zero(kh, vh, r, c, n, d):
     """K[r, c] and V[r, c] as float32 (an fp16 cache widens on the way), 0 past the n rows
     or d columns: the address is clamped inside the arrays, so the load itself never
@@ -111,22 +116,24 @@ def load_kv_or_zero(kh, vh, r, c, n, d):
     return kx, vx
 
 
-def make_row_reductions(TX: int, threads: int):
+def make_row_reductions(TX: int, threads: int, propagate_nan: bool = True):
     """row_max(x), row_sum(x): reduce x over the TX neighbouring threads that share a row.
 
     On a GPU: a butterfly of log2(TX) warp shuffles (``shfl_xor``), no shared memory, no
     barrier (the TX threads of a row are consecutive lanes of one warp). The simulator has
     no shuffles: there the threads swap values through shared memory between barriers
     (every thread calls these together, as the lanes of a warp would). row_max propagates
-    NaN."""
+    NaN; with ``propagate_nan=False``, on a GPU, it is one ``max.f32`` a step, which returns
+    the other operand of a NaN (for a kernel where a NaN reaches the output another way)."""
     if not on_simulator():
         lanes = 0xFFFFFFFF if threads >= 32 else (1 << threads) - 1   # the lanes that exist
+        pick = nan_max if propagate_nan else _plain_max
 
         @cuda.jit(device=True, inline=True)
         def row_max(x):
             lane_mask = TX // 2
             while lane_mask > 0:
-                x = nan_max(x, cuda.shfl_xor_sync(lanes, x, lane_mask))
+                x = pick(x, cuda.shfl_xor_sync(lanes, x, lane_mask))
                 lane_mask //= 2
             return x
 
