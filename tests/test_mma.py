@@ -204,6 +204,7 @@ def _copy_kernel(src, out):
     mma.cp_async(s, t // 8, (t % 8) * 8, src, t // 8, (t % 8) * 8)
     mma.cp_async_commit()
     mma.cp_async_wait_prior()
+    mma.cp_async_wait_prior2()
     mma.cp_async_wait_all()
     cuda.syncthreads()
     w = mma.load_words(src, t // 8, (t % 8) * 8)
