@@ -391,7 +391,7 @@ def matmul(a, b, *, rung: int = 3, out=None, block=None, tile=None, register_til
 
 # (BM, BN, BK, WM, WN, STAGES): a block's C tile, its K step, each warp's C tile, and how many
 # K steps are in shared memory at once (cp.async fills STAGES - 1 ahead of the one in use).
-MMA_TILES_GPU = (128, 128, 64, 64, 32, 3)     # 8 warps of 64 x 32: 4 x 4 mma tiles a warp; 105 KB shared
+MMA_TILES_GPU = (128, 128, 64, 64, 32, 4)     # 8 warps of 64 x 32: 4 x 4 mma tiles a warp; 140 KB shared
 MMA_TILES_SIM = (32, 32, 16, 16, 16, 2)       # 4 warps (every thread is a Python thread)
 GROUP_M = 8                                   # block order: GROUP_M block rows sweep N together (L2 reuse)
 
