@@ -525,10 +525,12 @@ assert_close(c16, ref.matmul(a16, b16), ref.matmul(a16, b16, dtype=np.float32), 
 print("rung 4 (tensor cores): C within the float32 tolerance of the oracle, dtype", c16.dtype)
 
 # %% [markdown]
-# On the H100 (section 8's table, fp16 rows) rung 4 reaches about 100 TFLOP/s at 4096³ and
-# 8192³: twice the fp32 FMA ceiling, and 0.16x cuBLAS fp16 (645 to 703 TFLOP/s, which uses
-# Hopper's warpgroup `wgmma`, deeper pipelines and larger tiles). Closing that distance is
-# beyond this chapter.
+# On the H100 (section 8's table) rung 4 reaches 188 TFLOP/s at 4096³ and 221 at 8192³ in
+# fp16 (bf16: 167 and 223): more than 4x the fp32 FMA ceiling, and 0.27x and 0.31x cuBLAS
+# fp16 (698 and 712 TFLOP/s in the same run, which uses Hopper's warpgroup `wgmma`, deeper
+# pipelines and larger tiles). A sweep of tilings (`workbook/results/TUNING.md`) found the
+# K step that counts: BK = 64 halves the barriers per FLOP (149 to 206 TFLOP/s in that
+# run); more stages add little. Closing the rest of the distance is beyond this chapter.
 #
 # ## 8. Results on the H100
 #

@@ -91,27 +91,34 @@ for lane in (0, 5, 31):
 # ## 2. The kernel
 #
 # Chapter 4's loop order (the query tile outer, K/V tiles inner) with a **warp** as the
-# unit: each warp owns 16 query rows, a block 64 or 128 rows (4 or 8 warps). The block
-# stages each K/V tile of 64 keys in shared memory with `cp.async`; each warp then:
+# unit: each warp owns 16 query rows, a block 128 rows (8 warps) on a GPU. The block
+# stages each K/V tile of 64 keys in shared memory with `cp.async`, ahead of its use: K_j
+# is copied while the warps compute P V_{j-1}, V_j while they compute S_j, so the copies
+# hide behind the mma (one buffer each for K and V, three barriers a tile). Each warp then:
 #
 # | step | how |
 # |---|---|
 # | Q_i | staged once; each warp loads its A fragments (`load_a_fragment`: one `ldmatrix`; exercise 4) and keeps them in registers |
 # | S = Q_i K_jᵀ | 8 accumulator tiles of 16 x 8 (64 keys), D/16 mma each; K's B fragments by `ldmatrix` (K is row-major, so Kᵀ is "col" as mma wants) |
-# | m', P, l | on the fragments: scale to base 2, mask, row max over the quad, `P = 2^(S - m')` |
+# | m', P, l | on the fragments: scale to base 2, mask (only a tile that crosses the end of K or the warp's diagonal), row max over the quad, `P = 2^(S - m')` |
 # | O += P V_j | P packed to fp16 (or bf16) in registers as above (`p_to_a`, exercise 5); V's B fragments by `ldmatrix.trans` |
 # | end | the quad adds its 4 partial row sums; O / l and L = m + log l |
 #
-# The pieces, from `kernels/flash_tensor_cores.py`:
+# The pieces, from `kernels/flash_tensor_cores.py`: the copies first (the V_j copy starts,
+# then the wait for K_j; after the softmax the wait for V_j and the K_{j+1} copy), then the
+# products.
 
 # %%
-show_source(make_flash_forward_mma_from, "# ---- S = Q_i K_j^T", "sc[nt, e] = x")
+show_source(make_flash_forward_mma_from, "# ---- the copies overlap", "cp_async_wait_prior()", more=1)
+
+# %%
+show_source(make_flash_forward_mma_from, "# ---- S = Q_i K_j^T", "sc[nt, e] *= scale2")
 
 # %%
 show_source(make_flash_forward_mma_from, "# ---- online softmax", "sc[nt, 2 * h + e] = p")
 
 # %%
-show_source(make_flash_forward_mma_from, "# ---- O += P V_j", "acc[2 * dt + 1, e] = c1[e]")
+show_source(make_flash_forward_mma_from, "# V_j has landed", "acc[2 * dt + 1, e] = c1[e]")
 
 # %% [markdown]
 # Precision: S and O accumulate in fp32; P is rounded to the input type before P V, as in
@@ -122,8 +129,8 @@ show_source(make_flash_forward_mma_from, "# ---- O += P V_j", "acc[2 * dt + 1, e
 # ## 3. Check against the oracle
 #
 # The oracle runs on the inputs as rounded to fp16 (or bf16: NumPy has no bf16, so the
-# kernel takes its bit patterns as uint16 with `bf16=True`; a PyTorch bf16 tensor can be
-# passed as its bits).
+# kernel takes its bit patterns as uint16 with `bf16=True`; PyTorch bf16 tensors are taken
+# as they are, with `bf16=True`).
 
 # %%
 rng = np.random.default_rng(8)
@@ -151,8 +158,12 @@ print(f"bf16 causal=True: max |O - oracle| = {np.abs(o - exact).max():.1e}")
 #
 # ## 4. Results on the H100
 #
-# `python -m kernels --chapters 8`: B = 4, H = 16, N = 4096, d = 64 and 128, fp16 and bf16,
-# causal and not; peers in the same run on the same inputs.
+# `python -m kernels --chapters 8`: N from 512 to 16384 at B N = 16k tokens, H = 16,
+# d = 64 and 128, fp16, causal and not, against SDPA flash and cuDNN at every N; at N = 4096
+# (B = 4) also bf16, SDPA memory-efficient, FlexAttention (`torch.compile`) and chapter 4's
+# kernel. First the bench measures the **mma.sync ceiling**: a loop of independent
+# m16n8k16 per warp, registers only (`kernels/bench/mma_ceiling.py`); every row says what
+# share of it it reaches. Peers in the same run on the same inputs.
 
 # %%
 from kernels.bench.harness import show_results
@@ -160,18 +171,34 @@ from kernels.bench.harness import show_results
 rows_ = show_results("flash_tensor_cores", ("kernel", "config", "median_ms", "tflops"))
 
 # %% [markdown]
-# In the committed run (2026-11-24, bare launches): fp16 126 TFLOP/s at d = 64 and 150 at
-# d = 128, **4.0x and 5.4x chapter 4's fp32 FMA kernel** on the same fp16 inputs (31.8 and
-# 27.7), and **0.44x and 0.43x SDPA flash** (287 and 347; cuDNN 452 and 631). bf16: 126
-# and 139 (SDPA flash 272 and 343). Causal masking saves 1.66x (d = 64) and 1.70x (d = 128)
-# of the time, short of the 2x the FLOPs allow. The launcher adds 0.4 to 0.8 ms a call (it
-# allocates O and L, 67 MB, each call).
+# In the committed run (2026-11-25, H100, bare launches, N = 4096): fp16 **156 TFLOP/s at
+# d = 64 and 159 at d = 128**, 25% and 26% of the mma.sync ceiling (621 TFLOP/s);
+# **5.1x and 5.8x chapter 4's fp32 FMA kernel** on the same fp16 inputs (30.7 and 27.7);
+# **0.55x and 0.48x SDPA flash** (284 and 332, 46% and 53% of the ceiling); as fast as
+# SDPA memory-efficient (127 and 159); FlexAttention 335 and 395; cuDNN 440 and 585 (it
+# uses Hopper's `wgmma`, which `mma.sync` cannot reach: 94% of the mma.sync ceiling). bf16:
+# 152 and 162 (SDPA flash 291 and 345). Causal masking saves 1.61x (d = 64) and 1.74x
+# (d = 128) of the time, short of the 2x the FLOPs allow (the diagonal tiles are computed
+# in full and masked). Against N, the ratio to SDPA flash grows with the sequence: at
+# d = 128 0.38x at N = 512, 0.53x at N = 16384 (fewer, longer rows: the per-block start,
+# loading Q and the final O / l, weigh less).
 #
-# Where the rest is: each tile is loaded, then computed, with the block waiting in between
-# (no second stage of shared memory to load the next tile into while the current one is
-# used, as chapter 2's rung 4 does); a warp's 16 rows re-read K and V from shared memory
-# for every 16 rows, where FlashAttention-2 gives a warp more rows; and the exponentials run
-# on the FMA units' neighbour, the SFU, one a score. Those are the next steps.
+# How it got here (`workbook/results/TUNING.md`, each step measured): the copies moved
+# ahead of their use (d = 128: 150 to 157 TFLOP/s), the mask only on crossing tiles (165),
+# `max.f32` in place of a NaN-propagating compare for the row max (173), and at d = 64 a
+# cap of 128 registers a thread so that two blocks of 8 warps share an SM (135 to 162).
+#
+# The launcher (`flash_attention_tc`) takes longer than the bare kernel: 2.48 against 1.76
+# ms at d = 64. It checks its arguments and allocates O and L each call; given Numba device
+# arrays, as here, that allocation is a `cudaMalloc` (PyTorch tensors in get PyTorch's
+# caching allocator).
+#
+# Where the rest is: a warp's 16 rows re-read K and V fragments from shared memory for each
+# 16 rows, where FlashAttention-2 gives a warp more rows (more mma per `ldmatrix`; with Q
+# in registers that needs more than 255 registers at d = 128); the diagonal tiles run in
+# full (a warp whose rows all precede a tile could skip it on a GPU, but the simulator's
+# mma needs every thread of the block); and Hopper's `wgmma` (cuDNN, FlashAttention-3),
+# which no `mma.sync` kernel reaches.
 #
 # ## 5. Exercises
 #
@@ -179,8 +206,9 @@ rows_ = show_results("flash_tensor_cores", ("kernel", "config", "median_ms", "tf
 #    mma is that for S, and for P V? How many bytes of K and V does it stage, and how many
 #    FLOPs does each byte feed? Compare with chapter 4's Br = 128 FMA kernel.
 # 2. Change `tc_tiles` to 64 rows at d = 128 and time it on a GPU
-#    (`python -m kernels --chapters 8`): a one-off timing measured 121 against 149 TFLOP/s
-#    (`tc_tiles`' docstring). Why does a taller query tile help at d = 128 but not at 64?
+#    (`python -m kernels --chapters 8`): the tuning runs measured 131 against 174 TFLOP/s
+#    (`workbook/results/TUNING.md`). At d = 64, 64 rows were faster until the kernel was
+#    capped at 128 registers: why? (Count registers x threads against the SM's 65536.)
 # 3. Why can the kernel write `P = exp2(S - m')` straight into S's registers, while
 #    chapter 4's FMA kernel writes P to shared memory? (Hint: which thread holds P[r, j],
 #    and which thread needs it for O[r, :] += P[r, j] V[j, :].)
