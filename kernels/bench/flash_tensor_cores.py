@@ -39,6 +39,7 @@ TITLE = "tensor cores"
 K = 1024
 BARE = "flash fwd tensor cores (bare)"
 LAUNCHER = "flash_attention_tc() launcher"
+LAUNCHER_TORCH = "flash_attention_tc() launcher, PyTorch tensors"
 FMA = "chapter 4 fp32 FMA kernel (fp16 in)"
 CEILING = "ceiling: mma.sync m16n8k16"          # + " fp16" / " bf16"
 FLEX = "peer: FlexAttention (torch.compile)"
@@ -97,17 +98,31 @@ def bare_launch(b, h, n, d, bf16, o, lse):
     return launch
 
 
-def _check_head(o, head, n, d, causal):
+def _check_head(o, head, n, d, causal, bf16=False):
     """The first CHECK_ROWS query rows of head (0, 0) against the float64 oracle: a guard
-    against a broken run (the tests hold the kernel to the tolerance rule)."""
+    against a broken run (the tests hold the kernel to the tolerance rule). Returns (the
+    error, that of a float32 reference that rounds P to the input type as the kernel does:
+    the tests' yardstick)."""
     rows = min(n, CHECK_ROWS)
     q, k, v = (x[:n * d].reshape(1, 1, n, d).astype(np.float64) for x in head)
     keys = rows if causal else n                 # causal rows < R see keys < R only
-    exact, _ = ref.attention(q[:, :, :rows], k[:, :, :keys], v[:, :, :keys], causal=causal)
+    q, k, v = q[0, 0, :rows], k[0, 0, :keys], v[0, 0, :keys]
+    exact, _ = ref.attention(q[None, None], k[None, None], v[None, None], causal=causal)
     got = np.asarray(o[0, :rows].copy_to_host() if hasattr(o, "copy_to_host") else o[0, :rows])
     err = float(np.max(np.abs(got - exact[0, 0])))
     assert err < 2e-2, f"tensor-core forward differs from the oracle by {err:.3g} on head (0, 0)"
-    return err
+    s = (q.astype(np.float32) @ k.astype(np.float32).T) * np.float32(1 / math.sqrt(d))
+    if causal:
+        s = np.where(np.arange(keys)[None, :] > np.arange(rows)[:, None], -np.inf, s).astype(np.float32)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    if bf16:
+        from kernels.base.mma import bf16_bits
+
+        p_rounded = (bf16_bits(p).astype(np.uint32) << 16).view(np.float32)
+    else:
+        p_rounded = p.astype(np.float16).astype(np.float32)
+    yardstick = (p_rounded @ v.astype(np.float32)) / p.sum(axis=1, keepdims=True)
+    return err, float(np.max(np.abs(yardstick - exact[0, 0])))
 
 
 def _ceilings(ctx, results):
@@ -180,9 +195,10 @@ def run(ctx) -> list[Result]:
                                     flops=flops, model_bytes=model, peak_memory=False, extra=dict(extra))
                     if len(shaped) > 1:
                         launch(*shaped[0], causal)                 # O of set 0 (one set: it is there)
-                    err = _check_head(o, head, n, d, causal)
+                    err, yardstick = _check_head(o, head, n, d, causal, bf16)
                     Br, Bc = launch.tiles
-                    r.note = f"bare launch, Br={Br} Bc={Bc}; head (0,0) max error {err:.1e}"
+                    r.note = (f"bare launch, Br={Br} Bc={Bc}; head (0,0) max error {err:.1e} "
+                              f"({err / yardstick:.2f}x a float32 reference with P rounded to {kind})")
                     add(r)
                     measure(LAUNCHER, lambda q, k, v, c=causal: flash_attention_tc(q, k, v, causal=c, bf16=bf16),
                             shaped, note="checks arguments, allocates O and L each call")
@@ -197,6 +213,10 @@ def run(ctx) -> list[Result]:
                     if torch is not None:
                         dtype = torch.bfloat16 if bf16 else torch.float16
                         tsets = [tuple(torch.as_tensor(x, device="cuda").view(dtype) for x in s) for s in shaped]
+                        if at_ref:                     # as a PyTorch user calls it
+                            measure(LAUNCHER_TORCH,
+                                    lambda q, k, v, c=causal: flash_attention_tc(q, k, v, causal=c, bf16=bf16),
+                                    tsets, note=f"{dtype} tensors in, O and L from PyTorch's allocator")
                         _sdpa_peers(ctx, measure, torch, tsets, causal, every=at_ref)
                         if at_ref:
                             flex.measure(measure, tsets, n, causal)
@@ -290,6 +310,7 @@ _POINTS = ((FMA, "chapter 4 (FMA units)", "#d62728", "v"),
            ("peer: SDPA memory-efficient", "SDPA mem.-efficient", "0.35", "x"),
            (FLEX, "FlexAttention", "#2ca02c", "D"))
 _BARS = ((BARE, "ours, bare", "#1f77b4", None), (LAUNCHER, "ours, launcher", "#9ecae1", None),
+         (LAUNCHER_TORCH, "ours, launcher (torch)", "#6baed6", None),
          (FMA, "chapter 4 (FMA)", "#d62728", None), ("peer: SDPA flash", "SDPA flash", "0.25", "//"),
          ("peer: SDPA cuDNN", "SDPA cuDNN", "0.45", "//"),
          ("peer: SDPA memory-efficient", "SDPA mem.-eff.", "0.65", "//"),
