@@ -171,16 +171,18 @@ from kernels.bench.harness import show_results
 rows_ = show_results("flash_tensor_cores", ("kernel", "config", "median_ms", "tflops"))
 
 # %% [markdown]
-# In the committed run (2026-11-25, H100, bare launches, N = 4096): fp16 **156 TFLOP/s at
-# d = 64 and 159 at d = 128**, 25% and 26% of the mma.sync ceiling (621 TFLOP/s);
-# **5.1x and 5.8x chapter 4's fp32 FMA kernel** on the same fp16 inputs (30.7 and 27.7);
-# **0.55x and 0.48x SDPA flash** (284 and 332, 46% and 53% of the ceiling); as fast as
-# SDPA memory-efficient (127 and 159); FlexAttention 335 and 395; cuDNN 440 and 585 (it
-# uses Hopper's `wgmma`, which `mma.sync` cannot reach: 94% of the mma.sync ceiling). bf16:
-# 152 and 162 (SDPA flash 291 and 345). Causal masking saves 1.61x (d = 64) and 1.74x
-# (d = 128) of the time, short of the 2x the FLOPs allow (the diagonal tiles are computed
-# in full and masked). Against N, the ratio to SDPA flash grows with the sequence: at
-# d = 128 0.38x at N = 512, 0.53x at N = 16384 (fewer, longer rows: the per-block start,
+# In the committed run (2026-11-25, H100, bare launches, N = 4096): fp16 **162 TFLOP/s at
+# d = 64 and 170 at d = 128**, 26% and 28% of the mma.sync ceiling (612 TFLOP/s);
+# **5.2x and 6.1x chapter 4's fp32 FMA kernel** on the same fp16 inputs (31.1 and 27.8);
+# **0.55x and 0.49x SDPA flash** (292 and 348, 48% and 57% of the ceiling); a little faster
+# than SDPA memory-efficient (129 and 164); FlexAttention 346 and 445; cuDNN 446 and 579
+# (it uses Hopper's `wgmma`, which `mma.sync` cannot reach). bf16: 159 and 171 (0.54x and
+# 0.51x SDPA flash, 295 and 338). The error against float64 is 0.87x to 1.25x that of a
+# float32 reference that rounds P to the input type as the kernel does (the tests' yardstick;
+# `note` column). Causal masking saves 1.62x (d = 64) and 1.69x (d = 128) of the time, short
+# of the 2x the FLOPs allow (the diagonal tiles are computed in full, then masked; SDPA flash
+# saves 1.65x and 1.67x here). Against N, the ratio to SDPA flash grows with the sequence:
+# at d = 128 0.41x at N = 512, 0.55x at N = 16384 (fewer, longer rows: the per-block start,
 # loading Q and the final O / l, weigh less).
 #
 # How it got here (`workbook/results/TUNING.md`, each step measured): the copies moved
@@ -188,10 +190,10 @@ rows_ = show_results("flash_tensor_cores", ("kernel", "config", "median_ms", "tf
 # `max.f32` in place of a NaN-propagating compare for the row max (173), and at d = 64 a
 # cap of 128 registers a thread so that two blocks of 8 warps share an SM (135 to 162).
 #
-# The launcher (`flash_attention_tc`) takes longer than the bare kernel: 2.48 against 1.76
-# ms at d = 64. It checks its arguments and allocates O and L each call; given Numba device
-# arrays, as here, that allocation is a `cudaMalloc` (PyTorch tensors in get PyTorch's
-# caching allocator).
+# The launcher (`flash_attention_tc`) takes longer than the bare kernel: 2.23 ms against
+# 1.70 at d = 64 given Numba device arrays (O and L allocated by `cudaMalloc` each call),
+# 1.97 given PyTorch tensors (PyTorch's caching allocator); the rest is Python: checking
+# the arguments, viewing the arrays, Numba's dispatch.
 #
 # Where the rest is: a warp's 16 rows re-read K and V fragments from shared memory for each
 # 16 rows, where FlashAttention-2 gives a warp more rows (more mma per `ldmatrix`; with Q
