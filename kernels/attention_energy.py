@@ -54,7 +54,7 @@ __all__ = [
     "check_grad_zeta", "check_merge", "check_hessian_zeta",
     # the napkin model
     "Link", "Cluster", "DecodeShape", "H100_DGX", "PAPER_SHAPE", "LLAMA_31_8B", "PAPER_CLAIMS",
-    "kv_bytes", "allreduce_time", "tree_step", "ring_step", "decode_model", "napkin_table", "plot_decode_model",
+    "kv_bytes", "allreduce_time", "fixed_cost_for_ratio", "tree_step", "ring_step", "decode_model", "napkin_table", "plot_decode_model",
 ]
 
 EPS = np.finfo(np.float64).eps
@@ -532,6 +532,15 @@ def decode_model(shape, n, p, cluster=H100_DGX, *, overlap=False, allreduce="tre
     return dict(tree=tree, ring=ring, ratio=ring["total_s"] / tree["total_s"])
 
 
+def fixed_cost_for_ratio(tree_s, ring_s, ratio):
+    """The cost c, the same on both sides (dispatch, synchronisation, a timer around more than
+    the step), that would squeeze the napkin ratio ring_s / tree_s to a measured ``ratio``:
+    (ring_s + c) / (tree_s + c) = ratio."""
+    if not ratio > 1:
+        raise ValueError(f"ratio: expected a measured speedup > 1, got {ratio}")
+    return max((ring_s - ratio * tree_s) / (ratio - 1), 0.0)
+
+
 def napkin_table(shape=PAPER_SHAPE, ps=(8, 128), ns=(131072, 5_120_000), cluster=H100_DGX, *, report=print):
     """The model's numbers at a few (p, N), one line each; returns the rows."""
     rows = []
@@ -576,7 +585,7 @@ def plot_decode_model(cluster=H100_DGX, *, fig=None):
     ax.plot([128], [8], "k*", ms=14, label="paper: 8x at p = 128, 5.12M")
     ax.set_xscale("log", base=2)
     ax.set(xlabel="GPUs p", ylabel="ring time / tree time", title="napkin speedup (dotted: ring overlapped)")
-    ax.legend(fontsize=10)
+    ax.legend(fontsize=10, loc="upper left")
     ax = axes[2]
     ns_l = np.unique(np.geomspace(4096, 1_048_576, 50).astype(int))
     ax.semilogx(ns_l, [decode_model(LLAMA_31_8B, n, 8, cluster)["ratio"] for n in ns_l], "C0-",
@@ -585,6 +594,9 @@ def plot_decode_model(cluster=H100_DGX, *, fig=None):
                 "C0:", label="attention alone")
     ax.axhspan(2, 4, color="0.85", label="paper: 2-4x")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(plt.NullFormatter())
+    ax.set_yticks([1, 2, 4, 10, 20, 40])
     ax.set(xlabel="context N (tokens)", ylabel="ring time / tree time", title="Llama-3.1-8B, 8 GPUs, one node")
     ax.legend(fontsize=10)
     fig.tight_layout()

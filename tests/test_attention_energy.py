@@ -271,3 +271,11 @@ def test_model_rejects_bad_arguments():
         ae.ring_step(ae.PAPER_SHAPE, -1, 8)
     with pytest.raises(ValueError, match="^algorithm:"):
         ae.allreduce_time(100, 8, ae.H100_DGX, "star")
+
+
+def test_fixed_cost_squeezes_the_ratio():
+    m = ae.decode_model(ae.PAPER_SHAPE, 5_120_000, 128)
+    c = ae.fixed_cost_for_ratio(m["tree"]["total_s"], m["ring"]["total_s"], 8.0)
+    assert (m["ring"]["total_s"] + c) / (m["tree"]["total_s"] + c) == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="^ratio:"):
+        ae.fixed_cost_for_ratio(1.0, 2.0, 1.0)
