@@ -556,7 +556,7 @@ def napkin_table(shape=PAPER_SHAPE, ps=(8, 128), ns=(131072, 5_120_000), cluster
             report(f"p={p:4d} N={n:>9,d}: tree {t['total_s'] * 1e3:9.3f} ms (attention {t['compute_s'] * 1e3:.3f}, "
                    f"all-reduce {t['comm_s'] * 1e3:.3f}, {t['bytes_sent_per_gpu'] / 1e3:.1f} kB a GPU) | "
                    f"ring {r['total_s'] * 1e3:10.2f} ms ({r['bytes_sent_per_gpu'] / 1e9:.2f} GB a GPU) | "
-                   f"ring/tree {m['ratio']:7.0f}x ({mo['ratio']:.0f}x overlapped)")
+                   f"ring/tree {m['ratio']:7.1f}x ({mo['ratio']:.1f}x overlapped)")
     return rows
 
 
