@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels.base.runtime import on_simulator
+from kernels.base.runtime import on_simulator, to_device
 from kernels.decode import decode_attention, merge_partials_numpy, split_ranges
 
 __all__ = ["MpiEngine", "NcclEngine", "Traffic", "shard_bounds", "local_partial", "reduce_tree", "reduce_packed",
@@ -112,7 +112,9 @@ class Traffic:
 def _host(x) -> np.ndarray:
     """A host NumPy view of a buffer (a device array is copied: the MPICH wheel is not
     CUDA-aware; with a CUDA-aware MPI, mpi4py takes ``__cuda_array_interface__`` directly)."""
-    return x if isinstance(x, np.ndarray) else x.copy_to_host()
+    if isinstance(x, np.ndarray):
+        return x
+    return x.copy_to_host() if hasattr(x, "copy_to_host") else x.get()      # Numba's, CuPy's
 
 
 class MpiEngine:
@@ -237,8 +239,9 @@ def local_partial(q, k_shard, v_shard, start: int, *, cache_lengths=None, n_max=
         local = np.clip(seen - start, 0, t)
         if t == 0 or not local.any() or nq == 0:
             continue
-        o[:, :, sl], lse[:, :, sl] = decode_attention(q[:, :, sl], k_shard, v_shard, cache_lengths=local,
-                                                      causal=False, scale=scale, **decode_options)
+        o_s, l_s = decode_attention(q[:, :, sl], k_shard, v_shard, cache_lengths=local, causal=False,
+                                    scale=scale, **decode_options)
+        o[:, :, sl], lse[:, :, sl] = _host(o_s), _host(l_s)
     return o, lse
 
 
@@ -322,7 +325,7 @@ def ring_attention(engine, q, k_shard, v_shard, bounds, *, cache_lengths=None, c
     if len(bounds) != p:
         raise ValueError(f"bounds: expected {p} shards (one a rank), got {len(bounds)}")
     n_max = bounds[-1][1]
-    held, origin = (np.ascontiguousarray(k_shard), np.ascontiguousarray(v_shard)), r
+    held, origin = (k_shard, v_shard), r          # (device arrays go through the host: exchange)
     o_run = l_run = None
     for s in range(p):
         t0 = time.perf_counter()
@@ -390,10 +393,15 @@ def _parse(argv):
     ap.add_argument("--nq", type=int, default=1, help="new queries a sequence")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--kv-dtype", choices=("float32", "float16"), default="float32" if sim else "float16")
-    ap.add_argument("--method", choices=METHODS + ("all",), default="all")
+    ap.add_argument("--method", default="all", help=f"{', '.join(METHODS)}, several with commas, or all")
     ap.add_argument("--repeats", type=int, default=3 if sim else 20)
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.methods = METHODS if args.method == "all" else tuple(args.method.split(","))
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        ap.error(f"--method: expected {', '.join(METHODS)} or all, got {', '.join(bad)}")
+    return args
 
 
 def _shard(args, hkv, start, end, s):
@@ -420,6 +428,8 @@ def main(argv=None):
     bounds = shard_bounds(n, p)
     start, end = bounds[r]
     k_s, v_s = _shard(args, hkv, start, end, r)
+    if not on_simulator():                 # the shard lives on this rank's GPU
+        k_s, v_s = to_device(k_s, "k_shard"), to_device(v_s, "v_shard")
     exact = None
     if r == 0:                             # the single-process oracle on the whole cache
         shards = [_shard(args, hkv, a, b, s) for s, (a, b) in enumerate(bounds)]
@@ -427,7 +437,7 @@ def main(argv=None):
         exact = ref.decode_attention(q, k, v, None, args.causal, None)
         del k, v, shards
     rows, itemsize = B * hq * nq, 4
-    methods = METHODS if args.method == "all" else (args.method,)
+    methods = args.methods
     if r == 0:
         print(f"{p} ranks; rank 0 on {device}; B={B} Hq={hq} Hkv={hkv} Nq={nq} N={n} d={d} "
               f"causal={args.causal} kv={args.kv_dtype}; shard of rank 0: {end - start} keys")
