@@ -345,9 +345,7 @@ class PreparedTreeDecode:
             raise ValueError("partials: this call has no work (no rows or no KV heads)")
         c, P = L.call, L.shards
         if P == 1:
-            o, lse = self.result()
-            o, lse = (x.copy_to_host() if is_device_array(x) and hasattr(x, "copy_to_host") else np.asarray(x)
-                      for x in (o, lse))
+            o, lse = (_host(x) for x in self.result())
             return o[None].astype(np.float32), lse[None].astype(np.float32)
         tiles = cdiv(c.rows, L.p.RT)
         # slot (bk * tiles + tile) * P + s holds rows tile * RT .. of head bk's group, device s
@@ -357,6 +355,13 @@ class PreparedTreeDecode:
         pl = pl.reshape(P, c.BK, tiles * L.p.RT)[:, :, :c.rows]
         return (np.ascontiguousarray(po.reshape(P, c.B, c.hq, c.n_q, c.d)),
                 np.ascontiguousarray(pl.reshape(P, c.B, c.hq, c.n_q)))
+
+
+def _host(x) -> np.ndarray:
+    """A result on the host: NumPy as it is, a PyTorch tensor through .cpu(), else copied."""
+    if not is_device_array(x):
+        return np.asarray(x)
+    return x.cpu().numpy() if hasattr(x, "cpu") else to_device(x, "result").copy_to_host()
 
 
 def _plan_call(q, k_cache, v_cache, shards, reduce, cache_lengths, causal, scale, tensor_cores):
