@@ -142,6 +142,21 @@ def main(only):
         lp[0] = -np.inf                               # an empty first piece
         m.combine_partials(rand(rng, 5, 3, 37, 100), lp, rows_per_block=16)
         ran.append("decode")
+    if want("tree_attention") and (m := have("tree_attention")):
+        # P shards' partials and both reductions: P a power of two and not, P > N (empty shards),
+        # d = 128 (several column chunks of O a block), ragged caches, causal, fp16
+        for b, hq, hkv, nq, n, d, lengths, dt in [(2, 8, 2, 1, 300, 128, [300, 0], np.float16),
+                                                  (1, 4, 4, 3, 70, 64, None, np.float32)]:
+            q = rand(rng, b, hq, nq, d)
+            k, v = rand(rng, b, hkv, n, d).astype(dt), rand(rng, b, hkv, n, d).astype(dt)
+            lens = None if lengths is None else np.array(lengths, np.int32)
+            for shards in (1, 6, 8, 100):
+                for reduce in ("tree", "flat"):
+                    m.tree_decode_attention(q, k, v, shards=shards, reduce=reduce, cache_lengths=lens, causal=True)
+        lp = rand(rng, 5, 7, 3)
+        lp[1] = -np.inf
+        m.tree_reduce_partials(rand(rng, 5, 7, 3, 100), lp, reduce="tree")
+        ran.append("tree_attention")
     if want("mma"):
         # the tensor-core building blocks (kernels/base/mma.py) through their tests' kernels
         import os
