@@ -386,7 +386,11 @@ show("def make_flash_forward")
 # **The grid.** Block (x, y) takes the query tile `Tr - 1 - x` of head y (the heaviest causal
 # tiles first). With causal masking (bottom-right: query r sees key c iff c <= r + Nk - Nq),
 # the last row of the tile sees keys up to `q0 + Br - 1 + Nk - Nq`; tiles past that are never
-# loaded, so the loop runs over `n_tiles` tiles, `every_tile` of them in order.
+# loaded, so the loop runs over `n_tiles` tiles, `every_tile` of them in order. (A trap when
+# comparing with PyTorch: `scaled_dot_product_attention(..., is_causal=True)` aligns the
+# mask top-left, query r sees key c iff c <= r, which differs from ours when Nq != Nk; with
+# Nq = Nk, as in every bench of this course, the two agree. FlashAttention >= 2.1 aligns
+# bottom-right, as we do.)
 #
 # **Setup and the Q tile.** The factory's constants and `load_kv`, then the start of
 # `attend`: it copies `Q_i` into shared memory once, transposed, zero-padded past Nq and past
@@ -676,10 +680,14 @@ if png.exists():
 # and the softmax. What that means here:
 #
 # * Every product in our kernel runs on the fp32 FMA units (Numba exposes no tensor-core
-#   API; chapter 7 reaches the instruction through inline PTX). So at d = 64, where the fused forward is close to the memory-efficient
-#   kernel (32.8 against 34.1 TFLOP/s in this chapter's run; 1.02x faster in chapter 6's,
-#   where both ran again), a kernel on the FMA units alone keeps pace with a tensor-core
-#   kernel that spends three TF32 products per fp32 product.
+#   API; chapter 8 reaches the instruction through inline PTX). At d = 64 the fused
+#   forward comes close to the memory-efficient kernel, and how close depends on what is
+#   timed: the bare kernel (a launch on preallocated outputs) against SDPA's whole call,
+#   32.8 against 34.1 TFLOP/s, is 0.96x; through our launcher, as a user calls it
+#   (arguments checked, O and L allocated), 30.1: **0.88x**. Causal: 0.87x bare, 0.76x
+#   through the launcher (27.5 and 24.0 against 31.5). At d = 128: 0.62x bare (28.8
+#   against 46.2). A kernel on the FMA units alone gets near a tensor-core kernel that
+#   spends three TF32 products per fp32 product, at d = 64, and not past it.
 # * At d = 128 that peer reaches 46.2 TFLOP/s, about 0.9x of cuBLAS's fp32 matmul with TF32
 #   off (50.9 TFLOP/s, chapter 0), the practical ceiling of the FMA units. An attention
 #   kernel, with its softmax and rescaling on the same units, cannot get that close on the

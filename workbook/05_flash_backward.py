@@ -22,8 +22,10 @@
 #
 # FlashAttention's answer: save only the output O and one number per query row, the
 # logsumexp L, and **recompute** S and P tile by tile during the backward. Recomputing costs
-# FLOPs, which the GPU has in plenty; storing costs N^2 memory and HBM traffic, which it has
-# not. By the end of this chapter you will have:
+# FLOPs: the backward's four products (dV = P^T dO, dP = dO V^T, dS K, dS^T Q) are 8 N^2 d,
+# and S = Q K^T once more adds 2 N^2 d, **+25%**; chapter 4 showed our kernels are bound by
+# the FMA units, so those 25% are paid in time. Storing P costs N^2 memory and HBM traffic,
+# which at long N does not fit at all (section 6). By the end of this chapter you will have:
 #
 # 1. the gradients dV, dP, dS, dQ, dK derived from the forward, and why
 #    D = rowsum(dO * O) replaces a row sum over the whole N x N matrix;
@@ -627,10 +629,12 @@ rows_ = show_results("flash_backward", ("kernel", "config", "median_ms", "tflops
 # So the goal this chapter measures itself against, SDPA's memory-efficient backward at
 # 19.6 to 20.1 ms against our 22.9 to 23.5 ms at the reference size, is set by a kernel whose
 # products run on the tensor cores, while ours runs every product on the fp32 FMA units
-# (Numba exposes no tensor-core instruction). The FMA-only peer is plain PyTorch's autograd
-# with TF32 off (`torch.backends.cuda.matmul.allow_tf32` is False there): our backward
-# beats it at the reference size (23.5 against 24.6 ms in the run of 2026-11-24), as chapter 4's forward beats its
-# forward. The counters, per kernel (`ms` is the one profiled call):
+# (Numba exposes no tensor-core instruction). Two peers are FMA-only: plain PyTorch's
+# autograd with TF32 off (`torch.backends.cuda.matmul.allow_tf32` is False there), which our
+# backward beats as a bare kernel (23.5 against 24.6 ms in the run of 2026-11-24; through
+# the launcher, 25.4 ms: 1.03x slower), and SDPA's unfused math backend, whose backward
+# (21.7 ms) beats ours either way. What ours wins is memory (0.27 GB against 17 GB for
+# forward + backward) and the forward + backward together (33.1 ms against 37.5 and 37.9). The counters, per kernel (`ms` is the one profiled call):
 
 # %%
 def show_pipes():
