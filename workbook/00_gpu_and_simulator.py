@@ -29,6 +29,10 @@
 #
 # The kernels of this chapter live in `kernels/gpu_basics.py`; the tests in
 # `tests/test_gpu_basics.py`.
+#
+# **Sources** (numbered as in the README's list): [15] the roofline model (Williams,
+# Waterman and Patterson 2009); [1] FlashAttention, Section 2.1 (the GPU memory
+# hierarchy).
 
 # %%
 import inspect

@@ -35,6 +35,10 @@
 #    combines the threads' states with a tree reduction in shared memory.
 #
 # The same `(m, l)` bookkeeping is the heart of FlashAttention's forward pass (chapter 4).
+#
+# **Sources** (numbered as in the README's list): [3] Online normalizer calculation for
+# softmax (Milakov and Gimelshein), Algorithms 2 (safe softmax) and 3 (the online
+# normalizer); [1] FlashAttention, Section 3.1 (the (m, ℓ) merge).
 
 # %%
 import inspect

@@ -40,6 +40,11 @@
 # `S = Q_i K_j^T -> m' = max(m, rowmax S) -> P = exp(S - m')`,
 # `l = e^(m - m') l + rowsum P`, `O = e^(m - m') O + P V_j`; at the end `O_i / l` and
 # `L_i = m + log l` go to HBM.
+#
+# **Sources** (numbered as in the README's list): [1] FlashAttention, Algorithm 1 (the
+# forward), Theorem 1 (O(N²d) FLOPs, O(N) extra memory) and Theorem 2 (Θ(N²d²M⁻¹) HBM
+# accesses); [4] FlashAttention-2, Algorithm 1 (the loop order used here: Q tile outer);
+# [5] Saha and Ye (Theorem 2's bound is optimal for M ≥ d²).
 
 # %%
 import inspect

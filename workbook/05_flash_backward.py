@@ -35,6 +35,11 @@
 #    kernel for dQ (deterministic); and two-level sums, which keep long float32 sums as
 #    accurate as NumPy's;
 # 4. the IO and memory budget of the backward, against the standard one.
+#
+# **Sources** (numbered as in the README's list): [1] FlashAttention, Section 3.1 and
+# Appendix B (the backward: recompute S and P from Q, K and L), Theorem 5 (its Θ(N²d²M⁻¹)
+# HBM accesses); [4] FlashAttention-2, Algorithm 2 (the backward's loop order, D =
+# rowsum(dO ∘ O)).
 
 # %%
 import inspect

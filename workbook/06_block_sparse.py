@@ -42,6 +42,10 @@
 # 4. **empty rows**: a query whose row has no kept tile gets O = 0, L = -inf, zero gradients;
 # 5. the **IO model** with the kept fraction rho, and measured time against rho;
 # 6. what sparsity costs in **accuracy** on an input with local structure.
+#
+# **Sources** (numbered as in the README's list): [1] FlashAttention, Section 3.3 (block-
+# sparse FlashAttention) and Proposition 4 (Θ(Nd + N²d²M⁻¹s) HBM accesses for a fraction s
+# of kept blocks).
 
 # %%
 import inspect

@@ -42,6 +42,10 @@
 # to tile, only a matrix-**vector** product. And real decode inputs bring their own
 # details: cache lengths that differ per sequence, grouped KV heads (GQA/MQA), a causal
 # diagonal at the end of the cache, and fp16 caches.
+#
+# **Sources** (numbered as in the README's list): [7] Flash-Decoding (Dao, Haziza, Massa
+# and Sizov 2023: split-K); [8] Lean Attention (Sanovar et al. 2024: stream-K decode); [9]
+# Stream-K (Osama et al. 2023).
 
 # %%
 import functools

@@ -31,6 +31,11 @@
 # 4. the H100 results against SDPA flash, cuDNN and chapter 4's kernel;
 # 5. exercises, two of them kernels: Q's fragments by the mapping, and P's repacking, both
 #    inside this chapter's production kernel.
+#
+# **Sources** (numbered as in the README's list): [4] FlashAttention-2, Algorithm 1 and
+# Section 3.3 (a warp's rows; P kept in registers); [14] the PTX ISA, "Matrix Fragments
+# for mma.m16n8k16" and "ldmatrix"; [6] FlashAttention-3 (wgmma, the instruction cuDNN
+# uses).
 
 # %%
 import inspect

@@ -38,6 +38,10 @@
 # 4. a napkin model of a decode step on p GPUs, tree against ring, beside the paper's claims;
 # 5. the H100 results;
 # 6. exercises.
+#
+# **Sources** (numbered as in the README's list): [10] Tree Attention (Shyam et al. 2024),
+# Algorithm 3 (the tree decode); [11] Ring Attention (Liu, Zaharia and Abbeel 2023), the
+# baseline; [7] Flash-Decoding (the partials).
 
 # %%
 import os
