@@ -384,6 +384,14 @@ MUTANTS += [
            T8, CH8, "L left in base 2 (the scores' base), not the natural log"),
 ]
 
+# ---- FlashAttention-1's loop order (the theory chapter)
+MUTANTS += [
+    Mutant("kv-outer-o-not-unnormalised", 10, "kernels.kv_outer_forward",
+           (("o_i[c] *= l_i * a_old", "o_i[c] *= a_old"),),
+           ("tests/test_kv_outer_forward.py",), "test_matches_oracle",
+           "Algorithm 1's O_i, stored normalised, is taken back without its l_i: earlier tiles weigh too little"),
+]
+
 BY_ID = {m.id: m for m in MUTANTS}
 assert len(BY_ID) == len(MUTANTS), "mutant ids must be unique"
 
