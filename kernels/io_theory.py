@@ -15,7 +15,8 @@ holds, Br x Bc the tiles, Tr = ceil(N/Br), Tc = ceil(N/Bc), l and m the row sum 
    [1] Algorithm 4 (the backward, K/V outer) reads Q, O, dO, dQ, l, m and writes dQ every
    pass (``fa1_backward_accesses``: 7Nd + Tc (5Nd + 2N)). Each count is checked against
    the loop itself run in NumPy with every HBM read and write counted
-   (``simulate_fa1_forward``, ``simulate_fa2_forward``, ``simulate_fa1_backward``).
+   (``simulate_fa1_forward``, ``simulate_fa2_forward``, ``simulate_fa1_backward``);
+   ``kernels/kv_outer_forward.py`` is Algorithm 1's order as a GPU kernel.
 2. **The orders.** [1] Theorem 2: standard attention Theta(Nd + N^2), FlashAttention
    Theta(N^2 d^2 / M) for d <= M <= Nd (Tc = ceil(N / ceil(M/4d)) ~ 4Nd / M passes of
    3Nd). Theorem 5: the backward, the same order. Proposition 4: block-sparse with a

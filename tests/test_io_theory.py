@@ -126,7 +126,8 @@ def test_tiles_from_m_follow_algorithm_1():
 
 def test_theorem2_order_within_constants_of_the_exact_counts():
     """With the tiles from M, FA-1's exact count is 12 N^2 d^2 / M to leading order and
-    FA-2's (mirrored tiles) 8 N^2 d^2 / M, for d <= ... M <= Nd with M a multiple of 4d."""
+    FA-2's (mirrored tiles) 8 N^2 d^2 / M while the tiles grow with M (M <= 4d^2); FA-1
+    moves more than FA-2 at every M up to Nd."""
     n, d = 4096, 64
     for M in (4 * d * 4, 4 * d * 16, 4 * d * 64, n * d):
         order = th.theorem2_order(n, d, M)
