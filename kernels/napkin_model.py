@@ -17,10 +17,10 @@ The levels of the H100 and where their figures come from (``h100()``):
 
 | level | figure | source |
 |---|---|---|
-| HBM | copy 2.95 TB/s (read + write), read 2.96 TB/s | measured: gpu_basics.csv (cudaMemcpy), decode.csv (sum of 4 GiB) |
+| HBM | copy 2.95 TB/s (read + write), read 2.96 TB/s | measured: gpu_basics.csv, decode.csv |
 | L2 -> SM | about 5.5 TB/s | nominal: a published microbenchmark of the H100, not measured by the course |
 | shared memory | 128 B a clock an SM | derived: 32 banks x 4 B, at the clock the measured FMA rate implies |
-| registers | the FLOP rate: fp32 FMA 50.9 TFLOP/s, mma.sync fp16 612 TFLOP/s | measured: gpu_basics.csv (cuBLAS), flash_tensor_cores.csv |
+| registers | FLOP rate: fp32 FMA 50.9, mma.sync fp16 612 TFLOP/s | measured: gpu_basics.csv, flash_tensor_cores.csv |
 
 The bytes at each level are the course's own: HBM bytes are Nsight Compute's DRAM bytes
 where they are committed (``*_dram.csv``) and the IO model's (``kernels.base.io_model``)
@@ -48,7 +48,8 @@ from pathlib import Path
 from kernels.base import io_model as io
 
 __all__ = ["LEVELS", "Machine", "Work", "Part", "Case", "MissingMeasurement", "h100", "level_times", "predict",
-           "predict_case", "smem_bytes", "quantized", "reference_cases", "prediction_table", "quantization_table", "quantization_checks",
+           "predict_case", "smem_bytes", "quantized", "reference_cases", "prediction_table", "quantization_table",
+           "quantization_checks",
            "MISSES", "fmt_bytes", "draw_standard", "draw_streamed", "draw_predictions", "RESULTS_DIR"]
 
 RESULTS_DIR = io.RESULTS_DIR
