@@ -1,0 +1,485 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10. IO theory: on-chip memory, lower bounds, and a napkin
+#
+# Chapters 1 to 9 counted bytes and measured them. This chapter states what the papers prove
+# about those bytes and checks it against what the course measured on the H100:
+#
+# 1. FlashAttention's **two loop orders**: Algorithm 1 [1] (K/V outer, the state written back
+#    to HBM every step) against FlashAttention-2's [4] (chapter 4's), as kernels, their HBM
+#    traffic counted element by element;
+# 2. **Theorem 2** [1] with the on-chip memory $M$: the tiles chosen from $M$, the exact counts;
+# 3. the **lower bounds**: Proposition 3 [1] and Saha and Ye [5], whose bound is tight for
+#    $M \ge d^2$ and who give a better algorithm for $M < d^2$, a regime the H100 has (d = 256
+#    in fp32);
+# 4. **Theorem 5** and **Proposition 4** [1] beside the bytes Nsight Compute measured for
+#    chapters 5 and 6, and chapter 4's $B_r$ sweep re-read as an $M$ sweep;
+# 5. **FlashAttention on a napkin** [12]: attention drawn, a per-level performance model of
+#    the H100 predicting every chapter's time beside its measurement, and what fp16 and fp8
+#    data would change;
+# 6. what is still to come, and exercises.
+#
+# Sources (numbered as in the README's list): [1] FlashAttention, Algorithms 1 and 4,
+# Theorems 2 and 5, Propositions 3 and 4; [4] FlashAttention-2, Algorithm 1; [5] Saha and
+# Ye; [12] FlashAttention on a Napkin.
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
+from kernels import io_theory as th
+from kernels import napkin_model as nm
+from kernels import reference as ref
+from kernels.base.runtime import device_name
+
+print("running on:", device_name())
+
+# %% [markdown]
+# ## 1. Two loop orders: FlashAttention's Algorithm 1 and FlashAttention-2's
+#
+# FlashAttention [1] Algorithm 1 puts the **K/V tiles in the outer loop** and the query tiles
+# inside. A query tile then meets K/V tile 1, leaves, and comes back for tile 2 much later:
+# its running state ($O_i$, $\ell_i$, $m_i$) cannot stay on chip, so every step reads it from
+# HBM and writes it back:
+#
+# $$\text{for } j = 1..T_c:\ \text{load } K_j, V_j;\ \text{for } i = 1..T_r:\ \text{load } Q_i, O_i, \ell_i, m_i;\
+#   \ldots;\ O_i \leftarrow \mathrm{diag}(\ell^{new})^{-1}\big(\mathrm{diag}(\ell_i)e^{m_i - m^{new}}O_i +
+#   e^{\tilde m - m^{new}}\tilde P V_j\big);\ \text{write } O_i, \ell_i, m_i.$$
+#
+# FlashAttention-2 [4] swaps the loops (chapter 4's order): a block keeps its query tile and
+# its state on chip over every K/V tile and writes $O$ once; $K$ and $V$ are read once per
+# query tile instead. `kernels/kv_outer_forward.py` is Algorithm 1 as a teaching kernel (one
+# block a head, a thread a query row, as chapter 4's rung 2), and `hbm_elements` counts both
+# orders' HBM traffic in closed form:
+#
+# | | reads | writes |
+# |---|---|---|
+# | Algorithm 1 | $2N_kd + T_c(2N_qd + 2N_q)$ | $N_qd + 2N_q + T_c(N_qd + 2N_q)$ |
+# | FlashAttention-2 | $N_qd + T_r\,2N_kd$ | $N_qd + N_q$ |
+#
+# (plus, for Algorithm 1 here, $2N_q$ reads and $N_q$ writes to turn $m, \ell$ into $L$ at the end).
+
+# %%
+from kernels.base.trace import tracing
+from kernels.flash_forward import query_tile_attention
+from kernels.kv_outer_forward import hbm_elements, kv_outer_attention
+
+rng = np.random.default_rng(10)
+n_q, n_k, d, Br, Bc = 10, 13, 5, 4, 3
+q, k, v = (rng.standard_normal((1, 1, n, d)).astype(np.float32) for n in (n_q, n_k, n_k))
+exact_o, _ = ref.attention(q, k, v)
+for order, run in (("kv-outer", lambda: kv_outer_attention(q, k, v, tiles=(Br, Bc))),
+                   ("q-outer", lambda: query_tile_attention(q, k, v, tiles=(Br, Bc)))):
+    with tracing() as launches:
+        o, _ = run()
+    glob = [a for a in launches[0].arrays if a.memory == "global"]
+    print(f"{order:9s} max |O - oracle| = {np.abs(o - exact_o).max():.1e};  counted in the simulator: "
+          f"{sum(a.n_reads for a in glob)} read, {sum(a.n_writes for a in glob)} written;  closed form: "
+          f"{hbm_elements(n_q, n_k, d, Br, Bc, order)}")
+    print("           by array:", {a.name: (a.n_reads, a.n_writes) for a in glob})
+
+# %% [markdown]
+# Every element access, counted by the simulator's trace (`kernels.base.trace`), equals the
+# closed form, for both orders (the tests check several shapes). At the course's reference
+# size ($N = 4096$, $d = 64$, $B_r = B_c = 64$) Algorithm 1 moves $Q$, $O$, $\ell$ and $m$
+# through HBM $T_c = 64$ times:
+
+# %%
+for order in ("kv-outer", "q-outer"):
+    c = hbm_elements(4096, 4096, 64, 64, 64, order)
+    print(f"{order:9s} {4 * (c['read'] + c['written']) / 1e6:8.1f} MB a head (fp32), "
+          f"of which written {4 * c['written'] / 1e6:7.1f} MB")
+
+# %% [markdown]
+# Both are $\Theta(N^2 d^2 / M)$ (Theorem 2, section 2): with $B_c \approx M / 4d$ the number of
+# passes $T_c = N/B_c$ is $4Nd/M$, and each moves $\Theta(Nd)$. The difference is what
+# moves: Algorithm 1 writes, FlashAttention-2 only reads $K$ and $V$ again, which the 50 MB
+# L2 of an H100 serves without reaching HBM (chapter 4's Nsight Compute runs: the HBM bytes
+# stay compulsory at every $B_r$), and its query tiles are independent blocks, where
+# Algorithm 1's inner loop visits them in turn. The time of the two on an H100 is this
+# chapter's bench (section 5); the GPU run is still to be made.
+
+# %% [markdown]
+# ## 2. IO complexity in terms of the on-chip memory $M$
+#
+# Until now we counted the bytes of *our* kernels (`kernels/base/io_model.py`). The papers
+# count something more abstract: the number of elements an algorithm reads from or writes to
+# HBM when the chip can hold $M$ elements, as a function of $N$, $d$ and $M$. This section
+# follows them top to bottom in their notation ($T_r = \lceil N/B_r\rceil$,
+# $T_c = \lceil N/B_c\rceil$, $\ell$ and $m$ the running row sum and max) with
+# `kernels/io_theory.py`, and then holds them against what Nsight Compute measured on the H100.
+#
+# **Algorithm 1 of [1] picks its tiles from $M$** (line 1):
+#
+# $$B_c = \left\lceil \frac{M}{4d} \right\rceil, \qquad B_r = \min\left(\left\lceil \frac{M}{4d} \right\rceil, d\right).$$
+#
+# $K_j, V_j, Q_i, O_i$ then take $2B_cd + 2B_rd \approx M$, and $B_r \le d$ keeps the tile
+# $S_{ij}$ ($B_r \times B_c$) within $M/4$: everything on chip is $O(M)$.
+#
+# **The loop order decides who is re-read.** [1] loops over the K/V tiles *outside* and the
+# query tiles inside; a query tile meets each K/V tile at a different time, so its $O_i$,
+# $\ell_i$, $m_i$ go back to HBM after every step. Counting every access of the algorithm as
+# written (one head; exact for any $N$):
+#
+# | | reads | writes |
+# |---|---|---|
+# | [1] Alg. 1 (K/V outer) | $2Nd + T_c(2Nd + 2N)$ | $Nd + 2N + T_c(Nd + 2N)$ |
+# | [4] Alg. 1 (Q outer) | $Nd + 2Nd\,T_r$ | $Nd + N$ |
+#
+# [1] makes $T_c$ passes over $Q$ and $O$ and writes $O$ $T_c + 1$ times (with the
+# initialisation); FlashAttention-2 [4] makes $T_r$ passes over $K$ and $V$ and writes $O$
+# once. With $T_c \approx 4Nd/M$ the first is $\approx 12N^2d^2/M$: **Theorem 2 of [1]**,
+# $\Theta(N^2d^2M^{-1})$ for $d \le M \le Nd$, against $\Theta(Nd + N^2)$ for standard attention.
+# The second, with the large tile given to the queries ($B_r = \lceil M/4d\rceil$, the mirror
+# of line 1: our choice, [4] fixes its tiles by hand), is $\approx 8N^2d^2/M$.
+
+# %%
+
+
+
+n, d = 4096, 64
+M = th.h100_regime(d, 4)["M"]                        # 227 KB of shared memory, fp32 elements
+fa1_tiles, fa2_tiles = th.tiles_from_m(d, M), th.fa2_tiles_from_m(d, M)
+print(f"N = {n}, d = {d}, M = {M} fp32 elements: Algorithm 1's tiles (Br, Bc) = {fa1_tiles}")
+rows = [("[1] Alg. 1, its tiles", th.fa1_forward_accesses(n, d, Br=fa1_tiles[0], Bc=fa1_tiles[1])),
+        ("[4] order, the mirrored tiles", th.fa2_forward_accesses(n, d, Br=fa2_tiles[0], Bc=fa2_tiles[1])),
+        ("[4] order, Alg. 1's tiles", th.fa2_forward_accesses(n, d, Br=fa1_tiles[0], Bc=fa1_tiles[1]))]
+order = th.theorem2_order(n, d, M)
+print(f"{'':<30} {'passes':>6} {'reads':>11} {'writes':>11} {'O written':>10} {'/ N^2d^2/M':>10}")
+for name, c in rows:
+    print(f"{name:<30} {c['passes']:>6} {c['reads']:>11,} {c['writes']:>11,} {c['O_writes'] // (n * d):>9}x "
+          f"{c['total'] / order:>10.1f}")
+print(f"standard attention, Theta(Nd + N^2): {th.standard_order(n, d):,.0f}; N^2 d^2 / M = {order:,.0f}")
+
+# %% [markdown]
+# Both loops write the same attention; only the traffic differs. The tiles matter as much as
+# the order: Algorithm 1's tiles ($B_r \le d$, $B_c$ large) suit its own loop, and FlashAttention-2's
+# loop with them would pay $T_r = 64$ passes over $K$ and $V$.
+#
+# **Counted, not trusted.** `simulate_fa1_forward` and `simulate_fa2_forward` run the two
+# algorithms line by line in NumPy, every tile load and store going through an `HBM` object
+# that counts elements; the output must be attention (the float64 oracle) and the counts
+# must equal the closed forms exactly, ragged tiles included. `tests/test_io_theory.py` does
+# this for several shapes, for the backward (Algorithm 4 of [1]) and for the small-cache
+# algorithm below; a count of Algorithm 1 with $O$ written once fails it.
+
+# %%
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((37, 8)) for _ in range(3))
+o_ref, _ = ref.attention(q[None, None], k[None, None], v[None, None])
+o1, _, _, hbm1 = th.simulate_fa1_forward(q, k, v, Br=5, Bc=7)
+o2, _, hbm2 = th.simulate_fa2_forward(q, k, v, Br=5, Bc=7)
+for name, o, hbm, formula in (("[1] Alg. 1", o1, hbm1, th.fa1_forward_accesses(37, 8, Br=5, Bc=7)),
+                              ("[4] Alg. 1", o2, hbm2, th.fa2_forward_accesses(37, 8, Br=5, Bc=7))):
+    got = hbm.counts()
+    print(f"{name}: |O - oracle| = {np.abs(o - o_ref[0, 0]).max():.1e}; counted {got['reads']} reads, "
+          f"{got['writes']} writes; closed form {formula['reads']}, {formula['writes']}; "
+          f"O written {hbm.writes['O']} elements")
+
+# %% [markdown]
+# ## 3. The lower bounds
+#
+# **[1] Proposition 3.** There is no exact attention algorithm with $o(N^2d^2M^{-1})$ HBM accesses
+# *for all* $M \in [d, Nd]$. The proof looks only at $M = \Theta(Nd)$, where the bound is
+# $\Theta(Nd)$: the inputs must be read. It says nothing about a smaller $M$.
+#
+# **Saha and Ye [5]** settle every $M$. For $M \ge d^2$ the lower bound is $\Omega(N^2d^2/M)$:
+# FlashAttention is optimal (even against fast matrix multiplication). For $M < d^2$ the optimum
+# is lower,
+#
+# $$\Theta\!\left(\frac{N^2 d}{\sqrt{M}}\right),$$
+#
+# the IO of the product $QK^\top$ itself: an $(n \times k)(k \times m)$ product with $M$ words on
+# chip needs $\Theta(nkm/\sqrt{M})$ accesses (Hong and Kung, 1981), here $n = m = N$, $k = d$. The
+# algorithm this chapter counts for that regime (after [5]; the details of this version are
+# ours) does **not** fuse: it computes $S = QK^\top$ and $PV$ as tiled matrix products, $\sqrt{M} \times \sqrt{M}$ blocks with the inner dimension in chunks, and writes $S$
+# to HBM, which costs $N^2 \le N^2d/\sqrt{M}$ once $\sqrt{M} < d$. Our version
+# (`small_cache_accesses`: blocks of side $b$, the largest with $3b^2 + b \le M$) counts
+# $2NdT + N^2(2 + T_d) + NdT + \dots \approx 3N^2d/b + N^2 d/b + 2N^2$, $T = \lceil N/b \rceil$.
+#
+# At $M = d^2$ the two orders meet: $N^2d^2/d^2 = N^2d/d = N^2$; below it $N^2d/\sqrt{M}$ is the
+# smaller by the factor $d/\sqrt{M}$, above it $N^2d^2/M$ is. The optimum is
+# $\max(Nd, \min(N^2d^2/M, N^2d/\sqrt{M}))$, continuous at the crossover.
+#
+# **On the H100** a block may have 227 KB of shared memory: $M = 58{,}112$ fp32 elements. At
+# $d = 256$, $d^2 = 65{,}536 > M$: the small-cache regime exists on real hardware. In fp16
+# ($M = 116{,}224$) it does not.
+
+# %%
+for dd in (64, 128, 256):
+    for itemsize in (4, 2):
+        r = th.h100_regime(dd, itemsize)
+        print(f"d = {dd:>3} {'fp32' if itemsize == 4 else 'fp16'}: M = {r['M']:>7,}, d^2 = {r['d2']:>6,}  "
+              f"{r['regime']:<34} d / sqrt(M) = {r['gain']:.2f}")
+dd, Mh = 256, th.h100_regime(256, 4)["M"]
+exact = {"[1] Alg. 1": th.fa1_forward_accesses(n, dd, **dict(zip(("Br", "Bc"), th.tiles_from_m(dd, Mh))))["total"],
+         "[4] order": th.fa2_forward_accesses(n, dd, **dict(zip(("Br", "Bc"), th.fa2_tiles_from_m(dd, Mh))))["total"],
+         "small-cache [5]": th.small_cache_accesses(n, dd, Mh)["total"]}
+print(f"\nN = {n}, d = 256, fp32 on the H100 (M = {Mh}): exact counts, millions of elements a head:",
+      ", ".join(f"{k} {v / 1e6:.0f}" for k, v in exact.items()))
+
+fig, ax = plt.subplots(figsize=(7, 4.5))
+Ms = np.geomspace(4 * dd, n * dd, 100)
+ax.loglog(Ms, [th.theorem2_order(n, dd, m_) for m_ in Ms], label=r"$N^2d^2/M$")
+ax.loglog(Ms, [th.small_cache_order(n, dd, m_) for m_ in Ms], label=r"$N^2d/\sqrt{M}$")
+ax.loglog(Ms, [th.optimal_order(n, dd, m_) for m_ in Ms], "k", lw=4, alpha=0.25, label="optimal [5]")
+ax.axvline(dd * dd, color="gray", ls="-.", label=r"$M = d^2$")
+ax.axvline(Mh, color="C2", ls=":", label="H100, fp32")
+ax.set_xlabel("M (elements)")
+ax.set_ylabel("HBM accesses, one head")
+ax.set_title(f"N = {n}, d = {dd}")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# The regime is real but thin: $d/\sqrt{M} = 1.06$ at $d = 256$ fp32, and the constants decide.
+# In exact counts, with the tiles above, FlashAttention-2's order (153 M elements a head) beats
+# both Algorithm 1 (231 M, it pays $O$'s write-backs) and the small-cache algorithm (163 M).
+# The orders hide a factor of 8 to 12 for the fused loops and about 9 for ours at the crossover.
+#
+# ## 4. The backward, block sparsity, and what the H100 measured
+#
+# **[1] Theorem 5:** the backward (Algorithm 4, K/V outer, $dQ_i$ read and written every pass)
+# also makes $\Theta(N^2d^2M^{-1})$ accesses; exactly $7Nd + T_c(5Nd + 2N)$ (`fa1_backward_accesses`).
+# **[1] Proposition 4:** with a fraction $s$ of the blocks kept, block-sparse FlashAttention makes
+# $\Theta(Nd + N^2d^2M^{-1}s)$.
+#
+# The course profiled its kernels under Nsight Compute (B = 4, H = 16, N = 4096, d = 64, fp32),
+# counting two levels: DRAM bytes (what reaches HBM) and the bytes the SMs read from L2 (what
+# arrives at shared memory), next to `io_model`'s count for the same tiles (no cache between HBM
+# and the SM) and the compulsory bytes (each input read once, each output written once):
+
+# %%
+table = th.measured_vs_model()                           # files not committed are left out
+if table:
+    print(f"{'':<14} {'case':<52} {'DRAM GB':>8} {'/compuls.':>9} {'L2->SM GB':>9} {'model GB':>9} {'L2/model':>8}")
+    for r in table:
+        print(f"{r['result']:<14} {r['kernel']:<52} {r['dram'] / 1e9:>8.3f} {r['dram'] / r['compulsory']:>9.2f} "
+              f"{r['l2'] / 1e9:>9.2f} {r['model'] / 1e9:>9.2f} {r['l2'] / r['model']:>8.2f}")
+else:
+    print("Nsight Compute results are not committed (workbook/results/*_dram.csv): run `.ci/gpu-check ncu` on a GPU.")
+
+# %% [markdown]
+# (L2 → SM here counts the SMs' reads from L2 plus the DRAM writes, as chapter 4 compared them.)
+#
+# * **HBM bytes stay compulsory.** The forward moves 0.26-0.28 GB at every $B_r$, 0.98-1.02x the
+#   compulsory 0.27 GB; the backward 0.74 GB (atomic dQ) and 0.88 GB (separate dQ), 1.4x and
+#   1.6x its compulsory 0.54 GB; block-sparse the same at every density. The re-reads the
+#   theorems count never reach HBM: the heads in flight keep their K and V (2 MB a head) in the
+#   50 MB L2.
+# * **The traffic into the SMs follows the theorems.** It falls with $B_r$ as $N^2d/B_r$ and, for
+#   block-sparse, with $s$: 0.82, 1.49 and 5.26 GB at $s$ = 0.125, 0.25 and 1 (forward), the
+#   $N^2d^2M^{-1}s$ term of Proposition 4 (the forward reads 1.2-1.3x its model, not yet
+#   explained, chapter 6). The backward's 0.45-0.82x of its model: the model counts dQ's atomic
+#   read-modify-writes, which L2 executes without sending them to the SMs (chapters 5 and 6).
+#
+# So the "$M$" of the theorems is two different memories on a GPU: **for HBM traffic it is the
+# L2** (50 MB: $N^2d^2/M$ with $M$ in the tens of millions of elements is below the compulsory
+# bytes, so only the compulsory bytes remain), **for L2 traffic it is the shared memory** of a
+# block (its tiles).
+#
+# ### The $B_r$ sweep re-read as an $M$ sweep
+#
+# Each $B_r$ of chapter 4's sweep uses `flash_forward.shared_bytes` of shared memory: $Q^\top_i$,
+# $K^\top_j$, $V_j$, $P^\top$ with their padding, $M = d(B_r+4) + d(B_c+4) + B_c(d+8) + B_c(B_r+4)$
+# fp32 elements ($= 128B_r + 9472$ at $d = B_c = 64$). Plot the measured L2 → SM bytes against that $M$:
+
+# %%
+try:
+    sweep = th.m_sweep()
+except FileNotFoundError as e:
+    sweep = None
+    print(e)
+if sweep:
+    print(f"{'Br':>4} {'M':>7} {'L2->SM GB':>10} {'2N^2d/Br GB':>12} {'N^2d^2/M GB':>12} {'L2 / (N^2d^2/M)':>16} {'DRAM GB':>8}")
+    for r in sweep:
+        print(f"{r['Br']:>4} {r['M']:>7} {r['l2_read'] / 1e9:>10.2f} {r['kv_stream'] / 1e9:>12.2f} "
+              f"{r['theorem2'] / 1e9:>12.2f} {r['l2_read'] / r['theorem2']:>16.1f} {r['dram'] / 1e9:>8.3f}")
+    Ms = np.array([r["M"] for r in sweep], float)
+    grid = np.geomspace(Ms.min() / 1.3, Ms.max() * 1.3, 50)
+    per = sweep[-1]["theorem2"] * sweep[-1]["M"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.loglog(Ms, [r["l2_read"] / 1e9 for r in sweep], "s-", label="measured: SMs read from L2")
+    ax.loglog(Ms, [r["kv_stream"] / 1e9 for r in sweep], "o--", color="gray", label=r"$2N^2d/B_r$ (IO model)")
+    ax.loglog(grid, 4 * per / grid / 1e9, label=r"$4N^2d^2/M$")
+    ax.loglog(Ms, [r["dram"] / 1e9 for r in sweep], "^-", label="measured: DRAM")
+    ax.axhline(sweep[0]["compulsory"] / 1e9, color="k", ls=":", label="compulsory")
+    ax.set_xlabel("M = shared memory of the tiles (fp32 elements)")
+    ax.set_ylabel("GB per call")
+    ax.legend(fontsize=8)
+    plt.show()
+
+# %% [markdown]
+# From $B_r = 64$ to $256$ the measured bytes track $N^2d^2/M$ with a nearly constant factor (5.8,
+# 5.5, 4.9; $\to 4$ as $M \approx 2dB_r$ when the query tiles dominate). Below, the points fall
+# *faster* than $1/M$ (21.6x at $B_r = 16$): with $B_c = 64$ fixed, 9,472 elements of $M$ are
+# K, V and the padding, which buy nothing against the $T_r$ passes. A tile shape chosen as
+# Theorem 2's proof chooses it (every tile growing with $M$) would sit on the line. And however
+# $M$ is spent here, HBM sees the compulsory 0.27 GB: the L2 is the memory of Theorem 2 for that level.
+
+# %% [markdown]
+# ## 5. Attention on a napkin
+#
+# Abbott and Zardini's *FlashAttention on a Napkin* [12] draws an algorithm as a diagram of
+# its arrays and the operations between them, and reads its cost off the diagram: every
+# array lives at a level of the memory hierarchy, every arrow that crosses a level moves
+# bytes, and the level that must move the most bytes for its bandwidth sets the time.
+# Here is standard attention (chapter 1) drawn that way, for one head at N = 4096, d = 64,
+# float32: every box is an array with its shape and size, every arrow a transfer between
+# HBM and the chip labelled with its bytes.
+
+# %%
+
+
+fig, ax = plt.subplots(figsize=(12, 3.9))
+nm.draw_standard(ax, n=4096, d=64)
+plt.show()
+
+# %% [markdown]
+# The two N×N arrays carry 256 of the 260 MiB. FlashAttention (chapter 4) keeps them on
+# the chip: a block holds one query tile $Q_i$ in shared memory, streams the key and value
+# tiles $K_j, V_j$ past it, keeps the scores $S_{ij}$, the running state $(m, \ell)$ and
+# the output accumulator $O_i$ in registers, and writes $O_i$ and $L_i$ once. The
+# $\lceil N / B_r \rceil$ query tiles are independent: they run as parallel blocks, each
+# streaming all of K and V. The stream is the one term that grows as $N^2$.
+
+# %%
+fig, ax = plt.subplots(figsize=(12, 4.8))
+nm.draw_streamed(ax, n=4096, d=64, Br=256, Bc=64)
+plt.show()
+
+# %% [markdown]
+# ### The levels of the H100, and where each figure comes from
+#
+# The napkin needs a bandwidth for every level the bytes cross and a FLOP rate for the
+# registers, where the arithmetic happens. The course measured the HBM and FLOP figures
+# (chapters 0, 7 and 8); it did not measure L2 or shared memory, so those two are a
+# nominal and a derived figure, said as such:
+
+# %%
+machine = nm.h100()
+for key in ("HBM copy", "HBM read", "L2", "shared memory"):
+    kind, text = machine.sources[key]
+    print(f"{key:14} {machine.bandwidth[key] / 1e12:6.2f} TB/s     {kind:8}  {text}")
+for key in ("fp32 FMA", "fp16 mma.sync", "fp8 mma.sync"):
+    kind, text = machine.sources[key]
+    print(f"{key:14} {machine.flop_rate[key] / 1e12:6.1f} TFLOP/s  {kind:8}  {text}")
+
+# %% [markdown]
+# ### Every chapter's main kernel on the napkin
+#
+# For each kernel at its reference shape, the bytes at each level are the course's own:
+# HBM bytes measured by Nsight Compute where they are committed (chapters 1, 4, 5, 6) and
+# the IO model's otherwise; L2→SM bytes measured by Nsight, or the IO model without reuse
+# (which is what the SMs ask of L2: the fused forward measured 0.92× it); shared-memory
+# bytes from the register micro-tiles (a $T_M \times T_N$ tile reads $T_M + T_N$ operands
+# for $T_M T_N$ multiply-adds). The prediction is
+#
+# $$t = \max\Big(\tfrac{\text{bytes}_\text{HBM}}{BW_\text{HBM}},\ \tfrac{\text{bytes}_\text{L2}}{BW_\text{L2}},\
+#       \tfrac{\text{bytes}_\text{smem}}{BW_\text{smem}},\ \tfrac{\text{FLOPs}}{\text{rate}}\Big),$$
+#
+# summed over the kernels of a chain (chapter 1 launches three), and the level that
+# attains the max is the bound. Beside it, the time the H100 measured, from the committed
+# CSVs, and their ratio.
+
+# %%
+table = nm.prediction_table(machine)
+print(f"{'ch':>2}  {'kernel':33} {'shape':24} {'napkin ms':>10}  {'bound':20} {'measured ms':>11} {'ratio':>6}")
+for r in table:
+    print(f"{r['chapter']:>2}  {r['kernel']:33} {r['shape']:24} {r['predicted_ms']:10.4f}  {r['bound']:20} "
+          f"{r['measured_ms']:11.4f} {r['ratio']:6.2f}")
+
+# %%
+fig, ax = plt.subplots(figsize=(11, 5.2))
+nm.draw_predictions(ax, table)
+plt.show()
+
+# %% [markdown]
+# ### Reading the misses
+#
+# A napkin is a lower bound: a ratio near 1 says the kernel does what its bytes allow, a
+# ratio well above 1 says something the four divisions do not see sets the pace. One
+# sentence a kernel:
+
+# %%
+for r in table:
+    print(f"ch{r['chapter']} {r['kernel']} ({r['ratio']:.2f}x): {r['miss']}\n")
+
+# %% [markdown]
+# Three groups. The **streaming** kernels (the row softmax, decode, chapter 1's softmax
+# kernel) reach their HBM bound: their napkin is their time. The **fused fp32** kernels
+# (chapters 2-6) sit 1.4-1.8× above a bound where shared memory and the FMA units tie:
+# they are issue-bound, the softmax and the rescaling of O sharing the pipe with the
+# multiply-adds. The **tensor-core** kernels (chapter 2's rung 4, chapter 8) and the
+# **tiny** one (chapter 9's tree of 150 kB) are furthest away, for reasons the napkin names
+# but does not count: pipelines to fill, the softmax between two matrix products, a launch.
+
+# %% [markdown]
+# ### Smaller numbers: fp16 and fp8 on the napkin
+#
+# Store the data in 2 bytes (fp16) or 1 byte (fp8) and every byte of the napkin halves or
+# quarters; the FLOP rate moves only if the arithmetic moves to the tensor cores. On the
+# H100 there is no native fp8 `mma.sync`: the `m16n8k32.e4m3` instruction (made for
+# sm_89) compiles for sm_90 but is converted to fp16 and run on the fp16 tensor cores
+# (NVIDIA/cutlass#1986); native fp8 is `wgmma` only, which this course does not reach from
+# Numba. So fp8 through `mma.sync` gets at most the fp16 rate, 612 TFLOP/s measured.
+
+# %%
+print(f"{'ch':>2}  {'kernel':33} {'fp32 ms':>8} {'fp16 ms':>8} {'gain':>5} {'fp8 ms':>8} {'gain':>5}  bound (fp16)")
+for r in nm.quantization_table(machine):
+    print(f"{r['chapter']:>2}  {r['kernel']:33} {r['fp32_ms']:8.3f} {r['fp16_ms']:8.3f} {r['fp16_gain']:5.2f} "
+          f"{r['fp8_ms']:8.3f} {r['fp8_gain']:5.2f}  {r['fp16_bound']}")
+
+# %% [markdown]
+# The bandwidth-bound kernels gain all of it: 2× in fp16 and 4× in fp8 for the copy, the
+# softmax and decode. The fused fp32 kernels gain nothing: their bound is the FMA units,
+# and fp16 data with fp32 math leaves the FLOP rate where it was (chapter 1's products
+# gain because their shared-memory reads halve, then stop at the FMA units). The FLOP-bound
+# kernels gain only by moving the arithmetic to the tensor cores. Against what the course
+# measured:
+
+# %%
+for c in nm.quantization_checks(machine):
+    print(f"{c['what']:55} napkin {c['predicted_gain']:5.2f}x   measured {c['measured_gain']:5.2f}x")
+
+# %% [markdown]
+# Decode's fp16 cache gains 1.88× of the napkin's 2×; chapter 4 fed fp16 gains nothing, as
+# the napkin says; moving the forward to the tensor cores (chapter 8) gains 4.9× of the
+# napkin's 7.2×, the rest being the softmax that chapter 8 does not overlap with its
+# products (the miss above).
+
+# %% [markdown]
+# ## 6. Still to come, and exercises
+#
+# Measured on the H100 next (the chapter's bench and Nsight Compute): the two loop orders'
+# times and DRAM bytes (`python -m kernels --chapters 10`); Saha and Ye's $M < d^2$
+# algorithm as a kernel at $d = 256$ in fp32, against both formulas and against the fp16 case
+# where $M \ge d^2$; and FlashAttention's Algorithm 2, dropout with a counter-based random
+# generator (Philox) regenerated in the backward instead of a stored mask.
+#
+# Exercises:
+#
+# 1. From the closed forms of section 1: at which $N$ (with $d = 64$, $B_r = B_c = 64$, fp32)
+#    does Algorithm 1's traffic exceed the 50 MB L2 of an H100, so that its write-backs must
+#    reach HBM? Compare with FlashAttention-2's re-reads of K and V.
+# 2. Theorem 2 says $\Theta(N^2d^2/M)$ for both orders. Where does the constant differ, and
+#    which of the two can spend its $M$ on more query rows?
+# 3. The napkin (section 5) predicts chapter 8's forward at 0.76 ms and it runs in 1.70: name
+#    the work the model leaves out, and estimate its time from chapter 8's instruction counts.
