@@ -54,7 +54,7 @@ from kernels.online_softmax import default_tiles as softmax_tiles
 from kernels.online_softmax import make_row_softmax
 
 __all__ = ["small_cache_attention", "make_block_product", "hbm_elements", "default_tile", "SIM_M", "THREADS_GPU",
-           "THREADS_SIM", "MAX_HEAD_DIM", "ptx_targets"]
+           "THREADS_SIM", "MAX_HEAD_DIM", "small_cache_rows", "ptx_targets"]
 
 SIM_M = 3 * 8 * 8 + 8         # the simulator's "shared memory": b = 8
 THREADS_GPU = 1024            # one block a SM at 227 KB: all its warps hide the latency
@@ -97,8 +97,10 @@ def make_block_product(b: int, threads: int, scores: bool, dynamic: bool = False
     BB = b * b
     NT = threads
     SHARED = 0 if dynamic else 3 * BB
+    # at most 65,536 / threads registers a thread, or a 1,024-thread launch fails (64 without a cap)
+    caps = {} if on_simulator() else {"max_registers": min(255, 65536 // threads)}
 
-    @cuda.jit
+    @cuda.jit(**caps)
     def block_product(a, bm, c, scale, causal, offset):
         smem = cuda.shared.array(SHARED, float32)
         As = shared_view(smem, 0, (B, B))               # a chunk of Q (or P): rows i, columns k
@@ -198,6 +200,56 @@ def small_cache_attention(q, k, v, *, causal=False, scale=None, tile=None):
         make_row_softmax(tpr, rpb, kr)[cdiv(BH * n_q, rpb), tpr * rpb](rows, rows, lse.reshape(BH * n_q))
         _product(b, False, (cdiv(d, b), cdiv(n_q, b), BH), (s, vv, o, np.float32(1.0), *flags))
     return kind.give_back(o.reshape(B, H, n_q, d)), kind.give_back(lse.reshape(B, H, n_q))
+
+
+def small_cache_rows(ctx, chapter: int = 10) -> list:
+    """Bench rows (``kernels.bench.harness.Result``) for chapter 10: this algorithm at
+    B = 1, H = 16, N = 4096, fp32, d = 256 (M < d^2 on an H100) and d = 128 (M > d^2),
+    with b = ``default_tile()``, beside chapter 4's ``flash_attention`` at d = 128 (it takes
+    d <= 128). ``model_bytes``: 4 bytes times ``hbm_elements`` for this kernel, chapter 4's
+    IO model (2Nd + N + 2Nd Tr) for the fused one; ``extra`` holds io_theory's count
+    (``small_cache_accesses``) and the two orders, N^2 d / sqrt(M) and N^2 d^2 / M, all
+    for B H heads in elements. Simulator: one tiny shape. The launcher allocates its
+    N x N workspace each call (1 GB at this shape): part of the time measured."""
+    from kernels import io_theory
+    from kernels.base import io_model
+    from kernels.flash_forward import default_tiles as flash_tiles
+    from kernels.flash_forward import flash_attention
+
+    sim = on_simulator()
+    shapes = [(1, 1, 12, 16)] if sim else [(1, 16, 4096, 256), (1, 16, 4096, 128)]
+    M = SIM_M if sim else max_dynamic_shared_bytes() // 4
+    b = small_cache_tile(M)
+    out = []
+    for B, H, n, d in shapes:
+        rng = np.random.default_rng(n + d)
+        sets = [tuple(cuda.to_device(rng.standard_normal((B, H, n, d)).astype(np.float32)) for _ in range(3))
+                for _ in range(1 if sim else 2)]
+        config = f"B={B} H={H} N={n} d={d} fp32"
+        flops = 4.0 * B * H * n * n * d
+        count = hbm_elements(n, n, d, b)
+        heads = B * H
+        extra = {"N": n, "d": d, "M": M, "b": b, "regime": io_theory.regime(d, M),
+                 "elements_read": heads * count["read"], "elements_written": heads * count["written"],
+                 "io_theory_elements": heads * io_theory.small_cache_accesses(n, d, M)["total"],
+                 "order_small_cache": heads * io_theory.small_cache_order(n, d, M),
+                 "order_theorem2": heads * io_theory.theorem2_order(n, d, M)}
+        out.append(ctx.measure(chapter, "small-cache (S in HBM, b x b products)", f"{config} b={b}",
+                               lambda q, k, v: small_cache_attention(q, k, v), sets, flops=flops,
+                               model_bytes=4.0 * heads * (count["read"] + count["written"]), peak_memory=False,
+                               note=f"M = {M} fp32 elements a block, b = {b}: {io_theory.regime(d, M)}",
+                               extra=extra))
+        if d <= 128:
+            t = flash_tiles(d)
+            fused = io_model.fused_forward_elements(n, n, d, Br=t.Br, Bc=t.Bc)
+            out.append(ctx.measure(chapter, "chapter 4 flash_attention (fused)", config,
+                                   lambda q, k, v: flash_attention(q, k, v), sets, flops=flops,
+                                   model_bytes=4.0 * heads * fused, peak_memory=False,
+                                   note=f"FlashAttention-2 order, Br={t.Br} Bc={t.Bc}: 2Nd + N + 2Nd Tr a head",
+                                   extra={"N": n, "d": d, "M": M, "regime": io_theory.regime(d, M),
+                                          "order_small_cache": heads * io_theory.small_cache_order(n, d, M),
+                                          "order_theorem2": heads * io_theory.theorem2_order(n, d, M)}))
+    return out
 
 
 def ptx_targets(every_shape: bool = False):
