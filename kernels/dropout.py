@@ -103,7 +103,9 @@ def philox4x32(c0, c1, c2, c3, k0, k1):
         p1 = _M1 * uint64(x2)
         hi0, lo0 = uint32(p0 >> _SHIFT32), uint32(p0 & _LOW32)
         hi1, lo1 = uint32(p1 >> _SHIFT32), uint32(p1 & _LOW32)
-        x0, x1, x2, x3 = hi1 ^ x1 ^ uint32(y0), lo1, hi0 ^ x3 ^ uint32(y1), lo0
+        # Numba types uint32 ^ uint32 as uint64: each result is cast back, so that the
+        # state stays 32-bit and the products stay 32 x 32 -> 64 (mul.wide.u32)
+        x0, x1, x2, x3 = uint32(hi1 ^ x1 ^ uint32(y0)), lo1, uint32(hi0 ^ x3 ^ uint32(y1)), lo0
         y0 = (y0 + _W0) & _LOW32                   # the key schedule, mod 2^32
         y1 = (y1 + _W1) & _LOW32
     return x0, x1, x2, x3
