@@ -9,6 +9,8 @@ Br = Bc = 64, and chapter 4's production kernel for scale. ``model_bytes`` is ea
 order's closed form (``kernels.kv_outer_forward.hbm_elements``, 4 bytes an element, B H
 heads), so ``gbps`` is the traffic the algorithm asks of memory a second, whatever the L2
 serves; Nsight Compute's DRAM bytes (``python -m kernels.bench.ncu``) say what reached HBM.
+Then the M < d^2 algorithm (``kernels.small_cache_attention``, after Saha and Ye) at d = 256
+and 128, fp32, N = 4096, beside chapter 4's kernel at d = 128.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import kernels  # noqa: F401  (GPU or simulator first)
 from kernels.bench.harness import Result
 from kernels.flash_forward import flash_attention, query_tile_attention
 from kernels.kv_outer_forward import hbm_elements, kv_outer_attention
+from kernels.small_cache_attention import small_cache_rows
 
 CHAPTER = 10
 TITLE = "IO theory: the two loop orders"
@@ -58,4 +61,5 @@ def run(ctx) -> list[Result]:
                                    model_bytes=4.0 * b * h * 4 * n * d, peak_memory=False,
                                    note="flash_attention() with its default tiles: compulsory bytes",
                                    extra={"N": n, "order": "q-outer"}))
+    results.extend(small_cache_rows(ctx))          # the M < d^2 algorithm at d = 256 and 128
     return results
