@@ -26,12 +26,13 @@
 # 3. the **lower bounds**: Proposition 3 [1] and Saha and Ye [5], whose bound is tight for
 #    $M \ge d^2$ and who give a better algorithm for $M < d^2$, a regime the H100 has (d = 256
 #    in fp32);
-# 4. **Theorem 5** and **Proposition 4** [1] beside the bytes Nsight Compute measured for
+# 4. the $M < d^2$ algorithm as GPU kernels, its traffic counted;
+# 5. **Theorem 5** and **Proposition 4** [1] beside the bytes Nsight Compute measured for
 #    chapters 5 and 6, and chapter 4's $B_r$ sweep re-read as an $M$ sweep;
-# 5. **FlashAttention on a napkin** [12]: attention drawn, a per-level performance model of
+# 6. **FlashAttention on a napkin** [12]: attention drawn, a per-level performance model of
 #    the H100 predicting every chapter's time beside its measurement, and what fp16 and fp8
 #    data would change;
-# 6. what is still to come, and exercises.
+# 7. what is still to come, and exercises.
 #
 # Sources (numbered as in the README's list): [1] FlashAttention, Algorithms 1 and 4,
 # Theorems 2 and 5, Propositions 3 and 4; [4] FlashAttention-2, Algorithm 1; [5] Saha and
@@ -114,7 +115,7 @@ for order in ("kv-outer", "q-outer"):
 # L2 of an H100 serves without reaching HBM (chapter 4's Nsight Compute runs: the HBM bytes
 # stay compulsory at every $B_r$), and its query tiles are independent blocks, where
 # Algorithm 1's inner loop visits them in turn. The time of the two on an H100 is this
-# chapter's bench (section 5); the GPU run is still to be made.
+# chapter's bench; the GPU run is still to be made.
 
 # %% [markdown]
 # ## 2. IO complexity in terms of the on-chip memory $M$
@@ -253,8 +254,116 @@ plt.show()
 # In exact counts, with the tiles above, FlashAttention-2's order (153 M elements a head) beats
 # both Algorithm 1 (231 M, it pays $O$'s write-backs) and the small-cache algorithm (163 M).
 # The orders hide a factor of 8 to 12 for the fused loops and about 9 for ours at the crossover.
+
+# %% [markdown]
+# ## 4. The M < d² algorithm as kernels
 #
-# ## 4. The backward, block sparsity, and what the H100 measured
+# Section 3 counted Saha and Ye's algorithm [5] for on-chip memory $M < d^2$ in NumPy. Here it
+# runs as GPU kernels (`kernels/small_cache_attention.py`), three launches, no fusion:
+#
+# 1. $S = \text{scale}\,QK^\top$ in $b \times b$ output blocks, the sum over $d$ in chunks of $b$:
+#    a block of $Q$ and one of $K$ in shared memory with the $S$ block, $3b^2 \le M$ elements;
+#    **$S$ goes to an HBM workspace**, $N \times N$ a head.
+# 2. Chapter 3's row softmax, in place: $S$ read once, $P$ written over it, $L = m + \log \ell$.
+# 3. $O = PV$ in $b \times b$ output blocks, the sum over $N$ in chunks of $b$.
+#
+# $b$ is the largest side with $3b^2 + b \le M$ (`io_theory.small_cache_tile`). Writing $S$ costs
+# $N^2$ accesses; the products cost $\Theta(N^2 d / b) = \Theta(N^2 d / \sqrt{M})$, so once
+# $\sqrt{M} < d$ materialising $S$ is no longer the expensive part (Hong and Kung's bound for the
+# products is what remains).
+
+# %%
+from kernels import io_theory
+from kernels.base.trace import tracing
+from kernels.small_cache_attention import hbm_elements as small_cache_elements
+from kernels.small_cache_attention import small_cache_attention
+
+rng = np.random.default_rng(10)
+n, d, M = 10, 7, 30                          # b = 3: four row blocks, three chunks of d
+b = io_theory.small_cache_tile(M)
+q, k, v = (rng.standard_normal((1, 1, n, d)).astype(np.float32) for _ in range(3))
+with tracing() as launches:
+    o, lse = small_cache_attention(q, k, v, tile=b)
+exact_o, exact_l = ref.attention(q, k, v)
+print(f"b = {b}: max |O - oracle| = {np.abs(o - exact_o).max():.1e}, max |L - oracle| = {np.abs(lse - exact_l).max():.1e}")
+model = small_cache_elements(n, n, d, b)
+for t, step in zip(launches, ("scores", "softmax", "pv")):
+    glob = [a for a in t.arrays if a.memory == "global"]
+    counted = (sum(a.n_reads for a in glob), sum(a.n_writes for a in glob))
+    print(f"{step:8s} counted (read, written) = {counted}, hbm_elements = {model[step]};",
+          {a.name: (a.n_reads, a.n_writes) for a in glob})
+formula = io_theory.small_cache_accesses(n, d, M)
+td = -(-d // b)
+print(f"in all: read {model['read']} = io_theory {formula['reads']} - N Td ({n * td}); "
+      f"written {model['written']} = io_theory {formula['writes']} + N^2 ({n * n})")
+
+# %% [markdown]
+# Every element access the simulator counts equals the closed form, launch by launch. Against
+# `io_theory.small_cache_accesses` the difference is exact and comes from one choice: the
+# softmax is chapter 3's kernel, which writes $P$ over $S$ ($+N^2$ writes), so the $PV$ product
+# reads $P$ and never reads $L$ ($-N\,T_d$ reads, $T_d = \lceil d/b \rceil$), where section 3's
+# loop computes only $L$ and forms $e^{S - L}$ inside the product.
+#
+# **Where the H100 sits.** A block's shared memory is 58,112 fp32 elements: $b = 139$, and
+# $d = 256$ has $d^2 = 65{,}536 > M$. Per score ($N^2$), at $N = 4096$:
+
+# %%
+N = 4096
+rows = []
+for d_, M_ in ((128, 58112), (256, 58112), (256, 116224)):
+    b_ = io_theory.small_cache_tile(M_)
+    ours = small_cache_elements(N, N, d_, b_)
+    f1 = io_theory.fa1_forward_accesses(N, d_, **dict(zip(("Br", "Bc"), io_theory.tiles_from_m(d_, M_))))
+    f2 = io_theory.fa2_forward_accesses(N, d_, **dict(zip(("Br", "Bc"), io_theory.fa2_tiles_from_m(d_, M_))))
+    print(f"d={d_:3d} M={M_:6d} (b={b_}, {io_theory.regime(d_, M_)}): this kernel "
+          f"{(ours['read'] + ours['written']) / N**2:5.2f}, section 3 {io_theory.small_cache_accesses(N, d_, M_)['total'] / N**2:5.2f}, "
+          f"FA-1 Alg. 1 {f1['total'] / N**2:5.2f}, FA-2 order {f2['total'] / N**2:5.2f} | orders: "
+          f"N^2 d/sqrt(M) {io_theory.small_cache_order(N, d_, M_) / N**2:.2f}, N^2 d^2/M {io_theory.theorem2_order(N, d_, M_) / N**2:.2f}")
+
+# %%
+
+d_, Ms = 256, np.unique(np.geomspace(2_000, 400_000, 40).astype(int))
+fig, ax = plt.subplots(figsize=(6.4, 3.4))
+per = lambda c: np.array(c) / N**2
+ax.plot(Ms, per([sum(small_cache_elements(N, N, d_, io_theory.small_cache_tile(m))[x] for x in ("read", "written"))
+                 for m in Ms]), label="this kernel (counted form)")
+ax.plot(Ms, per([io_theory.fa1_forward_accesses(N, d_, **dict(zip(("Br", "Bc"), io_theory.tiles_from_m(d_, m))))["total"]
+                 for m in Ms]), label="FA-1 Algorithm 1, tiles from M")
+ax.plot(Ms, per([io_theory.fa2_forward_accesses(N, d_, **dict(zip(("Br", "Bc"), io_theory.fa2_tiles_from_m(d_, m))))["total"]
+                 for m in Ms]), label="FA-2 order, tiles from M")
+ax.plot(Ms, per([io_theory.small_cache_order(N, d_, m) for m in Ms]), "k--", lw=1, label=r"$N^2 d/\sqrt{M}$")
+ax.plot(Ms, per([io_theory.theorem2_order(N, d_, m) for m in Ms]), "k:", lw=1, label=r"$N^2 d^2/M$")
+ax.axvline(d_ * d_, color="grey", lw=0.8)
+ax.axvline(58112, color="tab:red", lw=0.8)
+ax.text(58112, 0.05, "H100 fp32 ", color="tab:red", fontsize=8, ha="right", transform=ax.get_xaxis_transform())
+ax.text(d_ * d_, 0.05, " M = d²", color="grey", fontsize=8, transform=ax.get_xaxis_transform())
+ax.set(xscale="log", yscale="log", xlabel="M (elements on chip)", ylabel="HBM accesses / N²",
+       title=f"d = {d_}, N = {N}: exact counts and orders")
+ax.legend(fontsize=7)
+fig.tight_layout()
+
+# %% [markdown]
+# The H100 is *just* past the crossover: $d / \sqrt{M} = 1.06$, so the order the small-cache
+# algorithm saves is 6%, and the constants decide. This kernel moves about 10.7 accesses per
+# score ($3d/b + T_d + 3$), section 3's count 9.7; FlashAttention-1's Algorithm 1 with its tiles
+# from $M$ ($B_c = B_r = 57$) moves 13.8, while FlashAttention-2's order with the same $M$
+# moves 9.1 (the curves cross near $M \approx 41{,}000$, 47,000 for section 3's count: below that the unfused algorithm moves
+# fewer elements than either fused order). In fp16 ($M = 116{,}224 > d^2$) the question does not arise.
+#
+# **What the GPU run will show** (`small_cache_rows` in the chapter's bench: $B = 1$, $H = 16$,
+# $N = 4096$, fp32, $d = 256$ and $128$, beside chapter 4's `flash_attention` at $d = 128$, which
+# takes $d \le 128$): the model bytes are the counts above times 4 bytes times 16 heads (11.5 GB
+# at $d = 256$, 7.3 GB at $d = 128$), but that is not what decides the time. The re-reads of $Q$,
+# $K$, $P$ and $V$ come from the 50 MB L2 (section 5: the theorem's $M$ is the L2 for HBM bytes),
+# and each multiply-add of the products reads two operands from shared memory: about 16
+# multiply-adds a clock an SM, some 8 TFLOP/s, so $4N^2 d$ FLOPs a head take ~35 ms at $d = 256$.
+# Expect the kernel to be shared-memory bound, several times slower than the fused kernel at
+# $d = 128$, and the HBM bytes that Nsight Compute measures to be far below the model's: the
+# lower bound is about the traffic between a memory of size $M$ and the next level, and on the
+# H100 the next level is the L2, not HBM.
+
+# %% [markdown]
+# ## 5. The backward, block sparsity, and what the H100 measured
 #
 # **[1] Theorem 5:** the backward (Algorithm 4, K/V outer, $dQ_i$ read and written every pass)
 # also makes $\Theta(N^2d^2M^{-1})$ accesses; exactly $7Nd + T_c(5Nd + 2N)$ (`fa1_backward_accesses`).
@@ -335,7 +444,7 @@ if sweep:
 # $M$ is spent here, HBM sees the compulsory 0.27 GB: the L2 is the memory of Theorem 2 for that level.
 
 # %% [markdown]
-# ## 5. Attention on a napkin
+# ## 6. Attention on a napkin
 #
 # Abbott and Zardini's *FlashAttention on a Napkin* [12] draws an algorithm as a diagram of
 # its arrays and the operations between them, and reads its cost off the diagram: every
@@ -466,13 +575,13 @@ for c in nm.quantization_checks(machine):
 # products (the miss above).
 
 # %% [markdown]
-# ## 6. Still to come, and exercises
+# ## 7. Still to come, and exercises
 #
 # Measured on the H100 next (the chapter's bench and Nsight Compute): the two loop orders'
-# times and DRAM bytes (`python -m kernels --chapters 10`); Saha and Ye's $M < d^2$
-# algorithm as a kernel at $d = 256$ in fp32, against both formulas and against the fp16 case
-# where $M \ge d^2$; and FlashAttention's Algorithm 2, dropout with a counter-based random
-# generator (Philox) regenerated in the backward instead of a stored mask.
+# times and DRAM bytes (`python -m kernels --chapters 10`); section 4's kernels at
+# $d = 256$ and 128 in fp32, against both formulas and chapter 4's fused kernel; and
+# FlashAttention's Algorithm 2, dropout with a counter-based random generator (Philox)
+# regenerated in the backward instead of a stored mask.
 #
 # Exercises:
 #
@@ -481,5 +590,5 @@ for c in nm.quantization_checks(machine):
 #    reach HBM? Compare with FlashAttention-2's re-reads of K and V.
 # 2. Theorem 2 says $\Theta(N^2d^2/M)$ for both orders. Where does the constant differ, and
 #    which of the two can spend its $M$ on more query rows?
-# 3. The napkin (section 5) predicts chapter 8's forward at 0.76 ms and it runs in 1.70: name
+# 3. The napkin (section 6) predicts chapter 8's forward at 0.76 ms and it runs in 1.70: name
 #    the work the model leaves out, and estimate its time from chapter 8's instruction counts.
