@@ -26,6 +26,9 @@ SIM = on_simulator()
 MAX_N = 16 if SIM else 200
 MAX_D = 8 if SIM else 128
 P_CHOICES = (0.0, 0.1, 0.5)
+# (Br, Bc): ragged tiles and tiles of one row check that a thread's keys reach the Philox
+# call of their group of four in order, across tile boundaries.
+TILES = [None, (3, 5), (1, 1)] if SIM else [None, (32, 32), (17, 8)]
 
 # Random123's known-answer vectors for Philox4x32-10 (its tests/kat_vectors; the same three
 # are in TensorFlow's stateful_random_ops_test.py, citing Random123-Boost's test_philox.cpp):
@@ -203,9 +206,9 @@ def gradient_floors(q, k, v, o, lse, do, *, p, seed, causal, scale):
 
 # --------------------------------------------------------------------------- the kernels against the oracle
 
-def check_forward(case, p, seed):
+def check_forward(case, p, seed, tiles=None):
     kw = dict(p=p, seed=seed, causal=case.causal, scale=case.scale)
-    o, lse = dr.dropout_attention(case.q, case.k, case.v, **kw)
+    o, lse = dr.dropout_attention(case.q, case.k, case.v, tiles=tiles, **kw)
     exact = dr.dropout_attention_oracle(case.q, case.k, case.v, **kw)
     base = dr.dropout_attention_oracle(case.q, case.k, case.v, dtype=np.float32, **kw)
     f_o, f_l = forward_floors(case.q, case.k, case.v, **kw)
@@ -233,21 +236,24 @@ def check_backward(case, p, seed, got, o, lse, do):
 
 
 @settings(max_examples=5 if SIM else 200)
-@given(case=attention_cases(max_n=MAX_N, max_d=MAX_D), p=st.sampled_from(P_CHOICES), seed=st.integers(0, 2**64 - 1))
-@example(case=case_with((1, 2, 9, 5), (1, 2, 13, 5), causal=True), p=0.5, seed=1)      # Nq < Nk, ragged
-@example(case=case_with((2, 1, 11, 3), (2, 1, 6, 3), causal=True), p=0.1, seed=2**64 - 1)  # rows see nothing
-def test_forward_matches_oracle(case, p, seed):
-    check_forward(case, p, seed)
+@given(case=attention_cases(max_n=MAX_N, max_d=MAX_D), p=st.sampled_from(P_CHOICES), seed=st.integers(0, 2**64 - 1),
+       tiles=st.sampled_from(TILES))
+@example(case=case_with((1, 2, 9, 5), (1, 2, 13, 5), causal=True), p=0.5, seed=1, tiles=None)      # Nq < Nk, ragged
+@example(case=case_with((2, 1, 11, 3), (2, 1, 6, 3), causal=True), p=0.1, seed=2**64 - 1,
+         tiles=TILES[1])                                                                       # rows see nothing
+def test_forward_matches_oracle(case, p, seed, tiles):
+    check_forward(case, p, seed, tiles)
 
 
 @settings(max_examples=5 if SIM else 200)
-@given(case=attention_cases(max_n=MAX_N, max_d=MAX_D), p=st.sampled_from(P_CHOICES), seed=st.integers(0, 2**64 - 1))
-@example(case=case_with((1, 2, 9, 5), (1, 2, 13, 5), causal=True), p=0.5, seed=1)
-@example(case=case_with((2, 1, 11, 3), (2, 1, 6, 3), causal=True), p=0.1, seed=2**64 - 1)
-def test_backward_matches_oracle(case, p, seed):
+@given(case=attention_cases(max_n=MAX_N, max_d=MAX_D), p=st.sampled_from(P_CHOICES), seed=st.integers(0, 2**64 - 1),
+       tiles=st.sampled_from(TILES))
+@example(case=case_with((1, 2, 9, 5), (1, 2, 13, 5), causal=True), p=0.5, seed=1, tiles=None)
+@example(case=case_with((2, 1, 11, 3), (2, 1, 6, 3), causal=True), p=0.1, seed=2**64 - 1, tiles=TILES[1])
+def test_backward_matches_oracle(case, p, seed, tiles):
     o, lse, do = backward_inputs(case, p, seed)
     got = dr.dropout_attention_backward(case.q, case.k, case.v, o, lse, do, p=p, seed=seed,
-                                        causal=case.causal, scale=case.scale)
+                                        causal=case.causal, scale=case.scale, tiles=tiles)
     check_backward(case, p, seed, got, o, lse, do)
 
 
