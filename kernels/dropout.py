@@ -3,8 +3,10 @@
     P = softmax(scale * Q K^T + mask),   L = rowwise logsumexp(scale * Q K^T + mask)
     O = (P o Z / (1 - p)) V              Z_ij = 1 (kept, probability 1 - p) or 0 (dropped)
 
-The dropout acts after the softmax's normalisation, as in [1]'s Algorithm 2 and PyTorch:
-the row sums l count every P_ij, kept or not, and L is the logsumexp of the undropped S.
+The dropout acts after the softmax's normalisation, as in [1]'s Algorithm 2 (the forward;
+Algorithm 4 is its backward) and PyTorch: the row sums l count every P_ij, kept or not,
+and L is the logsumexp of the undropped S. ([1] rescales O by 1/l at every K/V tile; these
+kernels divide once at the end, FlashAttention-2's order [4], as chapter 4 does.)
 A dropped element adds nothing to O; the kept ones are scaled by 1 / (1 - p), so that
 E[O] is attention's O.
 
