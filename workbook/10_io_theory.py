@@ -32,11 +32,12 @@
 # 6. **FlashAttention on a napkin** [12]: attention drawn, a per-level performance model of
 #    the H100 predicting every chapter's time beside its measurement, and what fp16 and fp8
 #    data would change;
-# 7. what is still to come, and exercises.
+# 7. **dropout** ([1] Algorithm 2) with no mask stored: Philox regenerated in the backward;
+# 8. what is still to come, and exercises.
 #
-# Sources (numbered as in the README's list): [1] FlashAttention, Algorithms 1 and 4,
+# Sources (numbered as in the README's list): [1] FlashAttention, Algorithms 1, 2 and 4,
 # Theorems 2 and 5, Propositions 3 and 4; [4] FlashAttention-2, Algorithm 1; [5] Saha and
-# Ye; [12] FlashAttention on a Napkin.
+# Ye; [12] FlashAttention on a Napkin; [17] Philox (Salmon et al.).
 
 # %%
 import math
@@ -575,13 +576,160 @@ for c in nm.quantization_checks(machine):
 # products (the miss above).
 
 # %% [markdown]
-# ## 7. Still to come, and exercises
+# ## 7. Dropout without a stored mask
+#
+# Training a transformer drops attention probabilities at random: each $P_{ij}$ is kept
+# with probability $1 - p$ and scaled by $1/(1-p)$, so that the expected output is
+# attention's. FlashAttention [1] fuses it into the kernel (its Algorithm 2 is the forward
+# with dropout, Algorithm 4 the backward). The dropout acts **after** the softmax's
+# normalisation, as in [1] and PyTorch: the row sums count every probability, kept or not,
+# and $L$ is the logsumexp of the undropped scores:
+#
+# $$O = \Big(P \circ \frac{Z}{1-p}\Big) V, \qquad P = \mathrm{softmax}(S), \qquad
+#   Z_{ij} \in \{0, 1\},\ \Pr[Z_{ij} = 1] = 1 - p.$$
+#
+# The backward needs the same $Z$. PyTorch's unfused attention stores it; a fused kernel
+# cannot afford to: $Z$ is an $N \times N$ array a head, the very array the fused kernels
+# were built to keep out of HBM. At one bit an element it is $N^2/8$ bytes a head against
+# the $\approx 16Nd$ of $Q, K, V, O$ in float32: larger from $N = 128\,d$ (8192 at d = 64),
+# written by the forward and read back by the backward; as PyTorch's `bool` tensor, 8 times that:
+
+# %%
+from kernels.base.io_model import compulsory_forward_bytes
+
+B, H, d = 4, 16, 64
+print(f"B = {B}, H = {H}, d = {d}")
+print(f"{'N':>7} {'Z, 1 bit':>10} {'Z, 1 byte (bool)':>17} {'Q, K, V, O, L (fp32)':>21}")
+for n in (1024, 4096, 16384, 65536):
+    z_bits = B * H * n * n / 8
+    print(f"{n:7d} {z_bits / 2**20:8.0f} MiB {8 * z_bits / 2**20:13.0f} MiB "
+          f"{compulsory_forward_bytes(B, H, n, n, d) / 2**20:17.0f} MiB")
+
+# %% [markdown]
+# So the kernels **regenerate** $Z$ instead of storing it. That needs a random generator
+# with no state to carry from element to element: a *counter-based* generator, a pure
+# function $x = f_{\text{seed}}(\text{counter})$ that any thread can evaluate for any element,
+# in any order, in the forward and again in the backward. The course uses the one cuRAND and
+# PyTorch's CUDA dropout use, **Philox4x32-10** (Salmon, Moraes, Dror and Shaw, *Parallel
+# random numbers: as easy as 1, 2, 3*, SC 2011): a 128-bit counter, a 64-bit key (the seed),
+# ten rounds of two 32×32→64-bit products and some xors:
+#
+# ```
+# for round in range(10):
+#     hi0, lo0 = mulhilo(0xD2511F53, c0)
+#     hi1, lo1 = mulhilo(0xCD9E8D57, c2)
+#     c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+#     k0, k1 = k0 + 0x9E3779B9, k1 + 0xBB67AE85        # mod 2^32
+# ```
+#
+# One call gives four 32-bit numbers. Element $(b, h, i, j)$ takes lane $j \bmod 4$ of the
+# call with counter $(bH + h,\ i,\ \lfloor j/4 \rfloor,\ 0)$, and is kept iff
+# $u = x / 2^{32} \ge p$ (an integer compare, $x \ge \lceil p\,2^{32} \rceil$).
+# `kernels/dropout.py` has it as a device function (`philox4x32`) and a NumPy twin
+# (`philox4x32_numpy`); both give Random123's published answers bit for bit (the tests check
+# the device function too):
+
+# %%
+from kernels import dropout as dr
+
+for counter, key in (((0, 0, 0, 0), (0, 0)), ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0))):
+    print([f"{c:08x}" for c in counter], [f"{k:08x}" for k in key], "->",
+          " ".join(f"{x:08x}" for x in dr.philox4x32_numpy(counter, key)))
+# Random123's kat_vectors: 6627e8d5 e169c58d bc57ac4c 9b00dbd8 and d16cfe09 94fdcceb 5001e420 24126ea1
+
+z = dr.keep_mask(2, 4, 128, 128, p=0.1, seed=2024)
+n = z.size
+print(f"kept {z.mean():.5f} of {n} elements at p = 0.1 "
+      f"(1 - p = 0.9; one binomial standard deviation is {np.sqrt(0.09 / n):.5f})")
+
+# %% [markdown]
+# ### The kernels
+#
+# The forward is chapter 4's second rung (a block a query tile, a thread a query row, K/V
+# tiles in shared memory) with one change in the inner loop. For each key $j$ the thread
+# still rescales by the running max and adds **every** probability to $\ell$, but adds only
+# the kept ones to $O$:
+#
+# $$m' = \max(m, s_{ij}),\quad e = e^{s_{ij} - m'},\quad \ell \leftarrow e^{m - m'}\ell + e,\quad
+#   O_i \leftarrow e^{m - m'} O_i + Z_{ij}\, e\, v_j,$$
+#
+# and at the end $O_i / (\ell (1 - p))$, $L_i = m + \log \ell$. A thread walks its keys in
+# order, so one Philox call serves four keys. The backward is chapter 5's second rung, with
+# $Z$ regenerated from the same counters: $dV = (P \circ Z/(1-p))^T dO$,
+# $dP = (dO\,V^T) \circ Z/(1-p)$, $D = \mathrm{rowsum}(dO \circ O)$ (which is still
+# $\mathrm{rowsum}(P \circ dP)$), $dS = P \circ (dP - D)$. Both against the float64 oracle
+# (same generator, `kernels.reference`'s softmax and mask), in the simulator. The errors
+# are a few float32 ulps, about what plain float32 NumPy makes on the same case;
+# `tests/test_dropout.py` holds them to the course's tolerance rule, with floors derived as
+# chapter 4's and 5's are (the kernel rounds steps NumPy does not), and shows that a
+# backward with another seed, or without the $1/(1-p)$, fails it:
+
+# %%
+from kernels.base.testing import case_with, random_array
+
+case = case_with((1, 2, 10, 8), (1, 2, 12, 8), causal=True, logit_std=1.0)
+kw = dict(p=0.2, seed=7, causal=True)
+o, lse = dr.dropout_attention(case.q, case.k, case.v, **kw)
+exact_o, exact_l = dr.dropout_attention_oracle(case.q, case.k, case.v, **kw)
+base_o, _ = dr.dropout_attention_oracle(case.q, case.k, case.v, dtype=np.float32, **kw)
+print(f"O: kernel error {np.abs(o - exact_o).max():.2e}, float32 NumPy's {np.abs(base_o - exact_o).max():.2e}; "
+      f"L: kernel error {np.abs(lse - exact_l).max():.2e}")
+
+do = random_array(np.random.default_rng(1), o.shape)
+grads = dr.dropout_attention_backward(case.q, case.k, case.v, o, lse, do, **kw)
+exact = dr.dropout_attention_backward_oracle(case.q, case.k, case.v, o, lse, do, **kw)
+base = dr.dropout_attention_backward_oracle(case.q, case.k, case.v, o, lse, do, dtype=np.float32, **kw)
+for name, g, e, b in zip(("dQ", "dK", "dV"), grads, exact, base):
+    print(f"{name}: kernel error {np.abs(g - e).max():.2e}, float32 NumPy's {np.abs(b - e).max():.2e}")
+wrong = dr.dropout_attention_backward(case.q, case.k, case.v, o, lse, do, p=0.2, seed=8, causal=True)
+print(f"the backward with seed 8 instead of 7: dV off by {np.abs(wrong[2] - exact[2]).max():.2e}")
+
+# %% [markdown]
+# Dropout is unbiased: averaged over seeds, $O$ tends to attention's $O$, its error shrinking
+# like $1/\sqrt{\text{seeds}}$ (the oracle, in NumPy):
+
+# %%
+
+want, _ = ref.attention(case.q, case.k, case.v, causal=True)
+total = np.zeros_like(want)
+for s in range(1, 257):
+    total += dr.dropout_attention_oracle(case.q, case.k, case.v, p=0.2, seed=s, causal=True)[0]
+    if s in (1, 4, 16, 64, 256):
+        print(f"{s:4d} seeds: max |mean O - O| = {np.abs(total / s - want).max():.4f}")
+
+# %% [markdown]
+# ### What it will cost
+#
+# Nothing in HBM: the mask is never written or read, the forward moves the same bytes as
+# chapter 4's rung 2 and the backward as chapter 5's. The cost is arithmetic. A Philox call
+# compiles to 143 PTX instructions (20 `mul.wide.u32`, 20 `mul.lo`, 43 xors, 18 key adds and
+# the 64-bit halves' moves; ptxas fuses some, so about 60-100 SASS instructions, not yet
+# counted on the device). Per element, against the multiply-adds the teaching kernels already
+# do at d = 64:
+#
+# | kernel | Philox calls an element | FMAs an element (d = 64) | PTX instructions added |
+# |---|---|---|---|
+# | forward (a thread walks a row's keys) | 1/4 | S and PV: 2d = 128 | ~36, +28% |
+# | dQ (a row's keys, in order) | 1/4 | S, dP, dQ: 3d = 192 | ~36, +19% |
+# | dK/dV (a key's rows: one call each) | 1 | S, dP, dV, dK: 4d = 256 | ~143, +56% |
+#
+# An upper bound from the PTX: FMA-bound fp32 kernels would slow by at most that much, less
+# where ptxas fuses (three-input xors into one LOP3) and where the Philox work overlaps the
+# FMAs. The dK/dV kernel pays four times the others because its thread owns a key and walks
+# the rows, while a call covers four keys of one row; a layout in which a thread owns a
+# 1×4 (or larger) micro-tile of $S$, as chapter 4's rung 3 does, serves the whole call. At
+# d = 64 the forward keeps to 184 registers with no spills; the dK/dV kernel spills 744 bytes
+# (chapter 5's rung 2, 420 bytes). **The GPU measurement is for the next session**: the
+# bench will time the three kernels at p = 0 against p = 0.1 (the same code, the Philox work
+# included either way) and against chapter 4's and 5's rung 2, and count SASS instructions.
+
+# %% [markdown]
+# ## 8. Still to come, and exercises
 #
 # Measured on the H100 next (the chapter's bench and Nsight Compute): the two loop orders'
 # times and DRAM bytes (`python -m kernels --chapters 10`); section 4's kernels at
-# $d = 256$ and 128 in fp32, against both formulas and chapter 4's fused kernel; and
-# FlashAttention's Algorithm 2, dropout with a counter-based random generator (Philox)
-# regenerated in the backward instead of a stored mask.
+# $d = 256$ and 128 in fp32, against both formulas and chapter 4's fused kernel; and what
+# dropout costs (section 7's kernels at p = 0.1 against p = 0 and chapters 4 and 5's rung 2).
 #
 # Exercises:
 #

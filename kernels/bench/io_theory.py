@@ -62,4 +62,37 @@ def run(ctx) -> list[Result]:
                                    note="flash_attention() with its default tiles: compulsory bytes",
                                    extra={"N": n, "order": "q-outer"}))
     results.extend(small_cache_rows(ctx))          # the M < d^2 algorithm at d = 256 and 128
+    results.extend(_dropout_rows(ctx))
     return results
+
+
+def _dropout_rows(ctx) -> list[Result]:
+    """Dropout's cost: the forward and backward at p = 0.1 against p = 0 (the same kernels,
+    every element kept), and chapter 4's and 5's query-tile rungs (the kernels they extend)."""
+    from numba import cuda
+
+    from kernels.dropout import dropout_attention, dropout_attention_backward
+    from kernels.flash_backward import shared_tile_backward
+
+    b, h, n, d = (1, 1, 12, 8) if ctx.simulator else (1, 16, 4096, 64)
+    rng = np.random.default_rng(7)
+    q, k, v, do = (cuda.to_device(rng.standard_normal((b, h, n, d)).astype(np.float32)) for _ in range(4))
+    o, lse = dropout_attention(q, k, v, p=0.0, seed=1)
+    config = f"B={b} H={h} N={n} d={d} fp32"
+    fwd, bwd = 4.0 * b * h * n * n * d, 10.0 * b * h * n * n * d
+    out = [ctx.measure(CHAPTER, "chapter 4 rung 2 forward (no dropout)", config,
+                       lambda: query_tile_attention(q, k, v), [()], flops=fwd, model_bytes=0.0, peak_memory=False,
+                       extra={"N": n, "p": 0.0}),
+           ctx.measure(CHAPTER, "chapter 5 rung 2 backward (no dropout)", config,
+                       lambda: shared_tile_backward(q, k, v, o, lse, do), [()], flops=bwd, model_bytes=0.0,
+                       peak_memory=False, extra={"N": n, "p": 0.0})]
+    for p in (0.0, 0.1):
+        out.append(ctx.measure(CHAPTER, f"dropout forward p={p}", config,
+                               lambda p=p: dropout_attention(q, k, v, p=p, seed=1), [()], flops=fwd,
+                               model_bytes=0.0, peak_memory=False, note="Philox regenerated, no mask stored",
+                               extra={"N": n, "p": p}))
+        out.append(ctx.measure(CHAPTER, f"dropout backward p={p}", config,
+                               lambda p=p: dropout_attention_backward(q, k, v, o, lse, do, p=p, seed=1), [()],
+                               flops=bwd, model_bytes=0.0, peak_memory=False,
+                               note="the forward's mask regenerated from the same seed", extra={"N": n, "p": p}))
+    return out
