@@ -48,7 +48,14 @@ from kernels.base.fused import MAX_GRID_Y, MINUS_INF, nan_max
 from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_qkv, check_scale, device_empty, on_simulator, \
     to_device
 
-__all__ = ["kv_outer_attention", "make_kv_outer_forward", "hbm_elements", "TILES_GPU", "TILES_SIM", "ptx_targets"]
+__all__ = ["kv_outer_attention", "make_kv_outer_forward", "hbm_elements", "TILES_GPU", "TILES_SIM", "ptx_targets",
+           "EXERCISES"]
+
+# The chapter's kernel exercise (``kernels.base.learner``): write Algorithm 1 yourself; the
+# launcher looks the factory up at every call, and these tests grade it: the answer against
+# the oracle, and its HBM traffic against the closed form (Algorithm 1 as written: the state
+# goes back to HBM after every step).
+EXERCISES = {"make_kv_outer_forward": "test_matches_oracle or test_hbm_traffic_is_the_closed_form"}
 
 TILES_GPU = (64, 64)          # (Br, Bc): a block's query rows (its threads) and a K/V tile's keys
 TILES_SIM = (8, 8)            # the simulator: every GPU thread is a Python thread

@@ -16,6 +16,8 @@ RIGHT = {
     "scale_add_right.py": "make_scale_add from scale_add_right.py",
     # ch8: both fragment hooks, read by the PTX mapping (no ldmatrix), inside the production forward
     "tc_fragments_right.py": "make_load_a_fragment, make_p_to_a from tc_fragments_right.py",
+    # ch10: Algorithm 1 written out: the oracle and the HBM traffic of Algorithm 1 as written
+    "kv_outer_right.py": "make_kv_outer_forward from kv_outer_right.py",
 }
 
 
@@ -61,6 +63,9 @@ MISTAKES = {
                                "the mapping puts P[0, 0] there", "the two halves of the register swapped?"],
     "tc_p_tiles_swapped.py": ["test_p_to_a_follows_the_ptx_mapping", "register a0, low half holds P[0, 8]",
                               "tiles 2 kp and 2 kp + 1?"],
+    # ch10: Algorithm 1 with O_i taken back without its l_i
+    "kv_outer_forgets_l_i.py": ["make_kv_outer_forward from kv_outer_forgets_l_i.py", "not yet:",
+                                "test_matches_oracle", "smallest failing case:", "in step (K/V tile, query tile"],
 }
 
 

@@ -740,3 +740,77 @@ for s in range(1, 257):
 #    which of the two can spend its $M$ on more query rows?
 # 3. The napkin (section 6) predicts chapter 8's forward at 0.76 ms and it runs in 1.70: name
 #    the work the model leaves out, and estimate its time from chapter 8's instruction counts.
+
+# %% [markdown]
+# ### Exercise 4 (a kernel): write Algorithm 1
+#
+# Write `make_kv_outer_forward(Br, Bc, D)`, returning the kernel
+# `kv_outer_forward(q, k, v, o, l, m, lse, scale, causal)` of section 1: views (B·H, N, d),
+# grid (B·H,), Br threads, thread t owning query row t of the current query tile; `o`, `l`
+# and `m` are the state in HBM (initialise them: O = 0, ℓ = 0, m = −∞), `lse` gets
+# $L = m + \log \ell$ at the end (−∞ where ℓ = 0). Loop over the K/V tiles **outside**,
+# load $K_j, V_j$ into shared memory, and for every query tile read $Q_i, O_i, \ell_i, m_i$
+# from HBM, update them as Algorithm 1 does, and write $O_i, \ell_i, m_i$ back. `grade`
+# runs this chapter's tests on yours: the answer against the float64 oracle, and its HBM
+# traffic, counted in the simulator, against the closed form of Algorithm 1 as written.
+#
+# <details><summary>Hint 1</summary>
+#
+# Start from chapter 4's rung 2 (`make_query_tile_forward` in `kernels/flash_forward.py`):
+# the same tile copy and the same thread a row; swap the loops, and move $O_i$, $\ell_i$,
+# $m_i$ from registers to `o`, `l`, `m`.
+# </details>
+#
+# <details><summary>Hint 2</summary>
+#
+# Algorithm 1 stores $O_i$ normalised: to add a tile, take it back as
+# $\ell_i e^{m_i - m^{new}} O_i$, add $e^{\tilde m - m^{new}} \tilde P V_j$, divide by
+# $\ell^{new}$. A row that has seen no key yet ($m^{new} = -\infty$) keeps its state.
+# </details>
+#
+# <details><summary>Hint 3</summary>
+#
+# The traffic test counts every element read and written: read each of $Q_i, O_i$ ($d$
+# elements), $\ell_i$ and $m_i$ once per (K/V tile, query tile) step, write $O_i, \ell_i,
+# m_i$ once per step, and $K$, $V$ once each.
+# </details>
+
+# %%
+from kernels.base.learner import grade, my_file
+
+TEMPLATE = '''"""My FlashAttention Algorithm 1 (chapter 10: tests/test_kv_outer_forward.py)."""
+CHAPTER = "kv_outer_forward"
+
+import math
+
+from numba import cuda, float32
+
+from kernels.base.fused import MINUS_INF, nan_max
+
+
+def make_kv_outer_forward(Br, Bc, D):
+    @cuda.jit
+    def kv_outer_forward(q, k, v, o, l, m, lse, scale, causal):
+        raise NotImplementedError       # your code: [1] Algorithm 1, the state in HBM
+
+    return kv_outer_forward
+'''
+
+mine = my_file("my_kv_outer_forward.py", TEMPLATE)
+
+# %%
+passed = grade(mine)
+
+# %% [markdown]
+# The course's version, `make_kv_outer_forward` in `kernels/kv_outer_forward.py`, prints here
+# once yours passes.
+
+# %%
+import inspect
+
+from kernels import kv_outer_forward as kv_outer_module
+
+if passed:
+    print(inspect.getsource(kv_outer_module.make_kv_outer_forward))
+else:
+    print("(shown once your kernel passes; stuck? read make_kv_outer_forward in kernels/kv_outer_forward.py)")
