@@ -68,7 +68,7 @@ from numba import cuda, float32, uint32, uint64
 
 from kernels import reference as ref
 from kernels.base.backward_args import check_backward_args, device_views
-from kernels.base.fused import MAX_GRID_Y, MINUS_INF, nan_max, padded_head_dim
+from kernels.base.fused import MAX_GRID_Y, MINUS_INF, make_kv_tile_copy, nan_max, padded_head_dim
 from kernels.base.runtime import (ArrayKind, cdiv, check_flag, check_qkv, check_scale, device_empty, on_simulator,
                                   to_device)
 from kernels.flash_backward import check_shared_tiles, row_delta
@@ -196,6 +196,8 @@ def make_dropout_forward(Br: int, Bc: int, D: int):
     Br x + t (chapter 4's ``make_query_tile_forward``). Z_ij = x(bh, i, j) >= threshold;
     inv_keep = 1 / (1 - p)."""
 
+    copy_kv_tile = make_kv_tile_copy(Bc, D, Br)
+
     @cuda.jit
     def dropout_forward(q, k, v, o, lse, scale, causal, k0, k1, threshold, inv_keep):
         K_j = cuda.shared.array((Bc, D), float32)
@@ -220,11 +222,7 @@ def make_dropout_forward(Br: int, Bc: int, D: int):
         l = float32(0.0)
         x0 = x1 = x2 = x3 = uint32(0)                 # this row's Philox output for keys 4g .. 4g + 3
         for k0_ in range(0, max(block_end, 0), Bc):
-            for e in range(t, Bc * D, Br):            # the tile copy, as in chapter 4
-                r, c = e // D, e % D
-                inside = k0_ + r < n_k and c < d
-                K_j[r, c] = float32(k[bh, k0_ + r, c]) if inside else float32(0.0)
-                V_j[r, c] = float32(v[bh, k0_ + r, c]) if inside else float32(0.0)
+            copy_kv_tile(k, v, K_j, V_j, bh, k0_, n_k, d, t)      # the tile copy, as in chapter 4
             cuda.syncthreads()
             for r in range(min(Bc, kv_end - k0_)):
                 j = k0_ + r
@@ -338,6 +336,8 @@ def make_dropout_dq(Br: int, Bc: int, D: int):
     K/V tiles of Bc rows in shared memory; dQ_i += scale dS_ij k_j with dS as in the dK/dV
     kernel. Keys come in order: one Philox call a group of four."""
 
+    copy_kv_tile = make_kv_tile_copy(Bc, D, Br)
+
     @cuda.jit
     def dropout_dq(q, k, v, do, lse, delta, dq, scale, causal, k0, k1, threshold, inv_keep):
         K_j = cuda.shared.array((Bc, D), float32)
@@ -363,11 +363,7 @@ def make_dropout_dq(Br: int, Bc: int, D: int):
             kv_end = 0
         x0 = x1 = x2 = x3 = uint32(0)
         for k0_ in range(0, max(block_end, 0), Bc):
-            for e in range(t, Bc * D, Br):
-                r, c = e // D, e % D
-                inside = k0_ + r < n_k and c < d
-                K_j[r, c] = k[bh, k0_ + r, c] if inside else float32(0.0)
-                V_j[r, c] = v[bh, k0_ + r, c] if inside else float32(0.0)
+            copy_kv_tile(k, v, K_j, V_j, bh, k0_, n_k, d, t)
             cuda.syncthreads()
             for r in range(min(Bc, kv_end - k0_)):
                 j = k0_ + r

@@ -57,7 +57,8 @@ from kernels.base.backward_args import DQ_MODES, allocate_outputs, check_backwar
 from kernels.base.backward_tiles import (GPU_TILES, BackwardTiles, Grid, check_tiles, default_tiles, dkdv_layout,
                                     dq_layout, head_dim_bucket, need, shared_bytes, warp_split)
 from kernels.base import io_model as io
-from kernels.base.fused import ALIGN, FASTMATH, MINUS_INF, make_row_reductions, padded_head_dim, run_length
+from kernels.base.fused import ALIGN, FASTMATH, MINUS_INF, make_kv_tile_copy, make_row_reductions, padded_head_dim, \
+    run_length
 from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_out, check_scale, device_empty, on_simulator
 from kernels.base.shared_memory import STATIC_LIMIT_BYTES, launch_with_shared
 from kernels.flash_forward import every_tile
@@ -886,6 +887,8 @@ def make_shared_tile_dq(Br: int, Bc: int, D: int):
     block: thread t takes query row Br x + t; K and V come in tiles of Bc rows through shared
     memory, as in chapter 4's second rung."""
 
+    copy_kv_tile = make_kv_tile_copy(Bc, D, Br)
+
     @cuda.jit
     def shared_tile_dq(q, k, v, do, lse, delta, dq, scale, causal):
         K_j = cuda.shared.array((Bc, D), float32)
@@ -910,11 +913,7 @@ def make_shared_tile_dq(Br: int, Bc: int, D: int):
         if L == MINUS_INF:                            # past Nq, or sees nothing: no keys
             kv_end = 0
         for k0 in range(0, max(block_end, 0), Bc):
-            for e in range(t, Bc * D, Br):
-                r, c = e // D, e % D
-                inside = k0 + r < n_k and c < d
-                K_j[r, c] = k[bh, k0 + r, c] if inside else float32(0.0)
-                V_j[r, c] = v[bh, k0 + r, c] if inside else float32(0.0)
+            copy_kv_tile(k, v, K_j, V_j, bh, k0, n_k, d, t)
             cuda.syncthreads()
             for r in range(min(Bc, kv_end - k0)):
                 s = float32(0.0)

@@ -44,7 +44,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from kernels.base.fused import MAX_GRID_Y, MINUS_INF, nan_max
+from kernels.base.fused import MAX_GRID_Y, MINUS_INF, make_kv_tile_copy, nan_max
 from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_qkv, check_scale, device_empty, on_simulator, \
     to_device
 
@@ -81,6 +81,7 @@ def make_kv_outer_forward(Br: int, Bc: int, D: int):
     initialised by the kernel (O = 0, l = 0, m = -inf) and left as Algorithm 1 leaves them:
     O normalised, l the row sums, m the row maxima (scores times scale); lse (B*H, Nq)
     gets L = m + log l (-inf where l = 0)."""
+    copy_kv_tile = make_kv_tile_copy(Bc, D, Br)
 
     @cuda.jit
     def kv_outer_forward(q, k, v, o, l, m, lse, scale, causal):
@@ -99,11 +100,7 @@ def make_kv_outer_forward(Br: int, Bc: int, D: int):
             m[bh, i] = MINUS_INF
         for k0 in range(0, n_k, Bc):                  # ---- j: the K/V tiles, outer
             cuda.syncthreads()                        # the last tile is read (and the state written)
-            for e in range(t, Bc * D, Br):
-                r, c = e // D, e % D
-                inside = k0 + r < n_k and c < d
-                K_j[r, c] = k[bh, k0 + r, c] if inside else float32(0.0)
-                V_j[r, c] = v[bh, k0 + r, c] if inside else float32(0.0)
+            copy_kv_tile(k, v, K_j, V_j, bh, k0, n_k, d, t)
             cuda.syncthreads()
             for q0 in range(0, n_q, Br):              # ---- i: the query tiles, inner
                 i = q0 + t

@@ -101,6 +101,23 @@ def _plain_max(a, b):
     return max(a, b)         # max.f32: one instruction (a NaN operand gives the other one)
 
 
+def make_kv_tile_copy(Bc: int, D: int, threads: int):
+    """Device function ``copy_kv_tile(k, v, K_j, V_j, bh, k0, n_k, d, t)``: rows k0 .. k0 + Bc
+    of head bh of K and V into the shared tiles K_j, V_j (Bc x D, float32), zeros past n_k
+    and d; thread t of ``threads`` copies elements t, t + threads, ... The loop chapter 4's
+    query-tile rung writes out (``make_query_tile_forward``), for the rungs built on it."""
+
+    @cuda.jit(device=True, inline=True)
+    def copy_kv_tile(k, v, K_j, V_j, bh, k0, n_k, d, t):
+        for e in range(t, Bc * D, threads):
+            r, c = e // D, e % D
+            inside = k0 + r < n_k and c < d
+            K_j[r, c] = float32(k[bh, k0 + r, c]) if inside else float32(0.0)
+            V_j[r, c] = float32(v[bh, k0 + r, c]) if inside else float32(0.0)
+
+    return copy_kv_tile
+
+
 @cuda.jit(device=True, inline=True)
 def load_kv_or_zero(kh, vh, r, c, n, d):
     """K[r, c] and V[r, c] as float32 (an fp16 cache widens on the way), 0 past the n rows
