@@ -21,6 +21,7 @@ from kernels.base.runtime import on_simulator
 from kernels.base.testing import Floor, U, assert_close, attention_cases, case_with, random_array
 from kernels.flash_backward import shared_tile_backward
 from kernels.flash_forward import query_tile_attention
+from test_reference import _finite_difference
 
 SIM = on_simulator()
 MAX_N = 16 if SIM else 200
@@ -101,19 +102,7 @@ def test_threshold_and_seed_checks():
 
 
 # --------------------------------------------------------------------------- the oracle
-
-def _finite_difference(f, x, eps=1e-6):
-    grad = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        old = x[i]
-        x[i] = old + eps
-        up = f()
-        x[i] = old - eps
-        down = f()
-        x[i] = old
-        grad[i] = (up - down) / (2 * eps)
-    return grad
-
+# (central differences: the oracle tests' own, tests/test_reference.py)
 
 @pytest.mark.parametrize("causal,nq,nk,p", [(False, 4, 5, 0.5), (True, 5, 3, 0.3)])   # causal: rows see nothing
 def test_oracle_backward_matches_finite_differences(causal, nq, nk, p):
