@@ -157,6 +157,28 @@ def main(only):
         lp[1] = -np.inf
         m.tree_reduce_partials(rand(rng, 5, 7, 3, 100), lp, reduce="tree")
         ran.append("tree_attention")
+    if want("io_theory"):
+        # chapter 10: Algorithm 1's loop order, dropout (forward and both backward kernels) and
+        # the M < d^2 algorithm (its b x b products, dynamic shared memory at d = 256)
+        kvo, drop, small = have("kv_outer_forward"), have("dropout"), have("small_cache_attention")
+        for b, h, nq, nk, d in shapes:
+            q, k, v = rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d)
+            for causal in (False, True):
+                if kvo:
+                    kvo.kv_outer_attention(q, k, v, causal=causal)
+                    kvo.kv_outer_attention(q, k, v, causal=causal, tiles=(17, 8))
+                if drop:
+                    o, lse = drop.dropout_attention(q, k, v, p=0.1, seed=3, causal=causal)
+                    drop.dropout_attention_backward(q, k, v, o, lse, rand(rng, b, h, nq, d), p=0.1, seed=3,
+                                                    causal=causal)
+                if small:
+                    small.small_cache_attention(q, k, v, causal=causal)
+                    small.small_cache_attention(q, k, v, causal=causal, tile=16)
+        if small:
+            for nq, nk in ((70, 130), (139, 139)):
+                q, k, v = rand(rng, 1, 2, nq, 256), rand(rng, 1, 2, nk, 256), rand(rng, 1, 2, nk, 256)
+                small.small_cache_attention(q, k, v, causal=True)
+        ran.append("io_theory")
     if want("mma"):
         # the tensor-core building blocks (kernels/base/mma.py) through their tests' kernels
         import os

@@ -58,7 +58,8 @@ __all__ = ["tiles_from_m", "fa2_tiles_from_m", "fa1_on_chip_elements", "fa1_forw
            "standard_order", "theorem2_order", "theorem5_order", "proposition4_order", "hong_kung_matmul",
            "small_cache_order", "optimal_order", "crossover_m", "regime", "h100_regime",
            "H100_SHARED_BYTES", "HBM", "simulate_fa1_forward", "simulate_fa2_forward",
-           "simulate_fa1_backward", "simulate_small_cache", "read_dram", "m_sweep", "measured_vs_model"]
+           "simulate_fa1_backward", "simulate_small_cache", "read_dram", "chapter_rows", "m_sweep",
+           "measured_vs_model"]
 
 H100_SHARED_BYTES = 227 * 1024      # shared memory one block may opt in to on an H100
 
@@ -413,6 +414,16 @@ def read_dram(name: str, results_dir=None) -> list[dict]:
                     "model": float(ex["model_bytes"]), "compulsory": float(ex["compulsory_bytes"]),
                     "ms": r["median_ms"], "extra": ex})
     return out
+
+
+def chapter_rows(results_dir=None) -> list[dict]:
+    """The timed rows of chapter 10's bench (``workbook/results/io_theory.csv``): kernel,
+    shape (B, H, N, d), median ms, TFLOP/s, the model's bytes and the ``extra`` fields, in
+    the bench's order. Raises FileNotFoundError when the file is not committed."""
+    folder = Path(results_dir) if results_dir is not None else io.RESULTS_DIR
+    _, rows = io._read(folder / "io_theory.csv")
+    return [{"kernel": r["kernel"], **_config(r), "ms": float(r["median_ms"]), "tflops": float(r["tflops"]),
+             "model": float(r["model_bytes"]), "extra": _extra(r)} for r in rows]
 
 
 def m_sweep(results_dir=None) -> list[dict]:

@@ -214,3 +214,27 @@ def test_measured_vs_model_rows():
         assert r["dram"] < 2 * r["compulsory"] and r["dram"] < r["l2"]
     fwd = {r["s"]: r["l2"] for r in rows if r["kernel"].startswith("block-sparse forward")}
     assert fwd[0.125] < fwd[0.25] < fwd[1.0]                    # Proposition 4: the stream scales with s
+
+
+def test_chapter_rows_and_the_orders_traffic():
+    _need("io_theory.csv")
+    _need("io_theory_dram.csv")
+    from kernels.kv_outer_forward import hbm_elements
+
+    rows = th.chapter_rows()
+    kernels = {r["kernel"] for r in rows}
+    assert {"Algorithm 1 order (kv-outer)", "FlashAttention-2 order (ch 4 rung 2)",
+            "dropout forward p=0.1", "dropout backward p=0.1"} <= kernels
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows)
+    for r in rows:                                  # the bench's model bytes are the closed form
+        if r["kernel"].endswith("order (kv-outer)") or r["kernel"].endswith("(ch 4 rung 2)"):
+            c = hbm_elements(r["N"], r["N"], r["d"], 64, 64, r["extra"]["order"])
+            assert r["model"] == 4 * r["B"] * r["H"] * (c["read"] + c["written"])
+    dram = {r["kernel"].replace(" (Nsight Compute)", ""): r for r in th.read_dram("io_theory_dram.csv")}
+    kv, q = dram["Algorithm 1 order (kv-outer)"], dram["FlashAttention-2 order (ch 4 rung 2)"]
+    assert kv["dram_write"] > 4 * kv["compulsory"] > 4 * q["dram"]     # Algorithm 1's write-backs reach HBM
+
+
+def test_chapter_rows_missing_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="io_theory.csv"):
+        th.chapter_rows(tmp_path)

@@ -19,8 +19,11 @@ where this ncu has it, the L2 -> SM read metric; ncu's CSV kept as ``ncu_CASE.cs
 ``run CASE`` compiles and warms up the kernels, then runs them once between
 cuProfilerStart and cuProfilerStop, so only that call is profiled. CASE is ``bwd-atomic``,
 ``bwd-separate``, ``bs-fwd-RHO`` or ``bs-bwd-RHO`` (RHO the mask density, e.g. 0.125).
-``table`` sums each file's kernels and writes ``flash_backward_dram.csv`` and
-``block_sparse_dram.csv`` (into workbook/results, or ``--out``): per case the DRAM bytes,
+Chapter 10's cases (its bench's shapes, B=1 H=16 N=4096): ``order-kv-outer`` and
+``order-q-outer`` (the two loop orders at Br = Bc = 64), ``small-cache-256`` and
+``small-cache-128`` (the M < d^2 algorithm).
+``table`` sums each file's kernels and writes ``flash_backward_dram.csv``,
+``block_sparse_dram.csv`` and ``io_theory_dram.csv`` (into workbook/results, or ``--out``): per case the DRAM bytes,
 the bytes the SMs read from L2 (sectors x 32 B), the IO model's bytes, and a
 per-kernel breakdown in ``extra``. The IO models assume nothing between on-chip memory and
 HBM, so they predict the L2 -> SM traffic; the 50 MB L2 keeps most re-reads from HBM.
@@ -51,6 +54,8 @@ def _case(name, build=True):
     from kernels.flash_backward import flash_attention_backward
     from kernels.flash_backward import io_model_bytes as backward_model
 
+    if name.startswith(("order-", "small-cache-")):
+        return _chapter10_case(name, build)
     b, h, n, d = REFERENCE
     if build:
         from numba import cuda
@@ -68,7 +73,8 @@ def _case(name, build=True):
         return fn, 5, f"backward, {mode} dQ", backward_model(b, h, n, n, d, dq_mode=mode)
     match = re.fullmatch(r"bs-(fwd|bwd)-([0-9.]+)", name)
     if not match:
-        raise SystemExit(f"unknown case {name!r}: bwd-atomic, bwd-separate, bs-fwd-RHO, bs-bwd-RHO")
+        raise SystemExit(f"unknown case {name!r}: bwd-atomic, bwd-separate, bs-fwd-RHO, bs-bwd-RHO, "
+                         f"{', '.join(CHAPTER10)}")
     from kernels.bench.block_sparse import _mask
     from kernels.block_sparse import block_sparse_attention, forward_tiles, tile_lists
     from kernels.block_sparse import io_model_bytes as sparse_forward_model
@@ -91,6 +97,47 @@ def _case(name, build=True):
         fn = lambda: block_sparse_attention_backward(q, k, v, o, lse, do, mask, lists=lists)  # noqa: E731
     return (fn, 6, f"block-sparse backward (atomic dQ), density {density:g}",
             sparse_backward_model(b, h, n, n, d, Br=cfg.dq_Br, Bc=cfg.Bc, rho=lists.kept_fraction))
+
+
+CHAPTER10 = {"order-kv-outer": (1, 16, 4096, 64), "order-q-outer": (1, 16, 4096, 64),
+             "small-cache-256": (1, 16, 4096, 256), "small-cache-128": (1, 16, 4096, 128)}
+
+
+def _shape(name):
+    return CHAPTER10.get(name, REFERENCE)
+
+
+def _chapter10_case(name, build):
+    """Chapter 10's cases, at its bench's shapes: the two loop orders at Br = Bc = 64
+    (``order-kv-outer``: Algorithm 1's kernel; ``order-q-outer``: chapter 4's rung 2) with
+    their closed forms, and the M < d^2 algorithm (``small-cache-D``) with its count."""
+    if name not in CHAPTER10:
+        raise SystemExit(f"unknown case {name!r}: {', '.join(CHAPTER10)}")
+    b, h, n, d = CHAPTER10[name]
+    if name.startswith("order-"):
+        from kernels.flash_forward import query_tile_attention
+        from kernels.kv_outer_forward import hbm_elements, kv_outer_attention
+
+        order = name[len("order-"):]
+        count = hbm_elements(n, n, d, 64, 64, order)
+        launch = kv_outer_attention if order == "kv-outer" else query_tile_attention
+        what = ("Algorithm 1 order (kv-outer)" if order == "kv-outer" else "FlashAttention-2 order (ch 4 rung 2)")
+    else:
+        from kernels.small_cache_attention import default_tile, hbm_elements, small_cache_attention
+
+        tile = default_tile()
+        count = hbm_elements(n, n, d, tile)
+        launch, what = small_cache_attention, f"small-cache (S in HBM, b x b products) d={d} b={tile}"
+    model = 4.0 * b * h * (count["read"] + count["written"])
+    fn = None
+    if build:
+        from numba import cuda
+
+        rng = np.random.default_rng(n + d)
+        q, k, v = (cuda.to_device(rng.standard_normal((b, h, n, d)).astype(np.float32)) for _ in range(3))
+        kw = {"tiles": (64, 64)} if name.startswith("order-") else {}
+        fn = lambda: launch(q, k, v, **kw)  # noqa: E731
+    return fn, 10, what, model
 
 
 def run_case(name):
@@ -130,11 +177,11 @@ def _short(kernel_name):
 def table(paths, out=None):
     from kernels.bench import harness
 
-    b, h, n, d = REFERENCE
-    rows = {5: [], 6: []}
+    rows = {5: [], 6: [], 10: []}
     for path in paths:
         name = re.sub(r"^ncu_|\.csv$", "", Path(path).name)
         _, chapter, what, model = _case(name, build=False)
+        b, h, n, d = _shape(name)
         launches = [(launch["kernel"], launch["metrics"]) for launch in harness.read_ncu(path)]
         dram = sum(m.get("dram__bytes_read.sum", 0) + m.get("dram__bytes_write.sum", 0) for _, m in launches)
         l2 = sum(m.get(L2_READ, float("nan")) for _, m in launches)
@@ -154,7 +201,7 @@ def table(paths, out=None):
                                                                       else "workbook/results")
     out.mkdir(parents=True, exist_ok=True)
     env = harness.environment()
-    for chapter, fname in ((5, "flash_backward_dram.csv"), (6, "block_sparse_dram.csv")):
+    for chapter, fname in ((5, "flash_backward_dram.csv"), (6, "block_sparse_dram.csv"), (10, "io_theory_dram.csv")):
         if rows[chapter]:
             harness.write_csv(out / fname, rows[chapter], env)
             for r in rows[chapter]:
