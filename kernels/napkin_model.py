@@ -250,7 +250,9 @@ def reference_cases(results_dir=None) -> list[Case]:
     """Every chapter's main kernel at its reference shape, its bytes at each level and its
     measured time, all read from the committed CSVs (``MissingMeasurement`` if one is not
     there). Shapes: attention B=4 H=16 N=4096 d=64 (fp32; fp16 for chapter 8), matmul
-    4096^3, softmax 65536 x 4096, decode B=1 H=32 N=128k d=128, the tree reduction P=8."""
+    4096^3, softmax 65536 x 4096, decode B=1 H=32 N=128k d=128, the tree reduction P=8,
+    chapter 10's two kernels at B=1 H=16 N=4096 (Algorithm 1's order at d=64, the
+    M < d^2 algorithm at d=256)."""
     cases = []
     R = results_dir
     att = "B=4 H=16 N=4096 d=64 fp32 causal=False"
@@ -359,6 +361,24 @@ def reference_cases(results_dir=None) -> list[Case]:
     cases.append(Case("9", "tree reduction, P = 8", "B1 Hq32 Hkv8 N16k fp16",
                       (Part("reduce", Work(r["flops"] / 20, r["model_bytes"] / 20, r["model_bytes"] / 20)),),
                       r["median_ms"], f"{path.name}: {r['kernel']}"))
+    # ch10: Algorithm 1's loop order (one block a head) and the M < d^2 algorithm at d = 256;
+    # DRAM and L2 bytes by Nsight. A thread a query row reads K_j and V_j by broadcast: one
+    # shared word serves a warp's 32 rows (tm = 32); the small-cache products read A's word by
+    # broadcast and B's a lane each (tm = 32, tn = 1).
+    path, rows = _read("io_theory.csv", R)
+    dpath, drows = _read("io_theory_dram.csv", R)
+    for label, kernel, config, shape, dram_kernel, tm, tn in (
+            ("Algorithm 1 order (kv-outer)", "Algorithm 1 order (kv-outer)", "B=1 H=16 N=4096 d=64 fp32 Br=64 Bc=64",
+             "B1 H16 N4096 d64 fp32", "Algorithm 1 order (kv-outer)", 32, math.inf),
+            ("M < d^2 algorithm, d = 256", "small-cache (S in HBM, b x b products)", "B=1 H=16 N=4096 d=256 fp32",
+             "B1 H16 N4096 d256 fp32", "small-cache (S in HBM, b x b products) d=256", 32, 1)):
+        r = _row(path, rows, kernel, config)
+        x = _extra(_row(dpath, drows, dram_kernel, "B=1 H=16 N=4096"))
+        cases.append(Case("10", label, shape,
+                          (Part("forward", Work(r["flops"], x["dram_total_bytes"],
+                                                x["l2_read_bytes"] + x["dram_write_bytes"],
+                                                smem_bytes(r["flops"], tm, tn, stored=x["l2_read_bytes"]))),),
+                          r["median_ms"], f"{path.name}: {r['kernel']}; bytes {dpath.name}"))
     return cases
 
 
@@ -394,6 +414,14 @@ MISSES = {   # a sentence a case: why the measured time is not the napkin's
                            "16-row warp 0.76 ms; the rest is the softmax between the two products (exp on the "
                            "MUFU, max and rescale on the FMA pipe), which FlashAttention-2's loop does not "
                            "overlap with the tensor cores (FlashAttention-3's ping-pong does).",
+    "Algorithm 1 order (kv-outer)": "One block a head: 16 blocks of 64 threads on 132 SMs, each walking the "
+                                    "query tiles in turn. The napkin divides by the whole GPU's rates; this "
+                                    "kernel has an eighth of the SMs and two warps on each, so latency, not a "
+                                    "bandwidth, sets its pace (chapter 10, section 1).",
+    "M < d^2 algorithm, d = 256": "Its bytes are right (L2 traffic 0.98x its count) but each product is one "
+                                  "dependent chain a thread, two shared loads a multiply-add, in one block an SM "
+                                  "with no copy overlapped: latency-bound, 4x our shared-memory estimate "
+                                  "(chapter 10, section 4).",
     "tree reduction, P = 8": "150 kB is 0.05 us of bandwidth: the time is the launch and one block's latency "
                              "(~8 us back to back), which no bandwidth term sees; a napkin for tiny kernels needs "
                              "a fixed term.",

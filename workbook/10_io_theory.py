@@ -115,8 +115,45 @@ for order in ("kv-outer", "q-outer"):
 # moves: Algorithm 1 writes, FlashAttention-2 only reads $K$ and $V$ again, which the 50 MB
 # L2 of an H100 serves without reaching HBM (chapter 4's Nsight Compute runs: the HBM bytes
 # stay compulsory at every $B_r$), and its query tiles are independent blocks, where
-# Algorithm 1's inner loop visits them in turn. The time of the two on an H100 is this
-# chapter's bench; the GPU run is still to be made.
+# Algorithm 1's inner loop visits them in turn.
+#
+# **What the H100 measured** (`python -m kernels --chapters 10`, B = 1, H = 16, d = 64,
+# fp32, both at $B_r = B_c = 64$ through their launchers; Nsight Compute's bytes at
+# N = 4096 from `python -m kernels.bench.traffic profile order-kv-outer order-q-outer`):
+
+# %%
+try:
+    timed = th.chapter_rows()
+    dram = {r["kernel"].replace(" (Nsight Compute)", ""): r for r in th.read_dram("io_theory_dram.csv")}
+except FileNotFoundError as missing:
+    timed, dram = [], {}
+    print(missing)
+for r in timed:
+    if r["kernel"].startswith(("Algorithm 1", "FlashAttention-2", "chapter 4 production")):
+        line = f"N = {r['N']:5d}  {r['kernel']:38s} {r['ms']:8.2f} ms"
+        if r["N"] == 4096 and r["kernel"] in dram:
+            m = dram[r["kernel"]]
+            line += (f"   model {m['model'] / 1e9:5.2f} GB, SMs read from L2 {m['l2_read'] / 1e9:5.2f} GB, "
+                     f"DRAM {m['dram'] / 1e9:5.3f} GB (written {m['dram_write'] / 1e9:5.3f})")
+        print(line)
+
+# %% [markdown]
+# * **Algorithm 1 is 25 times slower** at N = 4096 (297 ms against 11.7; 9.5 times at N = 1024),
+#   and the bytes are not the main reason. Its kernel gives each head one block, which walks
+#   the query tiles in turn: 16 blocks of 64 threads on 132 SMs, where FlashAttention-2's order
+#   has 1,024 independent blocks. That is the change [4] made (its section 3.2:
+#   FlashAttention-1 parallelised over batch and heads only); the swapped loops are what
+#   made it possible.
+# * **The write-backs do reach HBM.** Algorithm 1 moved 1.11 GB of DRAM, 16 times the compulsory
+#   67 MB, and 0.49 GB of that is writes: 43% of its 1.12 GB of $O$, $\ell$, $m$ write-backs, though
+#   the state of the 16 heads (17 MB) would fit in the 50 MB L2. FlashAttention-2's order moved
+#   0.055 GB, below the compulsory bytes: part of the inputs were still in L2 from the warm-up
+#   call, and the output's dirty lines had not all left L2 when the kernel ended.
+# * **Into the SMs**, Algorithm 1's reads from L2 plus its DRAM writes come to 0.91 of its closed
+#   form, as its count says. FlashAttention-2's rung read 0.59 GB from L2, only 0.27 of the 2.2 GB
+#   its model counts for re-reading $K$ and $V$ once a query tile. We have not explained this.
+#   One guess, not checked: L1 hits when blocks of one head that sit on one SM copy the same
+#   tile. Nsight Compute's L1 hit rate would tell.
 
 # %% [markdown]
 # ## 2. IO complexity in terms of the on-chip memory $M$
@@ -351,19 +388,42 @@ fig.tight_layout()
 # moves 9.1 (the curves cross near $M \approx 41{,}000$, 47,000 for section 3's count: below that the unfused algorithm moves
 # fewer elements than either fused order). In fp16 ($M = 116{,}224 > d^2$) the question does not arise.
 #
-# **What the GPU run will show** (`small_cache_rows` in the chapter's bench: $B = 1$, $H = 16$,
-# $N = 4096$, fp32, $d = 256$ and $128$, beside chapter 4's `flash_attention` at $d = 128$, which
-# takes $d \le 128$): the model bytes are the counts above times 4 bytes times 16 heads (11.5 GB
-# at $d = 256$, 7.3 GB at $d = 128$), but that is not what decides the time. The re-reads of $Q$,
-# $K$, $P$ and $V$ come from the 50 MB L2 (section 5: the theorem's $M$ is the L2 for HBM bytes),
-# and each multiply-add of the products reads two operands from shared memory: about 16
-# multiply-adds a clock an SM, some 8 TFLOP/s, so $4N^2 d$ FLOPs a head take ~35 ms at $d = 256$.
-# Expect the kernel to be shared-memory bound, several times slower than the fused kernel at
-# $d = 128$, and the HBM bytes that Nsight Compute measures to be far below the model's: the
-# lower bound is about the traffic between a memory of size $M$ and the next level, and on the
-# H100 the next level is the L2, not HBM.
+# **What the H100 measured** (`small_cache_rows` in the chapter's bench: $B = 1$, $H = 16$,
+# $N = 4096$, fp32, $d = 256$ and $128$, $b = 139$, beside chapter 4's `flash_attention` at
+# $d = 128$, which takes $d \le 128$; Nsight Compute's bytes from
+# `python -m kernels.bench.traffic profile small-cache-256 small-cache-128`):
+
+# %%
+for r in timed:
+    if r["kernel"].startswith(("small-cache", "chapter 4 flash_attention")):
+        print(f"d = {r['d']:3d}  {r['kernel'][:40]:40s} {r['ms']:7.2f} ms  {r['tflops']:5.2f} TFLOP/s  "
+              f"model {r['model'] / 1e9:6.2f} GB")
+for name, m in dram.items():
+    if name.startswith("small-cache"):
+        print(f"{name}: DRAM {m['dram'] / 1e9:.2f} GB (written {m['dram_write'] / 1e9:.2f}), "
+              f"SMs read from L2 {m['l2_read'] / 1e9:.2f} GB; reads + DRAM writes = "
+              f"{(m['l2_read'] + m['dram_write']) / m['model']:.2f} x the count")
 
 # %% [markdown]
+# * **The count is right at the level it describes.** The bytes the SMs read from L2 plus the
+#   DRAM writes are 0.98 ($d = 256$) and 0.99 ($d = 128$) of `hbm_elements`. That traffic crosses between the
+#   $M$-sized shared memory and the next level, which is what the theorem counts.
+# * **HBM sees mostly $S$.** 4.5 GB of DRAM at $d = 256$ (4.4 at 128), 0.40 (0.60) of the model.
+#   That is the four passes over the 1.07 GB workspace (written, read and written back by the
+#   softmax, read by $PV$). The re-reads of $Q$, $K$ and $V$ stay in L2.
+# * **The time is not the bytes.** 143 ms at $d = 256$ (74 ms at $d = 128$), 1.9 TFLOP/s; 4.5 GB at
+#   3 TB/s is 1.5 ms. Before the run we estimated ~35 ms from the shared-memory reads (two
+#   operands a multiply-add), and the kernel is four times slower than that. Each thread sums
+#   its elements in one dependent chain, two shared loads a multiply-add. One 1,024-thread
+#   block fills an SM, and nothing overlaps the copy of a chunk with the products. So it is
+#   bound by latency, not by a bandwidth (not profiled further). At $d = 128$ chapter 4's fused
+#   kernel takes 6.0 ms, 12 times less.
+#
+# So on the H100 the lower bound is about the traffic between shared memory and L2, and
+# there the algorithm does what its count says. Its time, though, is set by how the products
+# are computed, which is what chapters 2 and 8 are about. A register-tiled product (chapter
+# 2's rung 3) would be the next step. The counts would not change.
+#
 # ## 5. The backward, block sparsity, and what the H100 measured
 #
 # **[1] Theorem 5:** the backward (Algorithm 4, K/V outer, $dQ_i$ read and written every pass)
@@ -538,8 +598,12 @@ for r in table:
 # (chapters 2-6) sit 1.4-1.8× above a bound where shared memory and the FMA units tie:
 # they are issue-bound, the softmax and the rescaling of O sharing the pipe with the
 # multiply-adds. The **tensor-core** kernels (chapter 2's rung 4, chapter 8) and the
-# **tiny** one (chapter 9's tree of 150 kB) are furthest away, for reasons the napkin names
+# **tiny** one (chapter 9's tree of 150 kB) are further away, for reasons the napkin names
 # but does not count: pipelines to fill, the softmax between two matrix products, a launch.
+# This chapter's two kernels miss by the most, 220× and 6×. The napkin assumes every SM is
+# busy and its latency hidden. Algorithm 1's 16 blocks use an eighth of the SMs, and the
+# small-cache products are one dependent chain a thread. A bound that divides by the whole
+# machine's rates says nothing about a kernel that cannot fill the machine.
 
 # %% [markdown]
 # ### Smaller numbers: fp16 and fp8 on the napkin
@@ -698,14 +762,13 @@ for s in range(1, 257):
         print(f"{s:4d} seeds: max |mean O - O| = {np.abs(total / s - want).max():.4f}")
 
 # %% [markdown]
-# ### What it will cost
+# ### What it costs
 #
 # Nothing in HBM: the mask is never written or read, the forward moves the same bytes as
 # chapter 4's rung 2 and the backward as chapter 5's. The cost is arithmetic. A Philox call
 # compiles to 143 PTX instructions (20 `mul.wide.u32`, 20 `mul.lo`, 43 xors, 18 key adds and
-# the 64-bit halves' moves; ptxas fuses some, so about 60-100 SASS instructions, not yet
-# counted on the device). Per element, against the multiply-adds the teaching kernels already
-# do at d = 64:
+# the 64-bit halves' moves). Per element, against the multiply-adds the teaching kernels
+# already do at d = 64:
 #
 # | kernel | Philox calls an element | FMAs an element (d = 64) | PTX instructions added |
 # |---|---|---|---|
@@ -713,29 +776,48 @@ for s in range(1, 257):
 # | dQ (a row's keys, in order) | 1/4 | S, dP, dQ: 3d = 192 | ~36, +19% |
 # | dK/dV (a key's rows: one call each) | 1 | S, dP, dV, dK: 4d = 256 | ~143, +56% |
 #
-# An upper bound from the PTX: FMA-bound fp32 kernels would slow by at most that much, less
-# where ptxas fuses (three-input xors into one LOP3) and where the Philox work overlaps the
-# FMAs. The dK/dV kernel pays four times the others because its thread owns a key and walks
-# the rows, while a call covers four keys of one row; a layout in which a thread owns a
-# 1×4 (or larger) micro-tile of $S$, as chapter 4's rung 3 does, serves the whole call. At
-# d = 64 the forward keeps to 184 registers with no spills; the dK/dV kernel spills 744 bytes
-# (chapter 5's rung 2, 420 bytes). **The GPU measurement is for the next session**: the
-# bench will time the three kernels at p = 0 against p = 0.1 (the same code, the Philox work
-# included either way) and against chapter 4's and 5's rung 2, and count SASS instructions.
+# That is an upper bound from the PTX: FMA-bound fp32 kernels would slow by at most that much,
+# and less where the Philox work overlaps the FMAs. The dK/dV kernel pays four times the
+# others because its thread owns a key and walks the rows, while a call covers four keys of
+# one row. A layout in which a thread owns a 1×4 (or larger) micro-tile of $S$, as chapter 4's
+# rung 3 does, would use the whole call.
+#
+# **What the H100 measured** (the chapter's bench, B = 1, H = 16, N = 4096, d = 64, fp32, the
+# launchers; p = 0 runs the same code as p = 0.1, every element kept):
+
+# %%
+for r in timed:
+    if "dropout" in r["kernel"]:
+        print(f"{r['kernel']:42s} {r['ms']:7.2f} ms")
+
+# %% [markdown]
+# * **The forward costs nothing measurable:** 11.1 ms at p = 0.1 against 11.1 for chapter 4's
+#   rung 2 (a second run: 11.3 against 11.2). Its 1/4 call an element hides behind the
+#   multiply-adds and the exponentials.
+# * **The backward costs a third:** 36.1 ms against chapter 5's rung 2 at 27.1 (+33%; the second
+#   run +37%), at p = 0 as at 0.1. The bound said at most +19% for dQ and +56% for dK/dV, and
+#   the measurement lands between them. The bench times the two kernels together.
+# * **SASS** (`inspect_sass` on the H100, instructions in the compiled kernel, not executed):
+#   the forward has 1,928 against rung 2's 1,760, dQ 1,784 against 1,648, dK/dV 2,760 against
+#   2,480. So a call is about 130-170 SASS instructions: ptxas keeps nearly all of the 143 PTX
+#   instructions. dK/dV's spills grow from 104 to 186 local stores (`STL`). At ~130 instructions a
+#   call, the dK/dV kernel (one call an element, 256 multiply-adds an element) adds half its
+#   arithmetic again. The forward and dQ (a quarter of a call an element) add an eighth.
 
 # %% [markdown]
 # ## 8. Still to come, and exercises
 #
-# Measured on the H100 next (the chapter's bench and Nsight Compute): the two loop orders'
-# times and DRAM bytes (`python -m kernels --chapters 10`); section 4's kernels at
-# $d = 256$ and 128 in fp32, against both formulas and chapter 4's fused kernel; and what
-# dropout costs (section 7's kernels at p = 0.1 against p = 0 and chapters 4 and 5's rung 2).
+# Still to come: a register-tiled version of section 4's products (the counts stay, the time
+# should fall several times), and dropout's dK/dV kernel with a micro-tile of $S$ a thread, so
+# that a Philox call serves four elements there too.
 #
 # Exercises:
 #
 # 1. From the closed forms of section 1: at which $N$ (with $d = 64$, $B_r = B_c = 64$, fp32)
 #    does Algorithm 1's traffic exceed the 50 MB L2 of an H100, so that its write-backs must
-#    reach HBM? Compare with FlashAttention-2's re-reads of K and V.
+#    reach HBM? Compare with FlashAttention-2's re-reads of K and V. Section 1 measured 43% of
+#    the write-backs in HBM at N = 4096, where the state fits: what about the L2 might
+#    explain it?
 # 2. Theorem 2 says $\Theta(N^2d^2/M)$ for both orders. Where does the constant differ, and
 #    which of the two can spend its $M$ on more query rows?
 # 3. The napkin (section 6) predicts chapter 8's forward at 0.76 ms and it runs in 1.70: name
