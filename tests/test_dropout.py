@@ -225,11 +225,13 @@ def check_backward(case, p, seed, got, o, lse, do):
 
 
 @settings(max_examples=5 if SIM else 200)
-@given(case=attention_cases(max_n=MAX_N, max_d=MAX_D), p=st.sampled_from(P_CHOICES), seed=st.integers(0, 2**64 - 1),
-       tiles=st.sampled_from(TILES))
+@given(case=attention_cases(max_n=MAX_N, max_d=MAX_D, dtypes=(np.float32, np.float16)), p=st.sampled_from(P_CHOICES),
+       seed=st.integers(0, 2**64 - 1), tiles=st.sampled_from(TILES))
 @example(case=case_with((1, 2, 9, 5), (1, 2, 13, 5), causal=True), p=0.5, seed=1, tiles=None)      # Nq < Nk, ragged
 @example(case=case_with((2, 1, 11, 3), (2, 1, 6, 3), causal=True), p=0.1, seed=2**64 - 1,
          tiles=TILES[1])                                                                       # rows see nothing
+@example(case=case_with((1, 1, 10, 8), (1, 1, 13, 8), causal=True, dtype=np.float16), p=0.3, seed=5,
+         tiles=None)                                                                           # fp16 inputs
 def test_forward_matches_oracle(case, p, seed, tiles):
     check_forward(case, p, seed, tiles)
 
