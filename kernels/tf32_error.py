@@ -169,15 +169,15 @@ def product_bound(a, b, passes=3) -> np.ndarray:
     TERM_ERROR: what the kept products miss of each a_k b_k (module docstring); R U: the R =
     passes ceil(K / 8) float32 roundings of the accumulator, each at most U of the running
     sum, itself at most (1 + 2^-9) |a| @ |b| (|a_hi| <= (1 + 2^-11) |a|); the factor covers
-    that and the second-order terms. For passes = "fp32": (K - 1) U (1 + 2^-8) |a| @ |b|,
-    the worst case of a float32 sum in any order. Valid where every |a|, |b| is 0 or within
+    that and the second-order terms. For passes = "fp32": K U (1 + 2^-8) |a| @ |b|, the
+    worst case of K float32 products summed in any order (gamma_K). Valid where every |a|, |b| is 0 or within
     [2^-103, 2^127] (the split's range)."""
     a, b = _check_pair(a, b)
     passes = _check_passes(passes)
     kk = a.shape[-1]
     size = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
     if passes == "fp32":
-        return max(kk - 1, 0) * U * (1 + 2.0 ** -8) * size
+        return kk * U * (1 + 2.0 ** -8) * size
     rounds = passes * -(-kk // MMA_K)
     return (TERM_ERROR[passes] + rounds * U) * (1 + 2.0 ** -8) * size
 
