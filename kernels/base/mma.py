@@ -26,6 +26,8 @@ so any PTX instruction: that is all this module does on the GPU. The device func
     pack_f16(lo, hi), pack_bf16(lo, hi)     two float32 -> one uint32 (round to nearest even)
     unpack_f16(w)                           one uint32 -> its two fp16 halves as float32 (lo, hi)
     to_tf32(x)                              float32 -> uint32 (tf32: 10 mantissa bits, rounded)
+    split_tf32(x)                           float32 -> (hi, lo) uint32 tf32 patterns: hi = x rounded,
+                                            lo = (x - hi) rounded (3xTF32: x = hi + lo to ~2^-22)
     load_words(a, row, col)                 16 bytes of a 2-D array from a[row, col] -> 4 uint32
     ldmatrix(s, row, col), ldmatrix_trans   four 8x8 b16 matrices from shared memory -> 4 uint32
     cp_async(dst, drow, dcol, src, srow, scol)   16 bytes global -> shared, asynchronously
@@ -50,7 +52,7 @@ from kernels.base.runtime import on_simulator
 
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
-           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "to_tf32",
+           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "to_tf32", "split_tf32",
            "load_words", "ldmatrix", "ldmatrix_trans", "cp_async", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
            "half_bits", "bf16_bits", "tf32_bits", "words_to_halves", "PTX"]
@@ -186,6 +188,7 @@ PTX = {
     "pack_f16": "cvt.rn.f16x2.f32",
     "pack_bf16": "cvt.rn.bf16x2.f32",
     "to_tf32": "cvt.rna.tf32.f32",
+    "split_tf32": "cvt.rna.tf32.f32; sub.f32; cvt.rna.tf32.f32",
     "ldmatrix": "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
     "ldmatrix_trans": "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
     "cp_async": "cp.async.cg.shared.global",
@@ -285,6 +288,14 @@ def _sim_unpack_f16(w):
 
 def _sim_to_tf32(x):
     return np.uint32(int(tf32_bits(np.float32(x))))
+
+
+def _sim_split_tf32(x):
+    x = np.float32(x)
+    hi = np.uint32(int(tf32_bits(x)))
+    with np.errstate(invalid="ignore", over="ignore"):
+        rest = np.float32(x - np.array(hi, np.uint32).view(np.float32))
+    return hi, np.uint32(int(tf32_bits(rest)))
 
 
 def _sim_load_words(a, row, col):
@@ -416,6 +427,20 @@ def _gpu_functions():
 
         return types.uint32(x), codegen
 
+    @intrinsic
+    def split_tf32(typingctx, x):
+        if not isinstance(x, types.Number):
+            raise TypeError(f"split_tf32(x): expected a number, got {x}")
+        result = types.UniTuple(types.uint32, 2)
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            # hi = x rounded to tf32; lo = (x - hi) rounded (a .b32 register is a valid f32 operand)
+            body = "{ .reg .f32 r; cvt.rna.tf32.f32 $0, $2; sub.f32 r, $2, $0; cvt.rna.tf32.f32 $1, r; }"
+            return context.make_tuple(builder, result, asm(builder, [i32, i32], body, "=&r,=r,f", [v]))
+
+        return result(x), codegen
+
     def element_pointer(context, builder, aryty, ary_value, row, rowty, col, colty):
         ary = context.make_array(aryty)(context, builder, value=ary_value)
         inds = [context.cast(builder, row, rowty, types.intp), context.cast(builder, col, colty, types.intp)]
@@ -492,6 +517,7 @@ def _gpu_functions():
         pack_bf16=make_pack("pack_bf16", "cvt.rn.bf16x2.f32"),
         unpack_f16=unpack_f16,
         to_tf32=to_tf32,
+        split_tf32=split_tf32,
         load_words=load_words,
         ldmatrix=make_ldmatrix("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),
         ldmatrix_trans=make_ldmatrix("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"),
@@ -512,6 +538,7 @@ def _sim_functions():
         pack_bf16=_sim_pack(bf16_bits),
         unpack_f16=_sim_unpack_f16,
         to_tf32=_sim_to_tf32,
+        split_tf32=_sim_split_tf32,
         load_words=_sim_load_words,
         ldmatrix=_sim_ldmatrix(False),
         ldmatrix_trans=_sim_ldmatrix(True),
@@ -531,6 +558,7 @@ pack_f16 = _functions["pack_f16"]
 pack_bf16 = _functions["pack_bf16"]
 unpack_f16 = _functions["unpack_f16"]
 to_tf32 = _functions["to_tf32"]
+split_tf32 = _functions["split_tf32"]
 load_words = _functions["load_words"]
 ldmatrix = _functions["ldmatrix"]
 ldmatrix_trans = _functions["ldmatrix_trans"]

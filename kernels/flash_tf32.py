@@ -1,0 +1,304 @@
+"""fp32 attention on tensor cores: the FlashAttention-2 forward with 3xTF32 products.
+
+Chapter 8's kernel takes fp16 or bf16. For float32 inputs the tensor cores offer TF32
+(``mma.sync.m16n8k8.tf32``, 8 exponent bits and 10 of mantissa): one TF32 product errs by
+about 2^-11 of |a||b|, far beyond fp32's 2^-24. Splitting each operand in two,
+
+    a = a_hi + a_lo,   a_hi = tf32(a),   a_lo = tf32(a - a_hi)            (``split_tf32``)
+    a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi                                (three mma, small first)
+
+keeps about 22 bits: the dropped a_lo b_lo is ~2^-22 of |a||b| (chapter 11, section 2),
+and three TF32 products still run faster than the FMA units' fp32 (chapter 0).
+
+The kernel is chapter 8's loop with the m16n8k8 layout (``kernels.base.mma``):
+
+    one block          Br = 16 W query rows, W warps; Q_i's A fragments stay in registers (raw
+                       fp32, split at each use)
+    for each K/V tile (Bc keys in shared memory, float32 rows padded by 4 floats so the
+    fragment loads hit 32 distinct banks; K_j copied during P V_{j-1}, V_j during S_j):
+        S    = Q_i K_j^T        Bc/8 accumulator tiles of 16 x 8, D/8 k-steps of 3 mma
+        the online softmax on the accumulator fragments, as in chapter 8
+        O   += P V_j            P's accumulator tile is an m16n8k8 A operand once the 8 keys
+                                are renumbered: the lane holding keys 2t and 2t + 1 takes
+                                them as k = t and t + 4, and reads V's rows in the same order
+                                (no shuffle, no shared memory)
+    O / l and L = m + log l.
+
+``passes=1`` runs the hi-hi product only (plain TF32): the course keeps it to show what it
+loses. Scores are in base 2 (scale log2 e folded in), as in chapters 4 and 8; a row that
+sees no key gets O = 0 and L = -inf.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y, MINUS_INF, make_row_reductions
+from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_qkv, check_scale, on_simulator, to_device
+
+__all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "tf32_tiles", "PASSES", "ptx_targets"]
+
+LN2 = math.log(2.0)
+PASSES = (1, 3)                 # TF32 products a fp32 product: 1 (plain TF32) or 3 (3xTF32)
+
+
+def tf32_tiles(d: int) -> tuple[int, int, int]:
+    """(Br, Bc, D), D = d rounded up to a multiple of 8 (an m16n8k8 k-step). On a GPU 64
+    query rows (4 warps) and 64 keys a tile at D <= 64, 32 keys at D = 128 (K_j and V_j in
+    float32 within 48 KB of static shared memory). In the simulator 16 or 32 rows and 8 or
+    16 keys (both staging paths)."""
+    D = 8 * cdiv(max(int(d), 1), 8)
+    if on_simulator():
+        return (16 if D <= 16 else 32), (16 if D <= 16 else 16), D
+    return 64, (64 if D <= 64 else 32), D
+
+
+@functools.lru_cache(maxsize=None)
+def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
+    """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
+    multiple of 8), ``passes`` TF32 products a product (3 or 1).
+
+    Launch: grid (ceil(Nq / Br), B*H), 2 Br threads (Br = Bc or 2 Bc: Q is staged through
+    the K and V buffers). Arguments: q (B*H, Nq, d), k and v (B*H, Nk, d), o (B*H, Nq, d),
+    lse (B*H, Nq), all float32; scale (float32), causal (int32 0/1), aligned (int32: rows
+    16-byte aligned and d % 4 == 0, so whole 16-byte chunks go by cp.async)."""
+    from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, mma_tf32, \
+        split_tf32
+
+    if passes not in PASSES:
+        raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
+    if D % 8 or Bc % 8 or Br % 16 or Br not in (Bc, 2 * Bc):
+        raise ValueError(f"tiles: expected D and Bc multiples of 8, Br of 16, Br = Bc or 2 Bc; got {Br}, {Bc}, {D}")
+    W = Br // 16
+    THREADS = 32 * W
+    KS, NS, ND = D // 8, Bc // 8, D // 8
+    SD = D + 4                                    # row stride (floats): fragment loads in 32 distinct banks
+    CH = D // 4                                   # 16-byte chunks a row
+    THREE = passes == 3
+    row_max, row_sum = make_row_reductions(4, THREADS, propagate_nan=False)
+
+    @cuda.jit(device=True, inline=True)
+    def stage_in(src, dst, rows, r0, d, tid, aligned):
+        """src[r0 + r, :d] -> dst[r, :D] (zeros past rows and d), 16 bytes a step."""
+        for ch in range(tid, Bc * CH, THREADS):
+            r = ch // CH
+            c = (ch % CH) * 4
+            row = r0 + r
+            if aligned != 0 and row < rows and c + 4 <= d:
+                cp_async(dst, r, c, src, row, c)
+            else:
+                for e in range(4):
+                    x = float32(0.0)
+                    if row < rows and c + e < d:
+                        x = src[row, c + e]
+                    dst[r, c + e] = x
+
+    @cuda.jit(device=True, inline=True)
+    def mma3(a, b, c):
+        """c + a b with a = (4 floats), b = (2 floats): 3xTF32 (or the hi-hi product alone)."""
+        ah0, al0 = split_tf32(a[0])
+        ah1, al1 = split_tf32(a[1])
+        ah2, al2 = split_tf32(a[2])
+        ah3, al3 = split_tf32(a[3])
+        bh0, bl0 = split_tf32(b[0])
+        bh1, bl1 = split_tf32(b[1])
+        hi_a = (ah0, ah1, ah2, ah3)
+        hi_b = (bh0, bh1)
+        if THREE:                                 # the small terms first, the large one last
+            c = mma_tf32((al0, al1, al2, al3), hi_b, c)
+            c = mma_tf32(hi_a, (bl0, bl1), c)
+        return mma_tf32(hi_a, hi_b, c)
+
+    @cuda.jit(fastmath=True)
+    def flash_forward_tf32(q, k, v, o, lse, scale, causal, aligned):
+        bh = int32(cuda.blockIdx.y)
+        tid = int32(cuda.threadIdx.x)
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4                                # the fragment's row group
+        t = lane % 4
+        q0 = (int32(cuda.gridDim.x) - 1 - int32(cuda.blockIdx.x)) * Br     # heaviest causal tiles first
+        qh, kh, vh = q[bh], k[bh], v[bh]
+        n_q, n_k, d = int32(q.shape[1]), int32(k.shape[1]), int32(q.shape[2])
+        Ks = cuda.shared.array((Bc, SD), float32, alignment=16)
+        Vs = cuda.shared.array((Bc, SD), float32, alignment=16)
+
+        # ---- Q_i: staged through Ks (and Vs, for Br = 2 Bc); each warp keeps its A fragments
+        # a0 = Q[g, 8s + t], a1 = Q[g + 8, 8s + t], a2 = Q[g, 8s + t + 4], a3 = Q[g + 8, 8s + t + 4]
+        stage_in(qh, Ks, n_q, q0, d, tid, aligned)
+        if Br > Bc:
+            stage_in(qh, Vs, n_q, q0 + Bc, d, tid, aligned)
+        cp_async_commit()
+        cp_async_wait_all()
+        cuda.syncthreads()
+        qf = cuda.local.array((KS, 4), float32)
+        r0 = (warp * 16) % Bc
+        for s_ in range(KS):
+            for e in range(4):
+                row = r0 + g + 8 * (e % 2)
+                col = 8 * s_ + t + 4 * (e // 2)
+                qf[s_, e] = Ks[row, col] if warp * 16 < Bc else Vs[row, col]
+
+        m = cuda.local.array(2, float32)             # running max (base 2), rows g, g + 8
+        l = cuda.local.array(2, float32)             # this lane's share of the running sums
+        acc = cuda.local.array((ND, 4), float32)     # O: ND accumulator tiles of 16 x 8
+        sc = cuda.local.array((NS, 4), float32)      # S, then P: NS accumulator tiles
+        for h in range(2):
+            m[h] = MASKED
+            l[h] = float32(0.0)
+        for j in range(ND):
+            for e in range(4):
+                acc[j, e] = float32(0.0)
+        scale2 = float32(scale * LOG2E)
+        diag = n_k - n_q
+        kv_end = n_k                                 # causal: the keys the block's last row sees
+        if causal != 0:
+            kv_end = min(n_k, q0 + Br + diag)
+        n_tiles = (max(kv_end, 0) + Bc - 1) // Bc
+        wrow0 = q0 + warp * 16                       # this warp's first query row
+
+        cuda.syncthreads()                           # Q is in registers: Ks and Vs are free
+        if n_tiles > 0:
+            stage_in(kh, Ks, n_k, 0, d, tid, aligned)
+        cp_async_commit()
+        for jt in range(n_tiles):
+            k0 = jt * Bc
+            cuda.syncthreads()                       # every warp is done with V_{j-1}
+            stage_in(vh, Vs, n_k, k0, d, tid, aligned)
+            cp_async_commit()
+            cp_async_wait_prior()                    # K_j has landed (V_j may still fly)
+            cuda.syncthreads()
+
+            # ---- S = Q_i K_j^T: B = K_j^T, b0 = K[key g, 8s + t], b1 = K[key g, 8s + t + 4]
+            for nt in range(NS):
+                for e in range(4):
+                    sc[nt, e] = float32(0.0)
+            for s_ in range(KS):
+                a = (qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
+                for nt in range(NS):
+                    b = (Ks[nt * 8 + g, 8 * s_ + t], Ks[nt * 8 + g, 8 * s_ + t + 4])
+                    c = mma3(a, b, (sc[nt, 0], sc[nt, 1], sc[nt, 2], sc[nt, 3]))
+                    for e in range(4):
+                        sc[nt, e] = c[e]
+            # only a tile that crosses n_k or this warp's causal diagonal is masked
+            if k0 + Bc > n_k or (causal != 0 and k0 + Bc - 1 > wrow0 + diag):
+                for nt in range(NS):
+                    for e in range(4):
+                        key = k0 + nt * 8 + 2 * t + e % 2
+                        row = wrow0 + g + 8 * (e // 2)
+                        x = sc[nt, e] * scale2
+                        if key >= n_k or (causal != 0 and key > row + diag):
+                            x = MASKED
+                        sc[nt, e] = x
+            else:
+                for nt in range(NS):
+                    for e in range(4):
+                        sc[nt, e] *= scale2
+
+            # ---- online softmax on the fragments, rows g (h = 0) and g + 8 (h = 1), as chapter 8
+            for h in range(2):
+                mx = m[h]
+                for nt in range(NS):
+                    mx = max(mx, max(sc[nt, 2 * h], sc[nt, 2 * h + 1]))
+                mx = row_max(mx)                     # the quad's 4 lanes hold the row
+                alpha = math.exp2(m[h] - mx)
+                m[h] = mx
+                l[h] *= alpha
+                for j in range(ND):
+                    acc[j, 2 * h] *= alpha
+                    acc[j, 2 * h + 1] *= alpha
+                base = mx if mx > MASKED else float32(0.0)     # nothing seen yet: every p is 0
+                for nt in range(NS):
+                    for e in range(2):
+                        p = math.exp2(sc[nt, 2 * h + e] - base)
+                        l[h] += p
+                        sc[nt, 2 * h + e] = p
+
+            cp_async_wait_all()                      # V_j has landed ...
+            cuda.syncthreads()                       # ... and every warp is done with K_j
+            if jt + 1 < n_tiles:
+                stage_in(kh, Ks, n_k, k0 + Bc, d, tid, aligned)
+            cp_async_commit()
+
+            # ---- O += P V_j, 8 keys a step, renumbered: key 2t -> k = t, key 2t + 1 -> k = t + 4.
+            # A = (P[g, 2t], P[g + 8, 2t], P[g, 2t + 1], P[g + 8, 2t + 1]) = (c0, c2, c1, c3);
+            # B: b0 = V[key 2t, 8 dt + g], b1 = V[key 2t + 1, 8 dt + g].
+            for kp in range(NS):
+                a = (sc[kp, 0], sc[kp, 2], sc[kp, 1], sc[kp, 3])
+                for dt in range(ND):
+                    b = (Vs[kp * 8 + 2 * t, 8 * dt + g], Vs[kp * 8 + 2 * t + 1, 8 * dt + g])
+                    c = mma3(a, b, (acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3]))
+                    for e in range(4):
+                        acc[dt, e] = c[e]
+
+        cp_async_wait_all()                          # (the last, empty, group)
+
+        # ---- O / l and L: the quad's sums first
+        for h in range(2):
+            total = row_sum(l[h])
+            row = wrow0 + g + 8 * h
+            if row < n_q:
+                if total > float32(0.0) or total != total:
+                    inv = float32(1.0) / total
+                    for j in range(ND):
+                        for e in range(2):
+                            col = j * 8 + 2 * t + e
+                            if col < d:
+                                o[bh, row, col] = acc[j, 2 * h + e] * inv
+                    if t == 0:
+                        lse[bh, row] = (m[h] + math.log2(total)) * float32(LN2)
+                else:                                # saw no key
+                    for j in range(ND):
+                        for e in range(2):
+                            col = j * 8 + 2 * t + e
+                            if col < d:
+                                o[bh, row, col] = float32(0.0)
+                    if t == 0:
+                        lse[bh, row] = MINUS_INF
+
+    flash_forward_tf32.threads = THREADS
+    return flash_forward_tf32
+
+
+def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
+    """Attention forward on tensor cores for float32 inputs. q (B, H, Nq, d), k and v
+    (B, H, Nk, d) float32, d <= 128; ``passes`` = 3 (3xTF32, about fp32's accuracy) or 1
+    (plain TF32, ~2^-11 relative). Returns (o, lse) like chapter 4's ``flash_attention``:
+    o (B, H, Nq, d) and lse (B, H, Nq) float32 (natural log; -inf for a row that sees no
+    key). NumPy in, NumPy out; device arrays (and PyTorch tensors) in, device arrays out."""
+    if isinstance(passes, bool) or passes not in PASSES:
+        raise ValueError(f"passes: expected 3 (3xTF32) or 1 (plain TF32), got {passes!r}")
+    B, H, n_q, n_k, d, _ = check_qkv(q, k, v, dtypes=(np.float32,), max_head_dim=128)
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    BH = B * H
+    if BH > MAX_GRID_Y:
+        raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
+    kind = ArrayKind(q)
+    o = kind.empty((BH, n_q, d), np.float32)
+    lse = kind.empty((BH, n_q), np.float32)
+    if BH and n_q:
+        Br, Bc, D = tf32_tiles(d)
+        qd, kd, vd = (to_device(x, n).reshape(BH, x.shape[2], d) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
+            if not on_simulator() else int(d % 4 == 0)
+        kernel = make_flash_forward_tf32(Br, Bc, D, int(passes))
+        kernel[(cdiv(n_q, Br), BH), kernel.threads](qd, kd, vd, o, lse, np.float32(scale), np.int32(causal),
+                                                     np.int32(aligned))
+    return kind.give_back(o.reshape(B, H, n_q, d)), kind.give_back(lse.reshape(B, H, n_q))
+
+
+def ptx_targets(every_shape: bool = False):
+    """The kernel at the GPU tiles, d = 64 and 128, 3xTF32 (``every_shape``: plain TF32 too)."""
+    sig = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
+           "float32, int32, int32)")
+    out = []
+    for D, Bc in ((64, 64), (128, 32)):
+        for passes in (3, 1) if every_shape else (3,):
+            out.append((f"flash fwd 3xTF32 passes={passes} Br=64 Bc={Bc} D={D}",
+                        make_flash_forward_tf32(64, Bc, D, passes), sig))
+    return out

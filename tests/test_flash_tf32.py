@@ -1,0 +1,154 @@
+"""fp32 attention on tensor cores (3xTF32) against the float64 oracle, under chapter 4's rule.
+
+The kernel takes float32 inputs, so it is held to the fp32 tolerance rule of chapter 4
+(``kernels.base.testing.assert_close``: at most 2x the error of float32 NumPy, plus the
+floor of the exponents), not a looser one. Plain TF32 (``passes=1``) must fail that rule
+on ordinary inputs: the test that shows the rule can tell the two apart. Drawn shapes:
+ragged N, Nq != Nk, d not a multiple of 8 (padded), causal rows that see no key; large
+logits, N = 0 and 1 pinned.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from numba import cuda
+
+from kernels import reference as ref
+from kernels.base.runtime import is_device_array, on_simulator
+from kernels.base.testing import assert_close, case_with, forward_floor_scales, magnitude_for_logits, AttentionCase
+from kernels.flash_tf32 import flash_attention_tf32, make_flash_forward_tf32, tf32_tiles
+
+SIM = on_simulator()
+MAX_N = 18 if SIM else 300
+HEAD_DIMS = [3, 8, 13] if SIM else [8, 20, 64, 100, 128]
+
+
+def check(case, passes=3):
+    o, lse = flash_attention_tf32(case.q, case.k, case.v, causal=case.causal, scale=case.scale, passes=passes)
+    exact_o, exact_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale)
+    base_o, base_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale, dtype=np.float32)
+    assert o.dtype == np.float32 and lse.dtype == np.float32
+    fs_o, fs_l = forward_floor_scales(case.q, case.k, case.v, case.scale, causal=case.causal)
+    assert_close(o, exact_o, base_o, name="O", floor_scale=fs_o)
+    assert_close(lse, exact_l, base_l, name="L", floor_scale=fs_l)
+    return o, lse
+
+
+@st.composite
+def tf32_cases(draw):
+    b, h = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    nq, nk = draw(st.integers(0, MAX_N)), draw(st.integers(0, MAX_N))
+    d = draw(st.sampled_from(HEAD_DIMS))
+    causal = draw(st.booleans())
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
+    magnitude = magnitude_for_logits(draw(st.sampled_from([0.3, 1.0, 3.0, 8.0])), d, scale)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = (rng.standard_normal((b, h, nq, d)) * magnitude).astype(np.float32)
+    k = (rng.standard_normal((b, h, nk, d)) * magnitude).astype(np.float32)
+    v = rng.standard_normal((b, h, nk, d)).astype(np.float32)
+    return AttentionCase(q, k, v, causal, scale)
+
+
+ONE_PAST = tf32_tiles(16)[0] + 1          # one past a block's query rows
+
+
+@given(case=tf32_cases())
+@settings(max_examples=3 if SIM else 200)
+@example(case=case_with((1, 1, 1, 8), (1, 1, 1, 8)))                                  # N = 1
+@example(case=case_with((1, 1, 9, 5), (1, 1, 4, 5), causal=True))                     # Nq > Nk: rows see nothing
+@example(case=case_with((1, 1, ONE_PAST, 16), (1, 1, 7, 16), causal=True))            # one past a block
+@example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0))                # logits ~ +-1e4
+def test_matches_oracle(case):
+    check(case)
+
+
+@pytest.mark.parametrize("nq, nk", [(0, 5), (5, 0), (0, 0)])
+def test_empty_sequences(nq, nk):
+    o, lse = check(case_with((1, 2, nq, 8), (1, 2, nk, 8), causal=True))
+    if nq:
+        assert np.all(o == 0) and np.all(lse == -np.inf)
+
+
+def test_plain_tf32_fails_the_fp32_rule():
+    """One TF32 product errs by ~2^-11 of |a||b|: far outside the rule 3xTF32 meets. This is
+    the rule biting, and why the launcher's default is three products."""
+    case = case_with((1, 1, 16, 16), (1, 1, 16, 16), logit_std=1.0, seed=3)
+    check(case, passes=3)
+    with pytest.raises(AssertionError):
+        check(case, passes=1)
+
+
+@given(st.data())
+@settings(max_examples=3 if SIM else 100)
+def test_nan_or_inf_reaches_the_rows_it_touches(data):
+    """A NaN or Inf in one element of an input reaches the rows it touches and no other: a
+    query row (that row), a key or value row (every row of its head; planted without causal
+    masking, as in chapter 4). Where the oracle's output is not finite, the kernel's is not
+    either, and every untouched row meets the rule. Unlike chapter 4's kernel, a touched row
+    may be NaN where the oracle is finite: an infinite operand splits into (inf, NaN), and
+    even with lo = 0 the cross term inf x b_lo is NaN when b_lo = 0, where fp32 would give
+    +-inf (a logit of -inf, a key the row does not see). 3xTF32 keeps fp32's accuracy on
+    finite inputs, not its arithmetic on infinite ones."""
+    case = data.draw(tf32_cases().filter(lambda c: c.q.shape[2] > 0 and c.k.shape[2] > 0))
+    which = data.draw(st.sampled_from(["q", "k", "v"]))
+    causal = case.causal and which == "q"
+    arrays = {"q": case.q.copy(), "k": case.k.copy(), "v": case.v.copy()}
+    index = tuple(data.draw(st.integers(0, n - 1)) for n in arrays[which].shape)
+    arrays[which][index] = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    o, lse = flash_attention_tf32(q, k, v, causal=causal, scale=case.scale)
+    with np.errstate(invalid="ignore", over="ignore"):
+        exact_o, exact_l = ref.attention(q, k, v, causal=causal, scale=case.scale)
+        base_o, base_l = ref.attention(q, k, v, causal=causal, scale=case.scale, dtype=np.float32)
+    touched = np.zeros(lse.shape, bool)
+    if which == "q":
+        touched[index[:3]] = True
+    else:
+        touched[index[:2]] = True
+    assert np.all(np.isfinite(o)[~touched]) and np.all(np.isfinite(lse)[~touched]), "a row it does not touch"
+    assert not np.any(np.isfinite(o) & ~np.isfinite(exact_o)), "O: finite where the oracle is not"
+    assert not np.any(np.isfinite(lse) & ~np.isfinite(exact_l)), "L: finite where the oracle is not"
+    rows = ~touched
+    arrays[which][index] = 0.0
+    fs_o, fs_l = forward_floor_scales(arrays["q"], arrays["k"], arrays["v"], case.scale, causal=causal)
+    assert_close(o[rows], exact_o[rows], base_o[rows], name="O", floor_scale=fs_o[rows])
+    assert_close(lse[rows], exact_l[rows], base_l[rows], name="L", floor_scale=fs_l[rows])
+
+
+def test_device_arrays_in_device_arrays_out():
+    case = case_with((1, 1, 5, 8), (1, 1, 7, 8), seed=2)
+    dev = [cuda.to_device(x) for x in (case.q, case.k, case.v)]
+    o, lse = flash_attention_tf32(*dev)
+    assert is_device_array(o) and is_device_array(lse)
+    host_o, host_l = flash_attention_tf32(case.q, case.k, case.v)
+    np.testing.assert_array_equal(o.copy_to_host(), host_o)
+    np.testing.assert_array_equal(lse.copy_to_host(), host_l)
+
+
+GOOD = np.zeros((1, 1, 4, 8), np.float32)
+
+
+@pytest.mark.parametrize("change, exc, name", [
+    (dict(q=GOOD.astype(np.float16)), TypeError, "q"),
+    (dict(k=np.zeros((1, 1, 4, 9), np.float32)), ValueError, "k"),
+    (dict(q=np.zeros((1, 1, 4, 129), np.float32), k=np.zeros((1, 1, 4, 129), np.float32),
+          v=np.zeros((1, 1, 4, 129), np.float32)), ValueError, "q"),
+    (dict(passes=2), ValueError, "passes"),
+    (dict(passes=True), ValueError, "passes"),
+    (dict(causal="yes"), TypeError, "causal"),
+    (dict(scale=-1.0), ValueError, "scale"),
+])
+def test_bad_inputs_name_the_argument(change, exc, name):
+    args = dict(q=GOOD, k=GOOD, v=GOOD)
+    args.update(change)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(exc, match=name):
+        flash_attention_tf32(q, k, v, **args)
+
+
+def test_tiles_are_checked():
+    with pytest.raises(ValueError, match="passes"):
+        make_flash_forward_tf32(32, 16, 16, 2)
+    with pytest.raises(ValueError, match="tiles"):
+        make_flash_forward_tf32(48, 16, 16, 3)
