@@ -33,7 +33,9 @@ and rounds acc + sum to float32 once per instruction: per k-step of 8, one round
 pass, small passes first (a_lo b_hi, a_hi b_lo, then a_hi b_hi: the order of the course's
 kernel and of CUTLASS's 3xTF32). This is the ideal instruction; real tensor cores align
 and truncate inside the adder in ways the PTX ISA does not specify, so the model predicts
-the size of the error, not its bits (the chapter's kernel is checked by its own tests).
+the size of the error, not its bits (the chapter's kernel is checked by its own tests);
+``accumulate="rz"`` rounds toward zero instead, the behaviour measured on earlier tensor
+cores (Fasi et al. 2021; Ootomo and Yokota 2022).
 The simulator's emulation of ``mma_tf32`` computes exactly this (float64, rounded once).
 
 ``attention_tf32`` runs attention with both products through ``product`` (softmax in
@@ -135,15 +137,28 @@ def _check_passes(passes):
     return passes
 
 
-def product(a, b, passes=3) -> np.ndarray:
+def _to_float32(x, accumulate):
+    """float64 -> float32, to nearest ("rn") or toward zero ("rz")."""
+    y = x.astype(np.float32)
+    if accumulate == "rz":
+        past = np.abs(y.astype(np.float64)) > np.abs(x)
+        y = np.where(past, np.nextafter(y, np.float32(0)), y).astype(np.float32)
+    return y
+
+
+def product(a, b, passes=3, *, accumulate="rn") -> np.ndarray:
     """a @ b (float32 (..., M, K) @ (..., K, N)) as the tensor cores compute it, float32.
 
     passes = 1: a_hi b_hi (plain TF32); 2: + a_hi b_lo; 3: + a_lo b_hi (3xTF32);
     "fp32": plain float32 NumPy (no tensor core). Tensor-core passes follow the model of
     the module docstring: per k-step of 8, one float32 rounding per pass, small passes
-    first, each pass's 8 products exact."""
+    first, each pass's 8 products exact. ``accumulate="rz"`` rounds the accumulator toward
+    zero instead of to nearest (what measurements of tensor cores have found their adders
+    to do: an error of up to one ulp a rounding, always the same way)."""
     a, b = _check_pair(a, b)
     passes = _check_passes(passes)
+    if accumulate not in ("rn", "rz"):
+        raise ValueError(f"accumulate: expected 'rn' (to nearest) or 'rz' (toward zero), got {accumulate!r}")
     if passes == "fp32":
         return np.matmul(a, b)
     parts_a, parts_b = dict(zip(("hi", "lo"), split_tf32(a))), dict(zip(("hi", "lo"), split_tf32(b)))
@@ -157,11 +172,12 @@ def product(a, b, passes=3) -> np.ndarray:
             step = slice(k0, min(k0 + MMA_K, kk))
             for pa, pb in PASS_TERMS[passes]:
                 # one mma: D = A B + C, the 8 products exact, D rounded to float32 once
-                acc = (acc.astype(np.float64) + parts_a[pa][..., :, step] @ parts_b[pb][..., step, :]).astype(np.float32)
+                acc = _to_float32(acc.astype(np.float64) + parts_a[pa][..., :, step] @ parts_b[pb][..., step, :],
+                                  accumulate)
     return acc
 
 
-def product_bound(a, b, passes=3) -> np.ndarray:
+def product_bound(a, b, passes=3, *, accumulate="rn") -> np.ndarray:
     """A bound on |product(a, b, passes) - a b| (exact), element by element, float64:
 
         (TERM_ERROR[passes] + R U) (1 + 2^-8) (|a| @ |b|)
@@ -171,7 +187,7 @@ def product_bound(a, b, passes=3) -> np.ndarray:
     sum, itself at most (1 + 2^-9) |a| @ |b| (|a_hi| <= (1 + 2^-11) |a|); the factor covers
     that and the second-order terms. For passes = "fp32": K U (1 + 2^-8) |a| @ |b|, the
     worst case of K float32 products summed in any order (gamma_K). Valid where every |a|, |b| is 0 or within
-    [2^-103, 2^127] (the split's range)."""
+    [2^-103, 2^127] (the split's range). ``accumulate="rz"``: 2 U a rounding (a whole ulp)."""
     a, b = _check_pair(a, b)
     passes = _check_passes(passes)
     kk = a.shape[-1]
@@ -179,7 +195,8 @@ def product_bound(a, b, passes=3) -> np.ndarray:
     if passes == "fp32":
         return kk * U * (1 + 2.0 ** -8) * size
     rounds = passes * -(-kk // MMA_K)
-    return (TERM_ERROR[passes] + rounds * U) * (1 + 2.0 ** -8) * size
+    per_rounding = 2 * U if accumulate == "rz" else U
+    return (TERM_ERROR[passes] + rounds * per_rounding) * (1 + 2.0 ** -8) * size
 
 
 # =========================================================================== the terms, drawn
@@ -254,7 +271,7 @@ def draw_dot_errors(ax, d=64, trials=4000, seed=0):
 
 # =========================================================================== attention
 
-def attention_tf32(q, k, v, passes=3, *, causal=False, scale=None) -> tuple[np.ndarray, np.ndarray]:
+def attention_tf32(q, k, v, passes=3, *, causal=False, scale=None, accumulate="rn") -> tuple[np.ndarray, np.ndarray]:
     """(O, L) of attention (float32 (B, H, N, d) inputs) with S = Q K^T and P V through
     ``product(..., passes)``, the softmax in float32 as a flash kernel does it (e = exp(S -
     m), l = sum e, O = (e V) / l, L = m + log l); rows that see no key give O = 0, L = -inf."""
@@ -270,7 +287,7 @@ def attention_tf32(q, k, v, passes=3, *, causal=False, scale=None) -> tuple[np.n
     passes = _check_passes(passes)
     nq, nk, d = q.shape[2], k.shape[2], q.shape[3]
     scale = np.float32(1.0 / np.sqrt(d) if d else 1.0) if scale is None else np.float32(scale)
-    s = product(q, np.swapaxes(k, -1, -2).copy(), passes) * scale
+    s = product(q, np.swapaxes(k, -1, -2).copy(), passes, accumulate=accumulate) * scale
     mask = ref.attention_mask(nq, nk, causal=causal)
     if mask is not None:
         s = np.where(mask, s, np.float32(-np.inf))
@@ -279,21 +296,21 @@ def attention_tf32(q, k, v, passes=3, *, causal=False, scale=None) -> tuple[np.n
         live = np.isfinite(m)
         e = np.where(live, np.exp(s - np.where(live, m, 0)), 0).astype(np.float32)
         l = np.sum(e, axis=-1, keepdims=True, dtype=np.float32)
-        o = np.where(live, product(e, v, passes) / np.where(live, l, 1), 0).astype(np.float32)
+        o = np.where(live, product(e, v, passes, accumulate=accumulate) / np.where(live, l, 1), 0).astype(np.float32)
         lse = np.where(live, m + np.log(np.where(live, l, 1)), -np.inf).astype(np.float32)[..., 0]
     return o, lse
 
 
-def attention_error(q, k, v, passes=3, *, causal=False, scale=None) -> float:
+def attention_error(q, k, v, passes=3, *, causal=False, scale=None, accumulate="rn") -> float:
     """max |O - O_exact| of ``attention_tf32`` against the float64 oracle."""
     from kernels import reference as ref
 
-    o, _ = attention_tf32(q, k, v, passes, causal=causal, scale=scale)
+    o, _ = attention_tf32(q, k, v, passes, causal=causal, scale=scale, accumulate=accumulate)
     exact, _ = ref.attention(q, k, v, causal=causal, scale=scale)
     return float(np.max(np.abs(o - exact), initial=0.0))
 
 
-def attention_check(q, k, v, passes=3, *, causal=False, scale=None):
+def attention_check(q, k, v, passes=3, *, causal=False, scale=None, accumulate="rn"):
     """``attention_tf32``'s O and L against the oracle with the course's tolerance rule
     (error <= 2x float32 NumPy's + the element floors, as chapter 4's tests check the
     kernel). Returns the two ``Closeness`` records (O, L); ``.passed`` and ``.ratio`` (error /
@@ -301,7 +318,7 @@ def attention_check(q, k, v, passes=3, *, causal=False, scale=None):
     from kernels import reference as ref
     from kernels.base.testing import assert_close, forward_floor_scales
 
-    o, lse = attention_tf32(q, k, v, passes, causal=causal, scale=scale)
+    o, lse = attention_tf32(q, k, v, passes, causal=causal, scale=scale, accumulate=accumulate)
     exact_o, exact_l = ref.attention(q, k, v, causal=causal, scale=scale)
     base_o, base_l = ref.attention(q, k, v, causal=causal, scale=scale, dtype=np.float32)
     fs_o, fs_l = forward_floor_scales(q, k, v, scale, causal=causal)

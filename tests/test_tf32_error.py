@@ -111,13 +111,25 @@ def matrices(draw, max_mn=6, max_k=130):
 def test_products_within_their_derived_bounds(ab):
     a, b = ab
     exact = a.astype(np.float64) @ b.astype(np.float64)
-    for passes in te.PASSES:
-        got = te.product(a, b, passes)
+    for passes, acc in [(p, "rn") for p in te.PASSES] + [(3, "rz")]:
+        got = te.product(a, b, passes, accumulate=acc)
         assert got.dtype == np.float32 and got.shape == exact.shape
-        bound = te.product_bound(a, b, passes)
+        bound = te.product_bound(a, b, passes, accumulate=acc)
         err = np.abs(got - exact)
         i = np.unravel_index(np.argmax(err - bound), err.shape)
-        assert np.all(err <= bound), f"passes={passes}: error {err[i]:.3g} > bound {bound[i]:.3g} at {i}"
+        assert np.all(err <= bound), f"passes={passes} {acc}: error {err[i]:.3g} > bound {bound[i]:.3g} at {i}"
+
+
+def test_rounding_toward_zero_is_one_sided():
+    """Toward zero, the accumulator of a sum of positive terms only ever falls short."""
+    rng = np.random.default_rng(1)
+    a, b = np.abs(rng.standard_normal((8, 64))).astype(np.float32), np.abs(rng.standard_normal((64, 8))).astype(np.float32)
+    a, b = te.to_tf32(a), te.to_tf32(b)                       # exact products: only the sums round
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    rz, rn = te.product(a, b, 1, accumulate="rz"), te.product(a, b, 1)
+    assert np.all(rz <= exact) and np.any(rz < exact) and np.any(rn > exact)
+    with pytest.raises(ValueError, match="accumulate: expected"):
+        te.product(a, b, 1, accumulate="rd")
 
 
 @given(st.integers(1, 128), st.integers(0, 2**32 - 1))
