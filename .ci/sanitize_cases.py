@@ -117,6 +117,15 @@ def main(only):
                 m.flash_attention_tc(*(x.astype(np.float16) for x in (q, k, v)), causal=causal)
                 m.flash_attention_tc(*(bf16_bits(x).astype(np.uint16) for x in (q, k, v)), causal=causal, bf16=True)
         ran.append("flash_tensor_cores")
+    if want("flash_tf32") and (m := have("flash_tf32")):
+        for b, h, nq, nk, d in shapes + [(1, 1, 200, 130, 100)]:
+            for causal in (False, True):
+                q, k, v = rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d)
+                for passes in (3, 1):
+                    m.flash_attention_tf32(q, k, v, causal=causal, passes=passes)
+                m.flash_attention_tf32(q[..., :d - 1].copy(), k[..., :d - 1].copy(), v[..., :d - 1].copy(),
+                                       causal=causal)     # d % 4 != 0: the element-wise copies
+        ran.append("flash_tf32")
     if want("decode") and (m := have("decode")):
         # ragged (an empty cache, a length of 1), GQA and MHA, Nq up to 16, causal, fp16 caches;
         # both schedules, stream-K on a small grid so that blocks cross heads and merge
