@@ -233,11 +233,11 @@ def draw_error_terms(ax, n=20000, seed=0):
         ax.hist(_log2(t[np.isfinite(t)]), bins=bins, histtype="step", lw=1.6, color=color, label=name)
     for x, what in ((-11, "2^-11"), (-22, "2^-22"), (-24, "U = 2^-24")):
         ax.axvline(x, color="k", ls=":", lw=1)
-        ax.text(x + 0.2, ax.get_ylim()[1] * 0.92, what, fontsize=8)
+        ax.text(x + 0.3, 0.97, what, fontsize=8, rotation=90, va="top", transform=ax.get_xaxis_transform())
     ax.set_xlabel("log2(|term| / |a||b|)   (-40: the term is zero)")
     ax.set_ylabel(f"count of {n} products")
     ax.set_title("(a_hi + a_lo)(b_hi + b_lo): the four terms")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.08, 1.0))
     return ax
 
 
@@ -262,6 +262,7 @@ def draw_dot_errors(ax, d=64, trials=4000, seed=0):
         ax.hist(_log2(e), bins=bins, histtype="step", lw=1.8, color=color,
                 label=f"{name}: median 2^{np.log2(np.median(e)):.1f}" if np.median(e) > 0 else name)
     ax.axvline(-24, color="k", ls=":", lw=1)
+    ax.text(-23.7, 0.97, "U = 2^-24", fontsize=8, rotation=90, va="top", transform=ax.get_xaxis_transform())
     ax.set_xlabel(f"log2(|c - a.b| / |a|.|b|), d = {d}   (-40: exact)")
     ax.set_ylabel(f"count of {trials} dot products")
     ax.set_title("Dot products against float64")
