@@ -31,7 +31,7 @@ fp32 accumulator C per instruction and rounds the result to float32. The model f
 k-step's 8 products exactly (float64: 22-bit products, sums of 8 exact to 2^-53 relative)
 and rounds acc + sum to float32 once per instruction: per k-step of 8, one rounding per
 pass, small passes first (a_lo b_hi, a_hi b_lo, then a_hi b_hi: the order of the course's
-kernel and of CUTLASS's 3xTF32). This is the ideal instruction; real tensor cores align
+kernel, ``kernels/flash_tf32.py``). This is the ideal instruction; real tensor cores align
 and truncate inside the adder in ways the PTX ISA does not specify, so the model predicts
 the size of the error, not its bits (the chapter's kernel is checked by its own tests);
 ``accumulate="rz"`` rounds toward zero instead, the behaviour measured on earlier tensor
