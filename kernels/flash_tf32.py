@@ -16,7 +16,8 @@ The kernel is chapter 8's loop with the m16n8k8 layout (``kernels.base.mma``):
                        fp32, split at each use)
     for each K/V tile (Bc keys in shared memory, float32 rows padded by 4 floats so the
     fragment loads hit 32 distinct banks; K_j copied during P V_{j-1}, V_j during S_j):
-        S    = Q_i K_j^T        Bc/8 accumulator tiles of 16 x 8, D/8 k-steps of 3 mma
+        S    = Q_i K_j^T        Bc/8 accumulator tiles of 16 x 8, D/8 k-steps of 3 mma,
+                                each k-step from zero and added in fp32 (see ``product``)
         the online softmax on the accumulator fragments, as in chapter 8
         O   += P V_j            P's accumulator tile is an m16n8k8 A operand once the 8 keys
                                 are renumbered: the lane holding keys 2t and 2t + 1 takes
@@ -98,20 +99,27 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
                     dst[r, c + e] = x
 
     @cuda.jit(device=True, inline=True)
-    def mma3(a, b, c):
-        """c + a b with a = (4 floats), b = (2 floats): 3xTF32 (or the hi-hi product alone)."""
-        ah0, al0 = split_tf32(a[0])
-        ah1, al1 = split_tf32(a[1])
-        ah2, al2 = split_tf32(a[2])
-        ah3, al3 = split_tf32(a[3])
-        bh0, bl0 = split_tf32(b[0])
-        bh1, bl1 = split_tf32(b[1])
-        hi_a = (ah0, ah1, ah2, ah3)
-        hi_b = (bh0, bh1)
-        if THREE:                                 # the small terms first, the large one last
-            c = mma_tf32((al0, al1, al2, al3), hi_b, c)
-            c = mma_tf32(hi_a, (bl0, bl1), c)
-        return mma_tf32(hi_a, hi_b, c)
+    def split4(a0, a1, a2, a3):
+        """An A fragment's four floats -> (hi registers, lo registers)."""
+        h0, l0 = split_tf32(a0)
+        h1, l1 = split_tf32(a1)
+        h2, l2 = split_tf32(a2)
+        h3, l3 = split_tf32(a3)
+        return (h0, h1, h2, h3), (l0, l1, l2, l3)
+
+    @cuda.jit(device=True, inline=True)
+    def product(a_hi, a_lo, b0, b1):
+        """One k-step's 16 x 8 tile of A B, from zero: the small terms first, the large last
+        (or the hi-hi product alone). Each k-step starts a fresh accumulator, which the caller
+        adds in fp32: the tensor core's fp32 sums may round toward zero, and a chain of them
+        across all of N would add up a bias (measured on the H100: O's error grew with N)."""
+        bh0, bl0 = split_tf32(b0)
+        bh1, bl1 = split_tf32(b1)
+        c = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+        if THREE:
+            c = mma_tf32(a_lo, (bh0, bh1), c)
+            c = mma_tf32(a_hi, (bl0, bl1), c)
+        return mma_tf32(a_hi, (bh0, bh1), c)
 
     @cuda.jit(fastmath=True)
     def flash_forward_tf32(q, k, v, o, lse, scale, causal, aligned):
@@ -178,12 +186,11 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
                 for e in range(4):
                     sc[nt, e] = float32(0.0)
             for s_ in range(KS):
-                a = (qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
+                a_hi, a_lo = split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
                 for nt in range(NS):
-                    b = (Ks[nt * 8 + g, 8 * s_ + t], Ks[nt * 8 + g, 8 * s_ + t + 4])
-                    c = mma3(a, b, (sc[nt, 0], sc[nt, 1], sc[nt, 2], sc[nt, 3]))
+                    c = product(a_hi, a_lo, Ks[nt * 8 + g, 8 * s_ + t], Ks[nt * 8 + g, 8 * s_ + t + 4])
                     for e in range(4):
-                        sc[nt, e] = c[e]
+                        sc[nt, e] += c[e]
             # only a tile that crosses n_k or this warp's causal diagonal is masked
             if k0 + Bc > n_k or (causal != 0 and k0 + Bc - 1 > wrow0 + diag):
                 for nt in range(NS):
@@ -228,12 +235,11 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
             # A = (P[g, 2t], P[g + 8, 2t], P[g, 2t + 1], P[g + 8, 2t + 1]) = (c0, c2, c1, c3);
             # B: b0 = V[key 2t, 8 dt + g], b1 = V[key 2t + 1, 8 dt + g].
             for kp in range(NS):
-                a = (sc[kp, 0], sc[kp, 2], sc[kp, 1], sc[kp, 3])
+                a_hi, a_lo = split4(sc[kp, 0], sc[kp, 2], sc[kp, 1], sc[kp, 3])
                 for dt in range(ND):
-                    b = (Vs[kp * 8 + 2 * t, 8 * dt + g], Vs[kp * 8 + 2 * t + 1, 8 * dt + g])
-                    c = mma3(a, b, (acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3]))
+                    c = product(a_hi, a_lo, Vs[kp * 8 + 2 * t, 8 * dt + g], Vs[kp * 8 + 2 * t + 1, 8 * dt + g])
                     for e in range(4):
-                        acc[dt, e] = c[e]
+                        acc[dt, e] += c[e]
 
         cp_async_wait_all()                          # (the last, empty, group)
 

@@ -56,6 +56,30 @@ def _mma_kernel(fa, fb, fc, out, kind):
         out[lane, i] = d[i]
 
 
+@cuda.jit
+def _split_kernel(x, out):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        hi, lo = mma.split_tf32(x[i])
+        out[i, 0] = hi
+        out[i, 1] = lo
+
+
+def test_split_tf32_is_hi_and_the_rounded_rest():
+    """hi = x rounded to tf32 (cvt.rna), lo = (x - hi) rounded: hi + lo is x to 2^-22 of |x|."""
+    rng = np.random.default_rng(7)
+    x = np.concatenate([rng.standard_normal(61), [0.0, -0.0, 1.0 + 2.0**-12, 3.0e-39]]).astype(np.float32)
+    out = np.zeros((len(x), 2), np.uint32)
+    _split_kernel[1, 96](x, out)
+    hi = mma.tf32_bits(x)
+    rest = x - hi.view(np.float32)
+    np.testing.assert_array_equal(out[:, 0], hi)
+    np.testing.assert_array_equal(out[:, 1], mma.tf32_bits(rest))
+    both = out[:, 0].view(np.float32).astype(np.float64) + out[:, 1].view(np.float32).astype(np.float64)
+    # subnormals (the last input) keep fewer bits: tf32's spacing there is 2^-136
+    assert np.all(np.abs(both - x) <= 2.0**-22 * np.abs(x) + 2.0**-136)
+
+
 def _run_mma(fa, fb, fc, kind):
     out = np.zeros((32, 4), np.float32)
     _mma_kernel[1, 32](fa, fb, fc, out, KINDS.index(kind))
@@ -240,7 +264,8 @@ def test_each_function_emits_its_instruction():
         "for f, sig in [(t._mma_kernel, 'void(uint32[:, ::1], uint32[:, ::1], float32[:, ::1], float32[:, ::1], int64)'),\n"
         "               (t._pack_kernel, 'void(float32[::1], uint32[:, ::1])'),\n"
         "               (t._ldmatrix_kernel, 'void(float16[:, ::1], uint32[:, ::1], boolean)'),\n"
-        "               (t._copy_kernel, 'void(float16[:, ::1], float32[:, ::1])')]:\n"
+        "               (t._copy_kernel, 'void(float16[:, ::1], float32[:, ::1])'),\n"
+        "               (t._split_kernel, 'void(float32[::1], uint32[:, ::1])')]:\n"
         "    ptx += cuda.compile_ptx(f.py_func, sig, cc=(9, 0))[0]\n"
         "print(ptx)\n")
     env = dict(os.environ, WORKBOOK_DEVICE="gpu")

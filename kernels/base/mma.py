@@ -188,7 +188,7 @@ PTX = {
     "pack_f16": "cvt.rn.f16x2.f32",
     "pack_bf16": "cvt.rn.bf16x2.f32",
     "to_tf32": "cvt.rna.tf32.f32",
-    "split_tf32": "cvt.rna.tf32.f32; sub.f32; cvt.rna.tf32.f32",
+    "split_tf32": "sub.f32 r,",                  # within: cvt.rna.tf32.f32 twice around it
     "ldmatrix": "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
     "ldmatrix_trans": "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
     "cp_async": "cp.async.cg.shared.global",
