@@ -12,9 +12,11 @@ and three TF32 products still run faster than the FMA units' fp32 (chapter 0).
 
 The kernel is chapter 8's loop with the m16n8k8 layout (``kernels.base.mma``):
 
+    before             K and V split once into hi and lo parts (``make_split``): every block
+                       reads every key, and a split costs three instructions
     one block          Br = 16 W query rows, W warps; Q_i's A fragments stay in registers (raw
                        fp32, split at each use)
-    for each K/V tile (Bc keys in shared memory, float32 rows padded by 4 floats so the
+    for each K/V tile (Bc keys, hi and lo, in shared memory, rows padded by 4 words so the
     fragment loads hit 32 distinct banks; K_j copied during P V_{j-1}, V_j during S_j):
         S    = Q_i K_j^T        Bc/8 accumulator tiles of 16 x 8, D/8 k-steps of 3 mma,
                                 each k-step from zero and added in fp32 (see ``product``)
@@ -36,12 +38,13 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y, MINUS_INF, make_row_reductions
 from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_qkv, check_scale, on_simulator, to_device
 
-__all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "tf32_tiles", "PASSES", "ptx_targets"]
+__all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "make_split", "split_kv", "launch_forward",
+           "tf32_tiles", "shared_words", "PASSES", "ptx_targets"]
 
 LN2 = math.log(2.0)
 PASSES = (1, 3)                 # TF32 products a fp32 product: 1 (plain TF32) or 3 (3xTF32)
@@ -49,36 +52,61 @@ PASSES = (1, 3)                 # TF32 products a fp32 product: 1 (plain TF32) o
 
 def tf32_tiles(d: int) -> tuple[int, int, int]:
     """(Br, Bc, D), D = d rounded up to a multiple of 8 (an m16n8k8 k-step). On a GPU 64
-    query rows (4 warps) and 64 keys a tile at D <= 64, 32 keys at D = 128 (K_j and V_j in
-    float32 within 48 KB of static shared memory). In the simulator 16 or 32 rows and 8 or
-    16 keys (both staging paths)."""
+    query rows (4 warps) and 32 keys a tile: K_j and V_j as tf32 hi and lo parts, 4 Bc (D + 4)
+    words of shared memory (35 KB at D = 64, 68 KB at D = 128: dynamic shared memory). In
+    the simulator 16 or 32 rows and 8 or 16 keys."""
     D = 8 * cdiv(max(int(d), 1), 8)
     if on_simulator():
-        return (16 if D <= 16 else 32), (16 if D <= 16 else 16), D
-    return 64, (64 if D <= 64 else 32), D
+        return (16 if D <= 16 else 32), (8 if D <= 16 else 16), D
+    return 64, 32, D
+
+
+def shared_words(Bc: int, D: int) -> int:
+    """32-bit words of shared memory a block: K_j and V_j, hi and lo, rows padded by 4."""
+    return 4 * Bc * (D + 4)
 
 
 @functools.lru_cache(maxsize=None)
-def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
-    """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
-    multiple of 8), ``passes`` TF32 products a product (3 or 1).
+def make_split():
+    """Kernel (x, hi, lo) on 1-D arrays: hi[i], lo[i] = split_tf32(x[i]) (a grid-stride loop).
+    K and V are split once a call, not once a query tile: every block reads the same keys."""
+    from kernels.base.mma import split_tf32
 
-    Launch: grid (ceil(Nq / Br), B*H), 2 Br threads (Br = Bc or 2 Bc: Q is staged through
-    the K and V buffers). Arguments: q (B*H, Nq, d), k and v (B*H, Nk, d), o (B*H, Nq, d),
-    lse (B*H, Nq), all float32; scale (float32), causal (int32 0/1), aligned (int32: rows
+    @cuda.jit
+    def split(x, hi, lo):
+        for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+            h, l_ = split_tf32(x[i])
+            hi[i] = h
+            lo[i] = l_
+
+    return split
+
+
+@functools.lru_cache(maxsize=None)
+def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False):
+    """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
+    multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
+    memory (``shared_words``) is dynamic, for more than 48 KB.
+
+    Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d) float32;
+    k_hi, k_lo, v_hi, v_lo (B*H, Nk, d) uint32, K and V split by ``make_split``; o (B*H, Nq,
+    d) and lse (B*H, Nq) float32; scale (float32), causal (int32 0/1), aligned (int32: rows
     16-byte aligned and d % 4 == 0, so whole 16-byte chunks go by cp.async)."""
     from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, mma_tf32, \
         split_tf32
+    from kernels.base.shared_memory import shared_view
 
     if passes not in PASSES:
         raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
-    if D % 8 or Bc % 8 or Br % 16 or Br not in (Bc, 2 * Bc):
-        raise ValueError(f"tiles: expected D and Bc multiples of 8, Br of 16, Br = Bc or 2 Bc; got {Br}, {Bc}, {D}")
+    if D % 8 or Bc % 8 or Br % 16 or Br < 16:
+        raise ValueError(f"tiles: expected D and Bc multiples of 8, Br of 16; got {Br}, {Bc}, {D}")
     W = Br // 16
     THREADS = 32 * W
     KS, NS, ND = D // 8, Bc // 8, D // 8
-    SD = D + 4                                    # row stride (floats): fragment loads in 32 distinct banks
+    SD = D + 4                                    # row stride (words): fragment loads in 32 distinct banks
     CH = D // 4                                   # 16-byte chunks a row
+    TILE = Bc * SD
+    SHARED = 0 if dynamic else 4 * TILE
     THREE = passes == 3
     row_max, row_sum = make_row_reductions(4, THREADS, propagate_nan=False)
 
@@ -93,7 +121,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
                 cp_async(dst, r, c, src, row, c)
             else:
                 for e in range(4):
-                    x = float32(0.0)
+                    x = uint32(0)
                     if row < rows and c + e < d:
                         x = src[row, c + e]
                     dst[r, c + e] = x
@@ -108,21 +136,19 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
         return (h0, h1, h2, h3), (l0, l1, l2, l3)
 
     @cuda.jit(device=True, inline=True)
-    def product(a_hi, a_lo, b0, b1):
+    def product(a_hi, a_lo, b_hi, b_lo):
         """One k-step's 16 x 8 tile of A B, from zero: the small terms first, the large last
         (or the hi-hi product alone). Each k-step starts a fresh accumulator, which the caller
         adds in fp32: the tensor core's fp32 sums may round toward zero, and a chain of them
         across all of N would add up a bias (measured on the H100: O's error grew with N)."""
-        bh0, bl0 = split_tf32(b0)
-        bh1, bl1 = split_tf32(b1)
         c = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
         if THREE:
-            c = mma_tf32(a_lo, (bh0, bh1), c)
-            c = mma_tf32(a_hi, (bl0, bl1), c)
-        return mma_tf32(a_hi, (bh0, bh1), c)
+            c = mma_tf32(a_lo, b_hi, c)
+            c = mma_tf32(a_hi, b_lo, c)
+        return mma_tf32(a_hi, b_hi, c)
 
     @cuda.jit(fastmath=True)
-    def flash_forward_tf32(q, k, v, o, lse, scale, causal, aligned):
+    def flash_forward_tf32(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, aligned):
         bh = int32(cuda.blockIdx.y)
         tid = int32(cuda.threadIdx.x)
         warp = tid // 32
@@ -130,26 +156,23 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
         g = lane // 4                                # the fragment's row group
         t = lane % 4
         q0 = (int32(cuda.gridDim.x) - 1 - int32(cuda.blockIdx.x)) * Br     # heaviest causal tiles first
-        qh, kh, vh = q[bh], k[bh], v[bh]
-        n_q, n_k, d = int32(q.shape[1]), int32(k.shape[1]), int32(q.shape[2])
-        Ks = cuda.shared.array((Bc, SD), float32, alignment=16)
-        Vs = cuda.shared.array((Bc, SD), float32, alignment=16)
+        n_q, n_k, d = int32(q.shape[1]), int32(k_hi.shape[1]), int32(q.shape[2])
+        smem = cuda.shared.array(SHARED, uint32, alignment=16)
+        Kh = shared_view(smem, 0, (Bc, SD))          # K_j's hi and lo parts, then V_j's
+        Kl = shared_view(smem, TILE, (Bc, SD))
+        Vh = shared_view(smem, 2 * TILE, (Bc, SD))
+        Vl = shared_view(smem, 3 * TILE, (Bc, SD))
+        khh, klh, vhh, vlh = k_hi[bh], k_lo[bh], v_hi[bh], v_lo[bh]
+        wrow0 = q0 + warp * 16                       # this warp's first query row
 
-        # ---- Q_i: staged through Ks (and Vs, for Br = 2 Bc); each warp keeps its A fragments
+        # ---- Q_i's A fragments, straight from HBM (each element once), kept as fp32:
         # a0 = Q[g, 8s + t], a1 = Q[g + 8, 8s + t], a2 = Q[g, 8s + t + 4], a3 = Q[g + 8, 8s + t + 4]
-        stage_in(qh, Ks, n_q, q0, d, tid, aligned)
-        if Br > Bc:
-            stage_in(qh, Vs, n_q, q0 + Bc, d, tid, aligned)
-        cp_async_commit()
-        cp_async_wait_all()
-        cuda.syncthreads()
         qf = cuda.local.array((KS, 4), float32)
-        r0 = (warp * 16) % Bc
         for s_ in range(KS):
             for e in range(4):
-                row = r0 + g + 8 * (e % 2)
+                row = wrow0 + g + 8 * (e % 2)
                 col = 8 * s_ + t + 4 * (e // 2)
-                qf[s_, e] = Ks[row, col] if warp * 16 < Bc else Vs[row, col]
+                qf[s_, e] = q[bh, row, col] if row < n_q and col < d else float32(0.0)
 
         m = cuda.local.array(2, float32)             # running max (base 2), rows g, g + 8
         l = cuda.local.array(2, float32)             # this lane's share of the running sums
@@ -167,16 +190,18 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
         if causal != 0:
             kv_end = min(n_k, q0 + Br + diag)
         n_tiles = (max(kv_end, 0) + Bc - 1) // Bc
-        wrow0 = q0 + warp * 16                       # this warp's first query row
 
-        cuda.syncthreads()                           # Q is in registers: Ks and Vs are free
         if n_tiles > 0:
-            stage_in(kh, Ks, n_k, 0, d, tid, aligned)
+            stage_in(khh, Kh, n_k, 0, d, tid, aligned)
+            if THREE:
+                stage_in(klh, Kl, n_k, 0, d, tid, aligned)
         cp_async_commit()
         for jt in range(n_tiles):
             k0 = jt * Bc
             cuda.syncthreads()                       # every warp is done with V_{j-1}
-            stage_in(vh, Vs, n_k, k0, d, tid, aligned)
+            stage_in(vhh, Vh, n_k, k0, d, tid, aligned)
+            if THREE:
+                stage_in(vlh, Vl, n_k, k0, d, tid, aligned)
             cp_async_commit()
             cp_async_wait_prior()                    # K_j has landed (V_j may still fly)
             cuda.syncthreads()
@@ -188,7 +213,8 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
             for s_ in range(KS):
                 a_hi, a_lo = split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
                 for nt in range(NS):
-                    c = product(a_hi, a_lo, Ks[nt * 8 + g, 8 * s_ + t], Ks[nt * 8 + g, 8 * s_ + t + 4])
+                    r, c0 = nt * 8 + g, 8 * s_ + t
+                    c = product(a_hi, a_lo, (Kh[r, c0], Kh[r, c0 + 4]), (Kl[r, c0], Kl[r, c0 + 4]))
                     for e in range(4):
                         sc[nt, e] += c[e]
             # only a tile that crosses n_k or this warp's causal diagonal is masked
@@ -228,7 +254,9 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
             cp_async_wait_all()                      # V_j has landed ...
             cuda.syncthreads()                       # ... and every warp is done with K_j
             if jt + 1 < n_tiles:
-                stage_in(kh, Ks, n_k, k0 + Bc, d, tid, aligned)
+                stage_in(khh, Kh, n_k, k0 + Bc, d, tid, aligned)
+                if THREE:
+                    stage_in(klh, Kl, n_k, k0 + Bc, d, tid, aligned)
             cp_async_commit()
 
             # ---- O += P V_j, 8 keys a step, renumbered: key 2t -> k = t, key 2t + 1 -> k = t + 4.
@@ -236,8 +264,10 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
             # B: b0 = V[key 2t, 8 dt + g], b1 = V[key 2t + 1, 8 dt + g].
             for kp in range(NS):
                 a_hi, a_lo = split4(sc[kp, 0], sc[kp, 2], sc[kp, 1], sc[kp, 3])
+                r = kp * 8 + 2 * t
                 for dt in range(ND):
-                    c = product(a_hi, a_lo, Vs[kp * 8 + 2 * t, 8 * dt + g], Vs[kp * 8 + 2 * t + 1, 8 * dt + g])
+                    c0 = 8 * dt + g
+                    c = product(a_hi, a_lo, (Vh[r, c0], Vh[r + 1, c0]), (Vl[r, c0], Vl[r + 1, c0]))
                     for e in range(4):
                         acc[dt, e] += c[e]
 
@@ -270,6 +300,39 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3):
     return flash_forward_tf32
 
 
+def split_kv(k, v, BH, n_k, d, kind):
+    """(k_hi, k_lo, v_hi, v_lo): K and V split once (``make_split``), (B*H, Nk, d) uint32,
+    from the caller's allocator where it has one."""
+    parts = [kind.empty((BH, n_k, d), np.uint32) for _ in range(4)]
+    n = BH * n_k * d
+    if n:
+        split = make_split()
+        blocks = min(cdiv(n, 256), 4096)
+        for x, hi, lo in ((k, parts[0], parts[1]), (v, parts[2], parts[3])):
+            split[blocks, 256](x.reshape(n), hi.reshape(n), lo.reshape(n))
+    return parts
+
+
+def launch_forward(qd, parts, o, lse, scale, causal, passes, tiles=None):
+    """The forward on device views: qd (B*H, Nq, d) float32, ``parts`` from ``split_kv``,
+    into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default ``tf32_tiles``."""
+    from kernels.base.shared_memory import allow_dynamic_shared_memory, STATIC_LIMIT_BYTES
+
+    BH, n_q, d = qd.shape
+    Br, Bc, D = tf32_tiles(d)
+    if tiles is not None:
+        Br, Bc = tiles
+    nbytes = 4 * shared_words(Bc, D)
+    dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
+    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic)
+    aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, *parts))) \
+        if not on_simulator() else int(d % 4 == 0)
+    args = (qd, *parts, o, lse, np.float32(scale), np.int32(causal), np.int32(aligned))
+    if dynamic:
+        allow_dynamic_shared_memory(kernel, args, nbytes)
+    kernel[(cdiv(n_q, Br), BH), kernel.threads, 0, nbytes if dynamic else 0](*args)
+
+
 def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
     """Attention forward on tensor cores for float32 inputs. q (B, H, Nq, d), k and v
     (B, H, Nk, d) float32, d <= 128; ``passes`` = 3 (3xTF32, about fp32's accuracy) or 1
@@ -288,23 +351,22 @@ def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
     o = kind.empty((BH, n_q, d), np.float32)
     lse = kind.empty((BH, n_q), np.float32)
     if BH and n_q:
-        Br, Bc, D = tf32_tiles(d)
         qd, kd, vd = (to_device(x, n).reshape(BH, x.shape[2], d) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
-            if not on_simulator() else int(d % 4 == 0)
-        kernel = make_flash_forward_tf32(Br, Bc, D, int(passes))
-        kernel[(cdiv(n_q, Br), BH), kernel.threads](qd, kd, vd, o, lse, np.float32(scale), np.int32(causal),
-                                                     np.int32(aligned))
+        parts = split_kv(kd, vd, BH, n_k, d, kind)
+        launch_forward(qd, parts, o, lse, scale, causal, passes)
     return kind.give_back(o.reshape(B, H, n_q, d)), kind.give_back(lse.reshape(B, H, n_q))
 
 
 def ptx_targets(every_shape: bool = False):
-    """The kernel at the GPU tiles, d = 64 and 128, 3xTF32 (``every_shape``: plain TF32 too)."""
-    sig = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
-           "float32, int32, int32)")
-    out = []
-    for D, Bc in ((64, 64), (128, 32)):
+    """The kernel at the GPU tiles, d = 64 and 128, 3xTF32 (``every_shape``: plain TF32 too),
+    and the split."""
+    sig = ("void(float32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], "
+           "float32[:, :, ::1], float32[:, ::1], float32, int32, int32)")
+    out = [("split K and V into tf32 hi and lo", make_split(), "void(float32[::1], uint32[::1], uint32[::1])")]
+    for D in (64, 128):
+        Br, Bc = 64, 32
+        dynamic = 4 * shared_words(Bc, D) > 48 * 1024
         for passes in (3, 1) if every_shape else (3,):
-            out.append((f"flash fwd 3xTF32 passes={passes} Br=64 Bc={Bc} D={D}",
-                        make_flash_forward_tf32(64, Bc, D, passes), sig))
+            out.append((f"flash fwd 3xTF32 passes={passes} Br={Br} Bc={Bc} D={D}",
+                        make_flash_forward_tf32(Br, Bc, D, passes, dynamic), sig))
     return out

@@ -3,7 +3,8 @@
 On a GPU (``--quick``: d = 64, N = 1k and 4k), H = 16, d = 64 and 128, causal and not, at
 a fixed number of tokens B N = 16k, N = 1024 .. 16384, float32 inputs:
 
-* our 3xTF32 kernel as a bare launch on preallocated outputs, and through its launcher
+* our 3xTF32 kernel as a bare launch (the split of K and V and the kernel, on preallocated
+  buffers and outputs), and through its launcher
   (``flash_attention_tf32``) with PyTorch tensors, as a PyTorch user calls it;
 * SDPA's memory-efficient backend (CUTLASS, 3xTF32 itself) and its math backend, and
   plain PyTorch (``softmax(q k^T scale) v``), all in fp32 with TF32 off
@@ -24,7 +25,7 @@ import kernels  # noqa: F401  (GPU or simulator first)
 from kernels import reference as ref
 from kernels.base.runtime import cdiv
 from kernels.bench.harness import Result, torch_or_none
-from kernels.flash_tf32 import flash_attention_tf32, make_flash_forward_tf32, tf32_tiles
+from kernels.flash_tf32 import flash_attention_tf32, launch_forward, make_split, tf32_tiles
 
 CHAPTER = 11
 TITLE = "fp32 on tensor cores (3xTF32)"
@@ -47,15 +48,21 @@ def _sizes(ctx):
 
 
 def bare_launch(b, h, n, d, passes, o, lse):
-    """The kernel launched on device arrays (b, h, n, d) into preallocated o and lse views."""
-    Br, Bc, D = tf32_tiles(d)
-    kernel = make_flash_forward_tf32(Br, Bc, D, passes)
+    """The split of K and V and the kernel, on device arrays (b, h, n, d), into preallocated
+    hi/lo buffers and o, lse views: the launcher's work without its checks and allocations."""
+    from numba import cuda
+
+    Br, Bc, _ = tf32_tiles(d)
     scale = np.float32(1.0 / np.sqrt(d))
+    parts = [cuda.device_array((b * h, n, d), np.uint32) for _ in range(4)]
+    split = make_split()
+    size = b * h * n * d
+    blocks = min(cdiv(size, 256), 4096)
 
     def launch(q, k, v, causal):
-        kernel[(cdiv(n, Br), b * h), kernel.threads](q.reshape(b * h, n, d), k.reshape(b * h, n, d),
-                                                     v.reshape(b * h, n, d), o, lse, scale, np.int32(causal),
-                                                     np.int32(d % 4 == 0))
+        split[blocks, 256](k.reshape(size), parts[0].reshape(size), parts[1].reshape(size))
+        split[blocks, 256](v.reshape(size), parts[2].reshape(size), parts[3].reshape(size))
+        launch_forward(q.reshape(b * h, n, d), parts, o, lse, scale, causal, passes)
 
     launch.tiles = (Br, Bc)
     return launch
