@@ -42,9 +42,9 @@
 #
 # **Sources** (numbered as in the README's list): [4] FlashAttention-2, Algorithm 1 (the
 # forward, as in chapter 8); [14] the PTX ISA, `cvt.rna.tf32.f32` and "Matrix Fragments
-# for mma.m16n8k8" (tf32); [16] CUTLASS (the 3xTF32 GEMMs); Ootomo and Yokota, *Recovering
-# single precision accuracy from Tensor Cores while surpassing the FP32 theoretical peak
-# performance* (2022), the error analysis of the split and of the tensor cores' rounding.
+# for mma.m16n8k8" (tf32); [16] CUTLASS (the 3xTF32 GEMMs); [18] Ootomo and Yokota (the
+# error analysis of the split and of the tensor cores' rounding); [19] Fasi, Higham,
+# Mikaitis and Pranesh (how NVIDIA's tensor cores round).
 
 # %%
 import matplotlib.pyplot as plt
@@ -398,8 +398,8 @@ if rows:
 # * **Where the time goes.** Plain TF32 takes 6.7 and 9.9 ms, so the three products cost 1.5x
 #   and 2x one, not 3x: the tensor cores are not what limits either version. At 27-28
 #   TFLOP/s of fp32 products the kernel issues 81-84 TFLOP/s of TF32 mma, a third of the
-#   fp16 rate chapter 8 measured for mma.sync (612 TFLOP/s), and TF32 runs at half the
-#   fp16 rate. The PTX check shows where part of the time goes: at
+#   fp16 rate chapter 8 measured for mma.sync (612 TFLOP/s; NVIDIA's specification gives
+#   TF32 half the fp16 rate). The PTX check shows where part of the time goes: at
 #   d = 128 the compiler keeps `qf` and `sc` in local memory (a 320-byte stack frame: the
 #   loops over the k-steps are not unrolled, so those arrays are indexed at run time). At
 #   d = 64, with the loops unrolled, it needs 255 registers and spills. Chapter 8's fp16
