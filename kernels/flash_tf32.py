@@ -85,10 +85,12 @@ def make_split():
 
 
 @functools.lru_cache(maxsize=None)
-def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False):
+def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False,
+                            max_registers: int | None = None):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
-    memory (``shared_words``) is dynamic, for more than 48 KB.
+    memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
+    the registers a thread (None: the compiler's choice).
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d) float32;
     k_hi, k_lo, v_hi, v_lo (B*H, Nk, d) uint32, K and V split by ``make_split``; o (B*H, Nq,
@@ -149,7 +151,9 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             c = mma_tf32(a_hi, b_lo, c)
         return mma_tf32(a_hi, b_hi, c)
 
-    @cuda.jit(fastmath=True)
+    caps = {"max_registers": max_registers} if max_registers and not on_simulator() else {}
+
+    @cuda.jit(fastmath=True, **caps)
     def flash_forward_tf32(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, aligned):
         bh = int32(cuda.blockIdx.y)
         tid = int32(cuda.threadIdx.x)
@@ -315,7 +319,7 @@ def split_kv(k, v, BH, n_k, d, kind):
     return parts
 
 
-def launch_forward(qd, parts, o, lse, scale, causal, passes, tiles=None):
+def launch_forward(qd, parts, o, lse, scale, causal, passes, tiles=None, max_registers=None):
     """The forward on device views: qd (B*H, Nq, d) float32, ``parts`` from ``split_kv``,
     into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default ``tf32_tiles``."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory, STATIC_LIMIT_BYTES
@@ -326,7 +330,7 @@ def launch_forward(qd, parts, o, lse, scale, causal, passes, tiles=None):
         Br, Bc = tiles
     nbytes = 4 * shared_words(Bc, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic)
+    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers)
     aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, *parts))) \
         if not on_simulator() else int(d % 4 == 0)
     args = (qd, *parts, o, lse, np.float32(scale), np.int32(causal), np.int32(aligned))

@@ -403,7 +403,10 @@ if rows:
 #   d = 128 the compiler keeps `qf` and `sc` in local memory (a 320-byte stack frame: the
 #   loops over the k-steps are not unrolled, so those arrays are indexed at run time). At
 #   d = 64, with the loops unrolled, it needs 255 registers and spills. Chapter 8's fp16
-#   kernel has neither problem.
+#   kernel has neither problem. Two things tried and measured did not help
+#   (`workbook/results/flash_tf32_tiles.csv`, `flash_tf32_registers.csv`): other tiles
+#   (64 rows a block: 13.3 ms at d = 64), and a cap of 128 registers for two blocks an SM
+#   (11.6 against 10.7 ms in that run).
 #
 # So for now the course's fp32 launchers stay on the FMA kernels. 3xTF32 is the accurate
 # route to the tensor cores, but it is not the fast one yet. Still to do: fragments without
