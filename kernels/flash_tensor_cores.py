@@ -37,20 +37,17 @@ one warp and return every lane's registers.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
-from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y, MINUS_INF, make_row_reductions
-from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, device_empty, \
+from kernels.base.fragment_softmax import make_fragment_softmax
+from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
+from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, \
     is_bf16_array, on_simulator, to_device
 
 __all__ = ["flash_attention_tc", "make_flash_forward_mma", "make_flash_forward_mma_from", "make_load_a_fragment",
            "make_p_to_a", "a_fragment_registers", "p_to_a_registers", "tc_tiles", "ptx_targets", "EXERCISES"]
-
-LN2 = math.log(2.0)
-
 
 def tc_tiles(d: int) -> tuple[int, int, int]:
     """(Br, Bc, D), D = d rounded up to a multiple of 16. On a GPU 128 query rows (8 warps)
@@ -140,7 +137,7 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
     THREADS = 32 * W
     KS, NS, KP, ND = D // 16, Bc // 8, Bc // 16, D // 8
     SD = D + 8                                    # shared row stride (halves): ldmatrix rows in distinct banks
-    row_max, row_sum = make_row_reductions(4, THREADS, propagate_nan=False)     # (NaN: see the softmax)
+    scale_and_mask, online_softmax, write_rows = make_fragment_softmax(NS, ND, THREADS)
     if Br not in (Bc, 2 * Bc):
         raise ValueError("tiles: the Q tile is staged through the K and V buffers: Br must be Bc or 2 Bc")
 
@@ -243,41 +240,8 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
                 for e in range(4):
                     sc[2 * nt2, e] = c0[e]
                     sc[2 * nt2 + 1, e] = c1[e]
-            # only a tile that crosses n_k or this warp's causal diagonal is masked
-            if k0 + Bc > n_k or (causal != 0 and k0 + Bc - 1 > wrow0 + diag):
-                for nt in range(NS):
-                    for e in range(4):
-                        key = k0 + nt * 8 + 2 * t + e % 2
-                        row = wrow0 + group + 8 * (e // 2)
-                        x = sc[nt, e] * scale2
-                        if key >= n_k or (causal != 0 and key > row + diag):
-                            x = MASKED
-                        sc[nt, e] = x
-            else:
-                for nt in range(NS):
-                    for e in range(4):
-                        sc[nt, e] *= scale2
-
-            # ---- online softmax on the fragments: rows group (h = 0) and group + 8 (h = 1).
-            # max.f32 skips a NaN score, but its p = exp2(NaN - m) is NaN, and so are l and
-            # the row's O and L: NaN still reaches the output, one instruction a score.
-            for h in range(2):
-                mx = m[h]
-                for nt in range(NS):
-                    mx = max(mx, max(sc[nt, 2 * h], sc[nt, 2 * h + 1]))
-                mx = row_max(mx)                     # the quad's 4 lanes hold the row
-                alpha = math.exp2(m[h] - mx)
-                m[h] = mx
-                l[h] *= alpha
-                for j in range(ND):
-                    acc[j, 2 * h] *= alpha
-                    acc[j, 2 * h + 1] *= alpha
-                base = mx if mx > MASKED else float32(0.0)     # nothing seen yet: every p is 0
-                for nt in range(NS):
-                    for e in range(2):
-                        p = math.exp2(sc[nt, 2 * h + e] - base)
-                        l[h] += p
-                        sc[nt, 2 * h + e] = p
+            scale_and_mask(sc, k0, wrow0, group, t, n_k, diag, causal, scale2)
+            online_softmax(sc, acc, m, l)           # P in sc; O and l rescaled
 
             cp_async_wait_all()                      # V_j has landed ...
             cuda.syncthreads()                       # ... and every warp is done with K_j
@@ -300,28 +264,7 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
 
         cp_async_wait_all()                          # (the last, empty, group)
 
-        # ---- O / l and L: the quad's sums first
-        for h in range(2):
-            total = row_sum(l[h])
-            row = wrow0 + group + 8 * h
-            if row < n_q:
-                if total > float32(0.0) or total != total:
-                    inv = float32(1.0) / total
-                    for j in range(ND):
-                        for e in range(2):
-                            col = j * 8 + 2 * t + e
-                            if col < d:
-                                o[bh, row, col] = acc[j, 2 * h + e] * inv
-                    if t == 0:
-                        lse[bh, row] = (m[h] + math.log2(total)) * float32(LN2)
-                else:                                # saw no key
-                    for j in range(ND):
-                        for e in range(2):
-                            col = j * 8 + 2 * t + e
-                            if col < d:
-                                o[bh, row, col] = float32(0.0)
-                    if t == 0:
-                        lse[bh, row] = MINUS_INF
+        write_rows(acc, m, l, o, lse, bh, wrow0, group, t, n_q, d)     # O / l and L
 
     flash_forward_mma.threads = THREADS
     return flash_forward_mma

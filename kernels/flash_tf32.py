@@ -35,18 +35,17 @@ sees no key gets O = 0 and L = -inf.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y, MINUS_INF, make_row_reductions
+from kernels.base.fragment_softmax import make_fragment_softmax
+from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_qkv, check_scale, on_simulator, to_device
 
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "make_split", "split_kv", "launch_forward",
            "tf32_tiles", "shared_words", "PASSES", "ptx_targets"]
 
-LN2 = math.log(2.0)
 PASSES = (1, 3)                 # TF32 products a fp32 product: 1 (plain TF32) or 3 (3xTF32)
 
 
@@ -112,7 +111,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     TILE = Bc * SD
     SHARED = 0 if dynamic else 4 * TILE
     THREE = passes == 3
-    row_max, row_sum = make_row_reductions(4, THREADS, propagate_nan=False)
+    scale_and_mask, online_softmax, write_rows = make_fragment_softmax(NS, ND, THREADS)
 
     @cuda.jit(device=True, inline=True)
     def stage_in(src, dst, rows, r0, d, tid, aligned):
@@ -223,39 +222,8 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                     c = product(a_hi, a_lo, (Kh[r, c0], Kh[r, c0 + 4]), (Kl[r, c0], Kl[r, c0 + 4]))
                     for e in range(4):
                         sc[nt, e] += c[e]
-            # only a tile that crosses n_k or this warp's causal diagonal is masked
-            if k0 + Bc > n_k or (causal != 0 and k0 + Bc - 1 > wrow0 + diag):
-                for nt in range(NS):
-                    for e in range(4):
-                        key = k0 + nt * 8 + 2 * t + e % 2
-                        row = wrow0 + g + 8 * (e // 2)
-                        x = sc[nt, e] * scale2
-                        if key >= n_k or (causal != 0 and key > row + diag):
-                            x = MASKED
-                        sc[nt, e] = x
-            else:
-                for nt in range(NS):
-                    for e in range(4):
-                        sc[nt, e] *= scale2
-
-            # ---- online softmax on the fragments, rows g (h = 0) and g + 8 (h = 1), as chapter 8
-            for h in range(2):
-                mx = m[h]
-                for nt in range(NS):
-                    mx = max(mx, max(sc[nt, 2 * h], sc[nt, 2 * h + 1]))
-                mx = row_max(mx)                     # the quad's 4 lanes hold the row
-                alpha = math.exp2(m[h] - mx)
-                m[h] = mx
-                l[h] *= alpha
-                for j in range(ND):
-                    acc[j, 2 * h] *= alpha
-                    acc[j, 2 * h + 1] *= alpha
-                base = mx if mx > MASKED else float32(0.0)     # nothing seen yet: every p is 0
-                for nt in range(NS):
-                    for e in range(2):
-                        p = math.exp2(sc[nt, 2 * h + e] - base)
-                        l[h] += p
-                        sc[nt, 2 * h + e] = p
+            scale_and_mask(sc, k0, wrow0, g, t, n_k, diag, causal, scale2)
+            online_softmax(sc, acc, m, l)           # P in sc; O and l rescaled
 
             cp_async_wait_all()                      # V_j has landed ...
             cuda.syncthreads()                       # ... and every warp is done with K_j
@@ -279,28 +247,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
         cp_async_wait_all()                          # (the last, empty, group)
 
-        # ---- O / l and L: the quad's sums first
-        for h in range(2):
-            total = row_sum(l[h])
-            row = wrow0 + g + 8 * h
-            if row < n_q:
-                if total > float32(0.0) or total != total:
-                    inv = float32(1.0) / total
-                    for j in range(ND):
-                        for e in range(2):
-                            col = j * 8 + 2 * t + e
-                            if col < d:
-                                o[bh, row, col] = acc[j, 2 * h + e] * inv
-                    if t == 0:
-                        lse[bh, row] = (m[h] + math.log2(total)) * float32(LN2)
-                else:                                # saw no key
-                    for j in range(ND):
-                        for e in range(2):
-                            col = j * 8 + 2 * t + e
-                            if col < d:
-                                o[bh, row, col] = float32(0.0)
-                    if t == 0:
-                        lse[bh, row] = MINUS_INF
+        write_rows(acc, m, l, o, lse, bh, wrow0, g, t, n_q, d)     # O / l and L
 
     flash_forward_tf32.threads = THREADS
     return flash_forward_tf32
