@@ -386,7 +386,9 @@ if rows:
 # **What the H100 says**:
 #
 # * **Accuracy: as fp32, or better.** 3xTF32's error is 0.4-1.4x float32 NumPy's; SDPA's
-#   memory-efficient kernel (CUTLASS) measures 1.2-1.7x, SDPA math and plain PyTorch 1-4.8x.
+#   memory-efficient kernel (CUTLASS, itself 3xTF32: Nsight Compute counts its tensor-core
+#   instructions at 3.00x the attention's FLOPs, `workbook/results/sdpa_pipes.csv`) measures
+#   1.2-1.7x, SDPA math and plain PyTorch 1-4.8x.
 #   Plain TF32 is 550-1,500x.
 # * **Speed: not yet what the tensor cores offer.** At N = 4096 the bare kernel takes 9.7 ms
 #   at d = 64 and 19.9 at d = 128, as fast as chapter 4's FMA kernel (9.0 and 19.7 through its
