@@ -183,6 +183,10 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         l = cuda.local.array(2, float32)             # this lane's share of the running sums
         acc = cuda.local.array((ND, 4), float32)     # O: ND accumulator tiles of 16 x 8
         sc = cuda.local.array((NS, 4), float32)      # S, then P: NS accumulator tiles
+        # P again, for P V: sc stays in registers only if every index into it is known when
+        # compiling, and the loop over key steps in P V is too long to unroll; a copy in
+        # local memory (NS x 4 stores and loads a tile) keeps sc out of it
+        pv = cuda.local.array((NS, 4), float32)
         for h in range(2):
             m[h] = MASKED
             l[h] = float32(0.0)
@@ -224,6 +228,9 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                         sc[nt, e] += c[e]
             scale_and_mask(sc, k0, wrow0, g, t, n_k, diag, causal, scale2)
             online_softmax(sc, acc, m, l)           # P in sc; O and l rescaled
+            for kp in range(NS):
+                for e in range(4):
+                    pv[kp, e] = sc[kp, e]
 
             cp_async_wait_all()                      # V_j has landed ...
             cuda.syncthreads()                       # ... and every warp is done with K_j
@@ -237,7 +244,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             # A = (P[g, 2t], P[g + 8, 2t], P[g, 2t + 1], P[g + 8, 2t + 1]) = (c0, c2, c1, c3);
             # B: b0 = V[key 2t, 8 dt + g], b1 = V[key 2t + 1, 8 dt + g].
             for kp in range(NS):
-                a_hi, a_lo = split4(sc[kp, 0], sc[kp, 2], sc[kp, 1], sc[kp, 3])
+                a_hi, a_lo = split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
                 r = kp * 8 + 2 * t
                 for dt in range(ND):
                     c0 = 8 * dt + g
