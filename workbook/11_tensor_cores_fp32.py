@@ -287,7 +287,7 @@ show_source(flash_tf32.make_flash_forward_tf32, "def product(a_hi, a_lo, b_hi, b
 # truncating, so the errors of thousands of chained additions all lean the same way (section
 # 2's `accumulate="rz"`). With a fresh accumulator a k-step, a chain is three mma long and
 # the running sums are fp32 additions, rounded to nearest. The GPU tests pass again, and the
-# bench measures the error at 0.4-1.4x float32 NumPy's.
+# bench measures the error at 0.35-3.7x float32 NumPy's over N = 1k-16k (section 6).
 #
 # **4. P V without a shuffle.** P's accumulator tile holds, in lane (g, t), the keys 2t and
 # 2t + 1 of rows g and g + 8. The m16n8k8 A operand wants keys t and t + 4. A sum over keys
@@ -385,30 +385,34 @@ if rows:
 # %% [markdown]
 # **What the H100 says**:
 #
-# * **Accuracy: as fp32, or better.** 3xTF32's error is 0.4-1.4x float32 NumPy's; SDPA's
-#   memory-efficient kernel (CUTLASS, itself 3xTF32: Nsight Compute counts its tensor-core
-#   instructions at 3.00x the attention's FLOPs, `workbook/results/sdpa_pipes.csv`) measures
-#   1.2-1.7x, SDPA math and plain PyTorch 1-4.8x.
-#   Plain TF32 is 550-1,500x.
-# * **Speed: not yet what the tensor cores offer.** At N = 4096 the bare kernel takes 9.7 ms
-#   at d = 64 and 19.9 at d = 128, as fast as chapter 4's FMA kernel (9.0 and 19.7 through its
-#   launcher), and slower than SDPA memory-efficient (8.2 and 11.8): **0.84x and 0.59x** (the
-#   launcher 0.78x and 0.58x). Across the sweep the launcher is 0.47-0.88x SDPA
-#   memory-efficient at d = 64 and 0.40-0.63x at d = 128. It beats plain PyTorch by 1.1-3.8x
-#   at d = 64 (0.92x at N = 1024), and only with the causal mask at d = 128: 0.69-0.95x
-#   without it.
-# * **Where the time goes.** Plain TF32 takes 6.7 and 9.9 ms, so the three products cost 1.5x
-#   and 2x one, not 3x: the tensor cores are not what limits either version. At 27-28
-#   TFLOP/s of fp32 products the kernel issues 81-84 TFLOP/s of TF32 mma, a third of the
-#   fp16 rate chapter 8 measured for mma.sync (612 TFLOP/s; NVIDIA's specification gives
-#   TF32 half the fp16 rate). The PTX check shows where part of the time goes: at
-#   d = 128 the compiler keeps `qf` and `sc` in local memory (a 320-byte stack frame: the
-#   loops over the k-steps are not unrolled, so those arrays are indexed at run time). At
-#   d = 64, with the loops unrolled, it needs 255 registers and spills. Chapter 8's fp16
-#   kernel has neither problem. Two things tried and measured did not help
-#   (`workbook/results/flash_tf32_tiles.csv`, `flash_tf32_registers.csv`): other tiles
-#   (64 rows a block: 13.3 ms at d = 64), and a cap of 128 registers for two blocks an SM
-#   (11.6 against 10.7 ms in that run).
+# * **Accuracy: as fp32, or better.** 3xTF32's error is 0.35-3.7x float32 NumPy's (growing
+#   with N, as every serial sum over keys does). SDPA's memory-efficient kernel measures
+#   0.65-2.5x. That kernel is CUTLASS, itself 3xTF32: Nsight Compute counts its tensor-core
+#   instructions at 3.00x the attention's FLOPs (`workbook/results/sdpa_pipes.csv`). SDPA
+#   math and plain PyTorch measure 0.9-7.9x, and plain TF32 550-1,500x. At N = 16,384 the
+#   tests hold 3xTF32 to the rule and it uses 0.36-0.38 of the bound, where chapter 4's FMA
+#   kernel uses 0.9.
+# * **Speed: not yet what the tensor cores offer.** At N = 4096 the bare kernel takes 9.2 ms
+#   at d = 64 and 18.9 ms at d = 128. That is as fast as chapter 4's FMA kernel (9.3 and 20.0
+#   through its launcher) and slower than SDPA memory-efficient (8.1 and 11.9): **0.88x and
+#   0.63x** (the launcher 0.87x and 0.61x).
+#   * Across the sweep the launcher is 0.56-1.01x SDPA memory-efficient at d = 64 and
+#     0.44-0.66x at d = 128.
+#   * It beats plain PyTorch by 1.03-4.6x at d = 64. At d = 128 it wins only with the causal
+#     mask (1.5-2.6x); without it, it is 0.72-1.02x.
+# * **Where the time goes.** Plain TF32 takes 6.9 and 9.9 ms, so the three products cost 1.3x
+#   and 1.9x one, not 3x: the tensor cores are not what limits either version. At 29 TFLOP/s
+#   of fp32 products the kernel issues 87 TFLOP/s of TF32 mma. That is a seventh of the fp16
+#   rate chapter 8 measured for mma.sync (612 TFLOP/s; NVIDIA's specification gives TF32
+#   half the fp16 rate).
+# * **What the PTX check shows.** At d = 128 the compiler keeps `qf` and the copy of P for
+#   P V (`pv`) in local memory: a 320-byte stack frame, because the loops over the k-steps
+#   are not unrolled, so those arrays are indexed at run time. Moving P's copy out of `sc`
+#   kept S's fragments in registers and gained 7% (same process, before and after). Chapter
+#   8's fp16 kernel has no stack frame.
+# * **Tried, measured, no gain** (`workbook/results/flash_tf32_tiles.csv`,
+#   `flash_tf32_registers.csv`): other tiles (64 rows a block: 13.3 ms at d = 64), and a cap
+#   of 128 registers for two blocks an SM (11.6 against 10.7 ms in that run).
 #
 # So for now the course's fp32 launchers stay on the FMA kernels. 3xTF32 is the accurate
 # route to the tensor cores, but it is not the fast one yet. Still to do: fragments without
