@@ -412,7 +412,14 @@ if rows:
 #   8's fp16 kernel has no stack frame.
 # * **Tried, measured, no gain** (`workbook/results/flash_tf32_tiles.csv`,
 #   `flash_tf32_registers.csv`): other tiles (64 rows a block: 13.3 ms at d = 64), and a cap
-#   of 128 registers for two blocks an SM (11.6 against 10.7 ms in that run).
+#   of 128 registers for two blocks an SM (11.6 against 10.7 ms in that run). Asking the
+#   driver for the largest shared-memory carveout did not help either: 9.8 against 9.9 ms at
+#   d = 64, and 24.0 against 20.0 at d = 128.
+# * **What Nsight Compute says** (`ncu`, N = 4096, non-causal). The issue slots are busy 55%
+#   (d = 128) and 63% (d = 64) of the time. At d = 128 one block of 8 warps fits an SM
+#   (168 registers a thread: 12.5% occupancy) and no warp is eligible 43% of the cycles. So
+#   the kernel issues too many instructions for its mma (the splits, the fp32 additions,
+#   two shared loads a B fragment part) and has too few warps to hide their latency.
 #
 # So for now the course's fp32 launchers stay on the FMA kernels. 3xTF32 is the accurate
 # route to the tensor cores, but it is not the fast one yet. Still to do: fragments without
