@@ -363,23 +363,24 @@ MUTANTS += [
 
 # ---- tensor cores: the FlashAttention-2 forward on mma.sync
 TC = "kernels.flash_tensor_cores"
+FRAGMENTS = "kernels.base.fragment_softmax"      # the softmax between the products, shared with chapter 11
 T8 = ("tests/test_flash_tensor_cores.py",)
 CH8 = "test_pinned_cases or test_matches_oracle"
 MUTANTS += [
-    Mutant("tc-no-rescale", 8, TC,
-           (("""                for j in range(ND):
-                    acc[j, 2 * h] *= alpha
-                    acc[j, 2 * h + 1] *= alpha
+    Mutant("tc-no-rescale", 8, FRAGMENTS,
+           (("""            for j in range(ND):
+                acc[j, 2 * h] *= alpha
+                acc[j, 2 * h + 1] *= alpha
 """, ""),),
            T8, CH8, "O's accumulator fragments are not rescaled when the row's maximum grows"),
     Mutant("tc-p-tiles-swapped", 8, TC,
            (("return (pack(c0[0], c0[1]), pack(c0[2], c0[3]), pack(c1[0], c1[1]), pack(c1[2], c1[3]))",
              "return (pack(c1[0], c1[1]), pack(c1[2], c1[3]), pack(c0[0], c0[1]), pack(c0[2], c0[3]))"),),
            T8, CH8, "P's two n8 tiles swapped in the A fragment of P V (keys 0-7 weigh V's rows 8-15)"),
-    Mutant("tc-causal-diagonal-shifted", 8, TC,
+    Mutant("tc-causal-diagonal-shifted", 8, FRAGMENTS,
            (("if key >= n_k or (causal != 0 and key > row + diag):", "if key >= n_k or (causal != 0 and key > row + diag + 1):"),),
            T8, CH8, "causal: each query also sees the key after its own"),
-    Mutant("tc-lse-base-2", 8, TC,
+    Mutant("tc-lse-base-2", 8, FRAGMENTS,
            (("lse[bh, row] = (m[h] + math.log2(total)) * float32(LN2)", "lse[bh, row] = m[h] + math.log2(total)"),),
            T8, CH8, "L left in base 2 (the scores' base), not the natural log"),
 ]
@@ -390,6 +391,19 @@ MUTANTS += [
            (("o_i[c] *= l_i * a_old", "o_i[c] *= a_old"),),
            ("tests/test_kv_outer_forward.py",), "test_matches_oracle",
            "Algorithm 1's O_i, stored normalised, is taken back without its l_i: earlier tiles weigh too little"),
+]
+
+# ---- fp32 on tensor cores: 3xTF32 (chapter 11)
+TF32 = "kernels.flash_tf32"
+T11 = ("tests/test_flash_tf32.py",)
+MUTANTS += [
+    Mutant("tf32-no-hi-lo-term", 11, TF32,
+           (("            c = mma_tf32(a_hi, b_lo, c)\n", ""),),
+           T11, "test_matches_oracle", "3xTF32 without a_hi b_lo: two products, about 2^-11 of |a||b| lost"),
+    Mutant("tf32-p-keys-not-renumbered", 11, TF32,
+           (("split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])", "split4(pv[kp, 0], pv[kp, 1], pv[kp, 2], pv[kp, 3])"),),
+           T11, "test_matches_oracle", "P's accumulator tile used as P V's A operand as it lies: keys 2t + 1 and t + 4 "
+                                       "mixed up, rows g and g + 8 too"),
 ]
 
 BY_ID = {m.id: m for m in MUTANTS}

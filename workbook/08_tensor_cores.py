@@ -111,16 +111,20 @@ for lane in (0, 5, 31):
 #
 # The pieces, from `kernels/flash_tensor_cores.py`: the copies first (the V_j copy starts,
 # then the wait for K_j; after the softmax the wait for V_j and the K_{j+1} copy), then the
-# products.
+# products. The steps between the two products (scale and mask, the online softmax, and at
+# the end O / l) live in `kernels/base/fragment_softmax.py`, shared with chapter 11's fp32
+# kernel, whose accumulator tiles have the same layout.
 
 # %%
 show_source(make_flash_forward_mma_from, "# ---- the copies overlap", "cp_async_wait_prior()", more=1)
 
 # %%
-show_source(make_flash_forward_mma_from, "# ---- S = Q_i K_j^T", "sc[nt, e] *= scale2")
+show_source(make_flash_forward_mma_from, "# ---- S = Q_i K_j^T", "online_softmax(sc, acc, m, l)")
 
 # %%
-show_source(make_flash_forward_mma_from, "# ---- online softmax", "sc[nt, 2 * h + e] = p")
+from kernels.base.fragment_softmax import make_fragment_softmax
+
+show_source(make_fragment_softmax, "def online_softmax(sc, acc, m, l):", "sc[nt, 2 * h + e] = p")
 
 # %%
 show_source(make_flash_forward_mma_from, "# V_j has landed", "acc[2 * dt + 1, e] = c1[e]")
