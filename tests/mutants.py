@@ -404,6 +404,18 @@ MUTANTS += [
            (("split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])", "split4(pv[kp, 0], pv[kp, 1], pv[kp, 2], pv[kp, 3])"),),
            T11, "test_matches_oracle", "P's accumulator tile used as P V's A operand as it lies: keys 2t + 1 and t + 4 "
                                        "mixed up, rows g and g + 8 too"),
+    Mutant("tf32-chained-accumulator", 11, TF32,
+           (("    def product(a_hi, a_lo, b_hi, b_lo):", "    def product(a_hi, a_lo, b_hi, b_lo, c):"),
+            ("        c = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))\n", ""),
+            ("(Kl[r, c0], Kl[r, c0 + 4]))", "(Kl[r, c0], Kl[r, c0 + 4]), (sc[nt, 0], sc[nt, 1], sc[nt, 2], sc[nt, 3]))"),
+            ("sc[nt, e] += c[e]", "sc[nt, e] = c[e]"),
+            ("(Vl[r, c0], Vl[r + 1, c0]))", "(Vl[r, c0], Vl[r + 1, c0]), (acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3]))"),
+            ("acc[dt, e] += c[e]", "acc[dt, e] = c[e]")),
+           T11, "test_matches_oracle or test_long_sequence_meets_the_rule",
+           "every k-step chained into S's and O's accumulators in the tensor core (chapter 8's way), as the kernel was "
+           "first written: the H100's fp32 sums there are not rounded to nearest, and O's error grows with N",
+           gpu_only="the simulator's mma adds exactly and rounds once; on the H100 O's error was 12x float32 NumPy's at "
+                    "N = 1024 and 93x at N = 8192 (test_long_sequence_meets_the_rule, N = 16384)"),
 ]
 
 BY_ID = {m.id: m for m in MUTANTS}
