@@ -293,8 +293,8 @@ from kernels.base.notebook import show_ladder
 show_ladder("results/flash_backward_ladder.csv")
 
 # %% [markdown]
-# At B = 1, H = 16, N = 4096, d = 64 fp32 (one run, 2026-11-24): rung 1 316 ms, rung 2
-# 27.0 ms, the production kernels 8.1 ms (causal: 324, 22.0, 5.8 ms). Rung 1 pays for
+# At B = 1, H = 16, N = 4096, d = 64 fp32 (one run, 2026-11-25): rung 1 313 ms, rung 2
+# 27.0 ms, the production kernels 7.5 ms (causal: 325, 21.3, 5.5 ms). Rung 1 pays for
 # every thread reading the whole other side from global memory with its rows in local
 # memory; rung 2 reads each tile once a block and keeps its rows in registers (its loops run
 # to the compile-time D over zero-padded tiles). One limit the tests draw around: rungs 1
