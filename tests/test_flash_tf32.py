@@ -16,7 +16,7 @@ from numba import cuda
 
 from kernels import reference as ref
 from kernels.base.runtime import is_device_array, on_simulator
-from kernels.base.testing import assert_close, case_with, forward_floor_scales, magnitude_for_logits, AttentionCase
+from kernels.base.testing import assert_close, attention_cases, case_with, forward_floor_scales
 from kernels.flash_tf32 import flash_attention_tf32, make_flash_forward_tf32, tf32_tiles
 
 SIM = on_simulator()
@@ -35,19 +35,10 @@ def check(case, passes=3):
     return o, lse
 
 
-@st.composite
-def tf32_cases(draw):
-    b, h = draw(st.integers(1, 2)), draw(st.integers(1, 2))
-    nq, nk = draw(st.integers(0, MAX_N)), draw(st.integers(0, MAX_N))
-    d = draw(st.sampled_from(HEAD_DIMS))
-    causal = draw(st.booleans())
-    scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
-    magnitude = magnitude_for_logits(draw(st.sampled_from([0.3, 1.0, 3.0, 8.0])), d, scale)
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    q = (rng.standard_normal((b, h, nq, d)) * magnitude).astype(np.float32)
-    k = (rng.standard_normal((b, h, nk, d)) * magnitude).astype(np.float32)
-    v = rng.standard_normal((b, h, nk, d)).astype(np.float32)
-    return AttentionCase(q, k, v, causal, scale)
+def tf32_cases():
+    """Chapter 4's drawn cases (``kernels.base.testing.attention_cases``: ragged N, Nq != Nk,
+    empty sequences, drawn scales and logit spreads), at this chapter's sizes and head dims."""
+    return attention_cases(max_n=MAX_N, head_dims=HEAD_DIMS)
 
 
 ONE_PAST = tf32_tiles(16)[0] + 1          # one past a block's query rows
