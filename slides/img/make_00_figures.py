@@ -9,34 +9,19 @@ cell drawn is an access it saw. (00_memory_hierarchy.png is the notebook's drawi
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-
-import kernels  # noqa: E402,F401  (first: picks the GPU or the simulator)
+from figures import plt, save  # noqa: E402  (first: the repository on the path, kernels, matplotlib without a display)
 import matplotlib  # noqa: E402
 import matplotlib.text  # noqa: E402
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels.base.trace import trace  # noqa: E402
 from kernels.gpu_basics import make_block_sum  # noqa: E402
 
-DPI = 100                         # the figure sizes itself to the arrays: about 1400 x 320 pixels
 THREADS, BLOCKS = 8, 2            # 16 elements, one a thread: each block sums 8
 
 plt.rcParams.update({"font.size": 12})
 
-
-def save(fig, name):
-    path = HERE / name
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(HERE.parents[1])}")
 
 
 def figure_block_sum():

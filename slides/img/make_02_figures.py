@@ -9,33 +9,18 @@ production tiling (``RUNG3_CONFIGS[RUNG3_DEFAULT]``) and a small one of the same
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-
-import kernels  # noqa: E402,F401  (first: picks the GPU or the simulator)
+from figures import plt, save  # noqa: E402  (first: the repository on the path, kernels, matplotlib without a display)
 import matplotlib  # noqa: E402
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
 from kernels.tiled_matmul import RUNG3_CONFIGS, RUNG3_DEFAULT, make_register_tiles  # noqa: E402
 
-DPI = 100
 SHADES = (0.0, 0.3, 0.5, 0.68)                    # ty % 4 -> how much white is mixed in
 
 plt.rcParams.update({"font.size": 13, "axes.titlesize": 15})
 
-
-def save(fig, name):
-    path = HERE / name
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(HERE.parents[1])}")
 
 
 def owners(BM, BN, BK, TM, TN):

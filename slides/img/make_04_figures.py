@@ -10,24 +10,15 @@ arithmetic of ``make_attend_query_tile`` (see ``s_owner`` and ``o_owner`` below)
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-
-import kernels  # noqa: E402,F401  (first: picks the GPU or the simulator)
+from figures import plt, save  # noqa: E402  (first: the repository on the path, kernels, matplotlib without a display)
 import matplotlib  # noqa: E402
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 from kernels.base.fused import Tiles, run_length  # noqa: E402
 from kernels.flash_forward import _layout, gpu_tiles, shared_bytes  # noqa: E402
 
-DPI = 100
 HBM = "#f4cccc"          # the colours of slides/img/00_memory_hierarchy.png
 HBM_EDGE = "#cc4125"
 SHARED = "#cfe2f3"
@@ -40,12 +31,6 @@ SP_COLOR = "#8e7cc3"     # S and P: never in HBM
 
 plt.rcParams.update({"font.size": 13, "axes.titlesize": 15})
 
-
-def save(fig, name):
-    path = HERE / name
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(HERE.parents[1])}")
 
 
 def arrow(ax, start, end, color="0.15", lw=2.2, style="-|>", rad=0.0, ls="-"):

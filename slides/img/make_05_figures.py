@@ -10,23 +10,13 @@ dQ kernel.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from figures import plt, save  # noqa: E402  (first: the repository on the path, kernels, matplotlib without a display)
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-
-import kernels  # noqa: E402,F401  (first: picks the GPU or the simulator)
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 from kernels.base.backward_tiles import GPU_TILES  # noqa: E402
 from kernels.flash_backward import DQ_MODES  # noqa: E402
 
-DPI = 100
 HBM = "#f4cccc"          # the colours of slides/img/00_memory_hierarchy.png and 04_dataflow.png
 HBM_EDGE = "#cc4125"
 Q_COLOR = "#e69138"      # the query side: Q_i, dO_i, L_i, D_i, dQ_i
@@ -37,12 +27,6 @@ DONE, TODO = "#b4a7d6", "white"
 plt.rcParams.update({"font.size": 13, "axes.titlesize": 15})
 assert set(DQ_MODES) == {"atomic", "separate"}, "the figure draws these two dQ modes"
 
-
-def save(fig, name):
-    path = HERE / name
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(HERE.parents[1])}")
 
 
 def arrow(ax, start, end, color="0.15", lw=2.2, rad=0.0, ms=20):

@@ -8,17 +8,8 @@ blocks of 128), and rho is its kept fraction: the same masks the notebook and th
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from figures import plt, save  # noqa: E402  (first: the repository on the path, kernels, matplotlib without a display)
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-
-import kernels  # noqa: E402,F401  (first: picks the GPU or the simulator)
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 from kernels.sparsity_patterns import PATTERNS  # noqa: E402
 
@@ -40,9 +31,7 @@ def main():
     fig.suptitle(f"Block masks of kernels/sparsity_patterns.py (N = {N}, blocks of {BLOCK}): "
                  "a dark tile is computed, a light one skipped", y=0.99)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    path = HERE / "06_patterns.png"
-    fig.savefig(path)
-    print("wrote", path)
+    save(fig, "06_patterns.png")
 
 
 if __name__ == "__main__":

@@ -9,17 +9,8 @@ split_ranges, stream_k_schedule, check_schedule), not from a measurement.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from figures import plt, save  # noqa: E402  (first: the repository on the path, kernels, matplotlib without a display)
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-
-import kernels  # noqa: E402,F401  (first: picks the GPU or the simulator)
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
 from kernels.decode import check_schedule, split_count, split_ranges, stream_k_schedule, wave_efficiency  # noqa: E402
@@ -35,12 +26,6 @@ IDLE = "#e6e6e6"
 
 plt.rcParams.update({"font.size": 13, "axes.titlesize": 14})
 
-
-def save(fig, name):
-    path = HERE / name
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(HERE.parents[1])}")
 
 
 def sm_grid(ax, busy_slots, per_sm, title):

@@ -8,31 +8,15 @@ model of a decode step, not from a measurement.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from figures import plt, save  # noqa: E402  (first: the repository on the path, kernels, matplotlib without a display)
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-
-import kernels  # noqa: E402,F401  (first: picks the GPU or the simulator)
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels.attention_energy import (energy, energy_grad_zeta, energy_hessian_zeta,  # noqa: E402
                                       plot_decode_model)
 
-DPI = 100
 plt.rcParams.update({"font.size": 13, "axes.titlesize": 14})
 
-
-def save(fig, name):
-    path = HERE / name
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(HERE.parents[1])}")
 
 
 def energy_figure():

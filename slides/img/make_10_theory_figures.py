@@ -8,30 +8,14 @@ workbook/results/flash_forward_dram.csv (Nsight Compute on the H100).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from figures import plt, save  # noqa: E402  (first: the repository on the path, kernels, matplotlib without a display)
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
-
-import kernels  # noqa: E402,F401  (first: picks the GPU or the simulator)
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels import io_theory as th  # noqa: E402
 
-DPI = 100
 plt.rcParams.update({"font.size": 13, "axes.titlesize": 14})
 
-
-def save(fig, name):
-    path = HERE / name
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    print(f"wrote {path.relative_to(HERE.parents[1])}")
 
 
 def regimes_axes(ax, n=4096, d=256):
