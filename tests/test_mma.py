@@ -180,6 +180,23 @@ def test_unpack_gives_both_halves(words):
     np.testing.assert_array_equal(out, mma.words_to_halves(w).astype(np.float32))
 
 
+@cuda.jit
+def _unpack_bf16_kernel(words, out):
+    i = cuda.threadIdx.x
+    lo, hi = mma.unpack_bf16(words[i])
+    out[i, 0] = lo
+    out[i, 1] = hi
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=32, max_size=32))
+def test_unpack_bf16_gives_both_halves_bit_for_bit(words):
+    w = np.asarray(words, np.uint32)
+    out = np.zeros((32, 2), np.float32)
+    _unpack_bf16_kernel[1, 32](w, out)
+    want = np.stack([(w & 0xFFFF) << 16, w & 0xFFFF0000], axis=1).astype(np.uint32)
+    np.testing.assert_array_equal(out.view(np.uint32), want)
+
+
 def test_tf32_rounds_ties_away_from_zero():
     # 1 + 2^-11 is halfway between two tf32 values (10 mantissa bits): away from zero
     x = np.float32([1 + 2**-11, -(1 + 2**-11), 1 + 2**-12])

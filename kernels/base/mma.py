@@ -25,6 +25,7 @@ so any PTX instruction: that is all this module does on the GPU. The device func
     mma_tf32(a, b, c)                       a: 4 uint32, b: 2 uint32 (tf32 bit patterns)
     pack_f16(lo, hi), pack_bf16(lo, hi)     two float32 -> one uint32 (round to nearest even)
     unpack_f16(w)                           one uint32 -> its two fp16 halves as float32 (lo, hi)
+    unpack_bf16(w)                          one uint32 -> its two bf16 halves as float32 (lo, hi)
     to_tf32(x)                              float32 -> uint32 (tf32: 10 mantissa bits, rounded)
     split_tf32(x)                           float32 -> (hi, lo) uint32 tf32 patterns: hi = x rounded,
                                             lo = (x - hi) rounded (3xTF32: x = hi + lo to ~2^-22)
@@ -52,7 +53,7 @@ from kernels.base.runtime import on_simulator
 
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
-           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "to_tf32", "split_tf32",
+           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32",
            "load_words", "ldmatrix", "ldmatrix_trans", "cp_async", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
            "half_bits", "bf16_bits", "tf32_bits", "words_to_halves", "PTX"]
@@ -286,6 +287,12 @@ def _sim_unpack_f16(w):
     return np.float32(lo), np.float32(hi)
 
 
+def _sim_unpack_bf16(w):
+    w = int(w) & 0xFFFFFFFF
+    lo, hi = np.array([(w & 0xFFFF) << 16, w & 0xFFFF0000], np.uint32).view(np.float32)
+    return np.float32(lo), np.float32(hi)
+
+
 def _sim_to_tf32(x):
     return np.uint32(int(tf32_bits(np.float32(x))))
 
@@ -417,6 +424,20 @@ def _gpu_functions():
         return result(w), codegen
 
     @intrinsic
+    def unpack_bf16(typingctx, w):
+        if not isinstance(w, types.Integer):
+            raise TypeError(f"unpack_bf16(w): expected a 32-bit register, got {w}")
+        result = types.UniTuple(types.float32, 2)
+
+        def codegen(context, builder, sig, args):
+            word = context.cast(builder, args[0], sig.args[0], types.uint32)
+            # a bf16 is the top half of the float32 it rounds: shift it there, or mask the low half off
+            bits = [builder.shl(word, ir.Constant(i32, 16)), builder.and_(word, ir.Constant(i32, 0xFFFF0000))]
+            return context.make_tuple(builder, result, [builder.bitcast(b, f32) for b in bits])
+
+        return result(w), codegen
+
+    @intrinsic
     def to_tf32(typingctx, x):
         if not isinstance(x, types.Number):
             raise TypeError(f"to_tf32(x): expected a number, got {x}")
@@ -516,6 +537,7 @@ def _gpu_functions():
         pack_f16=make_pack("pack_f16", "cvt.rn.f16x2.f32"),
         pack_bf16=make_pack("pack_bf16", "cvt.rn.bf16x2.f32"),
         unpack_f16=unpack_f16,
+        unpack_bf16=unpack_bf16,
         to_tf32=to_tf32,
         split_tf32=split_tf32,
         load_words=load_words,
@@ -537,6 +559,7 @@ def _sim_functions():
         pack_f16=_sim_pack(half_bits),
         pack_bf16=_sim_pack(bf16_bits),
         unpack_f16=_sim_unpack_f16,
+        unpack_bf16=_sim_unpack_bf16,
         to_tf32=_sim_to_tf32,
         split_tf32=_sim_split_tf32,
         load_words=_sim_load_words,
@@ -557,6 +580,7 @@ mma_tf32 = _functions["mma_tf32"]
 pack_f16 = _functions["pack_f16"]
 pack_bf16 = _functions["pack_bf16"]
 unpack_f16 = _functions["unpack_f16"]
+unpack_bf16 = _functions["unpack_bf16"]
 to_tf32 = _functions["to_tf32"]
 split_tf32 = _functions["split_tf32"]
 load_words = _functions["load_words"]

@@ -1,0 +1,521 @@
+"""The backward on tensor cores: chapter 5's recomputing backward with its five products on mma.sync.
+
+Chapter 5's algebra (P recomputed from Q, K and the saved L; D = rowsum(dO o O)) with the
+products of chapter 8's instruction (``kernels.base.mma``: m16n8k16, fp16 or bf16 in, fp32
+accumulate). K/V tiles outer, as FlashAttention-2's backward:
+
+    one block        key tile j: Bc = 16 W keys of one (batch, KV head), W warps; K_j, V_j
+                     in shared memory; dK_j, dV_j in the warps' accumulators
+    one warp         16 keys: its rows of K_j and V_j as A fragments, its 16 rows of dK_j
+                     and dV_j as D/8 accumulator tiles each
+    for each query head of the KV head's group (GQA), each query tile i (Br rows: Q_i, dO_i,
+    L_i, D_i staged in shared memory, the next tile's copy flying during this one's work),
+    each chunk c of 16 queries (the k-step of the two products that sum over queries):
+        S^T   = K_w Q_c^T          16 keys x 16 queries: 2 accumulator tiles, D/16 k-steps
+        P^T   = exp2(S^T scale log2 e - L log2 e)   masked: 0 (L = -inf: a row that sees
+                                   nothing; L = NaN stays NaN)
+        dP^T  = V_w dO_c^T         the same shape, V's fragments and dO's rows
+        dS^T  = P^T o (dP^T - D)   0 where masked
+        dV_w += P^T dO_c           P^T's accumulator tiles ARE the A fragment (chapter 8's
+                                   P to A: packed in registers); dO_c by ldmatrix.trans
+        dK_w += dS^T Q_c           the same, dS^T and Q_c
+        dS^T -> shared memory (16-bit, as the products use it)
+    then dQ_i += scale dS K_j      dS (Br x Bc) read back as A fragments (ldmatrix.trans of
+                                   the stored dS^T), K_j as B (ldmatrix.trans); the warps
+                                   split Br/16 row groups x D/16 column pairs; the block's
+                                   sums go to dQ by float32 atomic adds (FlashAttention-2's
+                                   dQ accumulator: dQ's last bits vary from run to run)
+    dK_j = scale dK_w and dV_j written once, float32.
+
+The products that sum over queries (dV, dK) take their k-steps straight from the
+accumulators of S and dP: a chunk of 16 queries is one k-step, so P^T and dS^T never leave
+the registers for them. Only dQ, which sums over the block's keys across warps, needs dS
+in shared memory.
+
+A kernel ``make_delta_tc`` runs first: D = rowsum(dO o O) a query row, and dQ = 0.
+
+Inputs fp16, or bf16 (``bf16=True``; PyTorch bf16 tensors or uint16 bit patterns); O
+float32 (what chapter 8's forward returns) or the inputs' 16-bit type; L float32.
+Gradients float32. Precision: P and dS are rounded to the input type before the products
+that use them, as FlashAttention-2 does; the tests hold each gradient to 2x the error of a
+float32 NumPy backward that rounds them the same way (``rounded_backward_numpy``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint16, uint32
+
+from kernels.base.fused import FASTMATH, LOG2E, MAX_GRID_Y, make_row_reductions
+from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, \
+    is_bf16_array, on_simulator, to_device
+
+__all__ = ["flash_attention_backward_tc", "launch_backward", "make_backward_tc", "make_delta_tc",
+           "rounded_backward_numpy", "tc_backward_tiles", "shared_halves", "ptx_targets"]
+
+# The "logsumexp" (base 2) of a dead row (past Nq, or L = -inf): exp2(S - DEAD) = 0.
+DEAD = float32(1.0e30)
+
+
+def tc_backward_tiles(d: int) -> tuple[int, int, int]:
+    """(Br, W, D): Br query rows a tile, W warps (Bc = 16 W keys a block), D = d rounded
+    up to a multiple of 16. On a GPU 64 query rows and 8 warps (128 keys: the atomic adds
+    to dQ, Br D a block and query tile, are per Bc keys of work); in the simulator 32 rows
+    and 2 warps."""
+    D = 16 * cdiv(max(int(d), 1), 16)
+    if on_simulator():
+        return 32, 2, D
+    return 64, 8, D
+
+
+def shared_halves(Br: int, W: int, D: int) -> int:
+    """16-bit words of shared memory a block: K_j, V_j (Bc rows), Q_i and dO_i twice (the
+    next tile's copy flies), dS^T (Bc x Br); rows padded by 8 halves (ldmatrix rows in
+    distinct banks)."""
+    Bc, SD = 16 * W, D + 8
+    return 2 * Bc * SD + 4 * Br * SD + Bc * (Br + 8)
+
+
+# --------------------------------------------------------------------------- D = rowsum(dO o O)
+
+@functools.lru_cache(maxsize=None)
+def make_delta_tc(bf16: bool, o_bits: bool):
+    """Kernel (o, do, lse, delta, l2, dq): one warp a query row (4 a block): D = rowsum(dO o O)
+    in float32, the row's L in base 2 (DEAD for L = -inf, so that P = 0 there), and dQ's row
+    zeroed for the atomic adds. do (and o if ``o_bits``) 16-bit patterns (bf16 if ``bf16``)."""
+    from kernels.base.mma import unpack_bf16, unpack_f16
+
+    unpack = unpack_bf16 if bf16 else unpack_f16
+
+    @cuda.jit(device=True, inline=True)
+    def wide(x):
+        return unpack(int32(x))[0]
+
+    _, row_sum = make_row_reductions(32, 128)
+
+    @cuda.jit(fastmath=FASTMATH)
+    def delta_kernel(o, do, lse, delta, l2, dq):
+        bh = int32(cuda.blockIdx.y)
+        row = int32(cuda.blockIdx.x) * 4 + int32(cuda.threadIdx.x) // 32
+        lane = int32(cuda.threadIdx.x) % 32
+        n_q, d = int32(do.shape[1]), int32(do.shape[2])
+        acc = float32(0.0)
+        if row < n_q:
+            for c in range(lane, d, 32):
+                x = o[bh, row, c]
+                acc += wide(do[bh, row, c]) * (wide(x) if o_bits else x)
+                dq[bh, row, c] = float32(0.0)
+        acc = row_sum(acc)                            # every lane calls it (the simulator's barrier)
+        if row < n_q and lane == 0:
+            delta[bh, row] = acc
+            L = lse[bh, row]
+            l2[bh, row] = DEAD if L == -math.inf else L * float32(LOG2E)
+
+    return delta_kernel
+
+
+# --------------------------------------------------------------------------- the kernel
+
+@cuda.jit(device=True, inline=True)
+def cdiv_dev(a, b):
+    return (a + b - 1) // b
+
+
+@functools.lru_cache(maxsize=None)
+def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool = False):
+    """The dK/dV/dQ kernel for Br query rows a tile, W warps (Bc = 16 W keys), head dim D
+    (a multiple of 16); ``dynamic``: its shared memory (``shared_halves``) is dynamic.
+
+    Launch: grid (ceil(Nk / Bc), B * Hkv), 32 W threads. Arguments: q, do (B*H, Nq, d) and
+    k, v (B*Hkv, Nk, d) uint16 (fp16 or bf16 bits); l2 and delta (B*H, Nq) float32 (L in
+    base 2 and D, from ``make_delta_tc``); dq (B*H, Nq, d) float32, zeroed; dk, dv (B*Hkv,
+    Nk, d) float32; scale (float32), causal (int32 0/1), group (int32: H / Hkv), aligned
+    (int32: rows 16-byte aligned, d % 8 == 0)."""
+    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, ldmatrix,
+                                  ldmatrix_trans, mma_bf16, mma_f16, pack_bf16, pack_f16)
+    from kernels.base.shared_memory import shared_view
+
+    if D % 16 or Br % 16 or W < 1:
+        raise ValueError(f"tiles: expected D and Br multiples of 16 and W >= 1, got Br={Br}, W={W}, D={D}")
+    mma = mma_bf16 if bf16 else mma_f16
+    pack = pack_bf16 if bf16 else pack_f16
+    Bc = 16 * W
+    THREADS = 32 * W
+    KS, ND, QC = D // 16, D // 8, Br // 16       # k-steps over d; tiles of d; 16-query chunks
+    SD, SB = D + 8, Br + 8                        # shared row strides (halves)
+    ITEMS = QC * (ND // 2)                        # dQ_i's 16 x 16 pieces, shared by the warps
+    TILE, QTILE = Bc * SD, Br * SD
+    # K_w's and V_w's A fragments kept in registers (D / 2 of them) up to D = 64; at D = 128
+    # they would take the thread past 255 registers, so they are read from shared memory.
+    KEEP = D <= 64
+    HALVES = shared_halves(Br, W, D)
+    SHARED = 0 if dynamic else HALVES
+
+    @cuda.jit(device=True, inline=True)
+    def stage_in(src, dst, n_rows, r0, rows, d, tid, aligned):
+        """src[r0 + r, :d] -> dst[r, :D] for r < rows (zeros past n_rows and d), 16 bytes a step."""
+        for ch in range(tid, rows * (D // 8), THREADS):
+            r = ch // (D // 8)
+            c = (ch % (D // 8)) * 8
+            row = r0 + r
+            if aligned != 0 and row < n_rows and c + 8 <= d:
+                cp_async(dst, r, c, src, row, c)
+            else:
+                for e in range(8):
+                    x = uint16(0)
+                    if row < n_rows and c + e < d:
+                        x = src[row, c + e]
+                    dst[r, c + e] = x
+
+    @cuda.jit(fastmath=FASTMATH)
+    def backward_tc(q, k, v, do, l2, delta, dq, dk, dv, scale, causal, group, aligned):
+        bkv = int32(cuda.blockIdx.y)
+        tid = int32(cuda.threadIdx.x)
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        k0 = int32(cuda.blockIdx.x) * Bc              # the first key tiles see the most queries: first
+        n_q, n_k, d = int32(q.shape[1]), int32(k.shape[1]), int32(q.shape[2])
+        smem = cuda.shared.array(SHARED, uint16, alignment=16)
+        Ks = shared_view(smem, 0, (Bc, SD))
+        Vs = shared_view(smem, TILE, (Bc, SD))
+        dSs = shared_view(smem, 2 * TILE, (Bc, SB))   # dS^T: keys x queries
+        Ls = cuda.shared.array((2, Br), float32)       # L (base 2) and D of the staged rows
+        Ds = cuda.shared.array((2, Br), float32)
+        # ldmatrix .x4: lane 8 j + r names row r of 8x8 matrix j
+        ar = (lane // 8) % 2 * 8 + lane % 8           # A (and B by .trans): rows +0/+8, then cols +0/+8
+        ac = (lane // 16) * 8
+        br = (lane // 16) * 8 + lane % 8              # B = X^T from X's rows: rows +0/+8, cols +0/+8 first
+        bc = (lane // 8) % 2 * 8
+        kw = warp * 16                                # this warp's keys: k0 + kw .. + 15
+        diag = n_k - n_q
+
+        # ---- K_j, V_j in shared memory; the warp's rows as A fragments
+        stage_in(k[bkv], Ks, n_k, k0, Bc, d, tid, aligned)
+        stage_in(v[bkv], Vs, n_k, k0, Bc, d, tid, aligned)
+        cp_async_commit()
+        cp_async_wait_all()
+        cuda.syncthreads()
+        kf = cuda.local.array((KS, 4), uint32)
+        vf = cuda.local.array((KS, 4), uint32)
+        if KEEP:
+            for s_ in range(KS):
+                x = ldmatrix(Ks, kw + ar, s_ * 16 + ac)
+                y = ldmatrix(Vs, kw + ar, s_ * 16 + ac)
+                for e in range(4):
+                    kf[s_, e] = x[e]
+                    vf[s_, e] = y[e]
+
+        dka = cuda.local.array((ND, 4), float32)       # dK_w, dV_w: D/8 accumulator tiles each
+        dva = cuda.local.array((ND, 4), float32)
+        for j in range(ND):
+            for e in range(4):
+                dka[j, e] = float32(0.0)
+                dva[j, e] = float32(0.0)
+        scale2 = float32(scale * LOG2E)
+        # causal: query i sees key k0 when k0 <= i + diag; earlier query tiles see nothing here
+        first = max(k0 - diag, 0) // Br if causal != 0 else 0
+        n_tiles = max(cdiv_dev(n_q, Br) - first, 0)
+        steps = group * n_tiles                       # (query head, query tile) pairs, in order
+
+        if steps > 0:                                 # the first pair's copies
+            bh = bkv * group
+            q0 = first * Br
+            stage_in(q[bh], shared_view(smem, 2 * TILE + Bc * SB, (Br, SD)), n_q, q0, Br, d, tid, aligned)
+            stage_in(do[bh], shared_view(smem, 2 * TILE + Bc * SB + QTILE, (Br, SD)), n_q, q0, Br, d, tid, aligned)
+            for r in range(tid, Br, THREADS):
+                row = q0 + r
+                Ls[0, r] = l2[bh, row] if row < n_q else DEAD
+                Ds[0, r] = delta[bh, row] if row < n_q else float32(0.0)
+        cp_async_commit()
+        for step in range(steps):
+            buf = step % 2
+            bh = bkv * group + step // n_tiles
+            q0 = (first + step % n_tiles) * Br
+            Qs = shared_view(smem, 2 * TILE + Bc * SB + 2 * buf * QTILE, (Br, SD))
+            dOs = shared_view(smem, 2 * TILE + Bc * SB + (2 * buf + 1) * QTILE, (Br, SD))
+            cuda.syncthreads()                        # every warp is done with the other buffer and dS
+            if step + 1 < steps:                      # the next pair's copies fly during this one
+                nbh = bkv * group + (step + 1) // n_tiles
+                nq0 = (first + (step + 1) % n_tiles) * Br
+                nb = 1 - buf
+                stage_in(q[nbh], shared_view(smem, 2 * TILE + Bc * SB + 2 * nb * QTILE, (Br, SD)), n_q, nq0, Br,
+                         d, tid, aligned)
+                stage_in(do[nbh], shared_view(smem, 2 * TILE + Bc * SB + (2 * nb + 1) * QTILE, (Br, SD)), n_q,
+                         nq0, Br, d, tid, aligned)
+                for r in range(tid, Br, THREADS):
+                    row = nq0 + r
+                    Ls[nb, r] = l2[nbh, row] if row < n_q else DEAD
+                    Ds[nb, r] = delta[nbh, row] if row < n_q else float32(0.0)
+            cp_async_commit()
+            cp_async_wait_prior()                     # this pair's Q_i and dO_i have landed
+            cuda.syncthreads()
+
+            for c in range(QC):
+                qa = q0 + c * 16                      # the chunk's first query
+                # ---- S^T = K_w Q_c^T and dP^T = V_w dO_c^T: 16 keys x 16 queries, 2 tiles each
+                s0 = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+                s1 = s0
+                p0 = s0
+                p1 = s0
+                for s_ in range(KS):
+                    if KEEP:
+                        a = (kf[s_, 0], kf[s_, 1], kf[s_, 2], kf[s_, 3])
+                    else:
+                        a = ldmatrix(Ks, kw + ar, s_ * 16 + ac)
+                    x = ldmatrix(Qs, c * 16 + br, s_ * 16 + bc)
+                    s0 = mma(a, (x[0], x[1]), s0)
+                    s1 = mma(a, (x[2], x[3]), s1)
+                    if KEEP:
+                        a = (vf[s_, 0], vf[s_, 1], vf[s_, 2], vf[s_, 3])
+                    else:
+                        a = ldmatrix(Vs, kw + ar, s_ * 16 + ac)
+                    x = ldmatrix(dOs, c * 16 + br, s_ * 16 + bc)
+                    p0 = mma(a, (x[0], x[1]), p0)
+                    p1 = mma(a, (x[2], x[3]), p1)
+                # ---- P^T and dS^T: element e of tile n is key g + 8 (e // 2), query 8 n + 2 t + e % 2
+                masked = k0 + kw + 15 >= n_k or (causal != 0 and k0 + kw + 15 > qa + diag)
+                pt = cuda.local.array((2, 4), float32)
+                dst = cuda.local.array((2, 4), float32)
+                for n in range(2):
+                    for e in range(4):
+                        col = c * 16 + n * 8 + 2 * t + e % 2
+                        key = k0 + kw + g + 8 * (e // 2)
+                        s = s0[e] if n == 0 else s1[e]
+                        dp = p0[e] if n == 0 else p1[e]
+                        p = math.exp2(s * scale2 - Ls[buf, col])
+                        ds = p * (dp - Ds[buf, col])
+                        if masked and (key >= n_k or (causal != 0 and key > q0 + col + diag)):
+                            p = float32(0.0)
+                            ds = float32(0.0)
+                        pt[n, e] = p
+                        dst[n, e] = ds
+                # ---- dV_w += P^T dO_c and dK_w += dS^T Q_c: the chunk is one k-step
+                ap = (pack(pt[0, 0], pt[0, 1]), pack(pt[0, 2], pt[0, 3]), pack(pt[1, 0], pt[1, 1]),
+                      pack(pt[1, 2], pt[1, 3]))
+                ad = (pack(dst[0, 0], dst[0, 1]), pack(dst[0, 2], dst[0, 3]), pack(dst[1, 0], dst[1, 1]),
+                      pack(dst[1, 2], dst[1, 3]))
+                for dt in range(ND // 2):
+                    x = ldmatrix_trans(dOs, c * 16 + ar, dt * 16 + ac)
+                    y0 = mma(ap, (x[0], x[1]), (dva[2 * dt, 0], dva[2 * dt, 1], dva[2 * dt, 2], dva[2 * dt, 3]))
+                    y1 = mma(ap, (x[2], x[3]),
+                             (dva[2 * dt + 1, 0], dva[2 * dt + 1, 1], dva[2 * dt + 1, 2], dva[2 * dt + 1, 3]))
+                    x = ldmatrix_trans(Qs, c * 16 + ar, dt * 16 + ac)
+                    z0 = mma(ad, (x[0], x[1]), (dka[2 * dt, 0], dka[2 * dt, 1], dka[2 * dt, 2], dka[2 * dt, 3]))
+                    z1 = mma(ad, (x[2], x[3]),
+                             (dka[2 * dt + 1, 0], dka[2 * dt + 1, 1], dka[2 * dt + 1, 2], dka[2 * dt + 1, 3]))
+                    for e in range(4):
+                        dva[2 * dt, e] = y0[e]
+                        dva[2 * dt + 1, e] = y1[e]
+                        dka[2 * dt, e] = z0[e]
+                        dka[2 * dt + 1, e] = z1[e]
+                # ---- dS^T to shared memory, as the products use it (16-bit)
+                for n in range(2):
+                    for h in range(2):
+                        w = ad[2 * n + h]
+                        r = kw + g + 8 * h
+                        cc = c * 16 + n * 8 + 2 * t
+                        dSs[r, cc] = uint16(w & 0xFFFF)
+                        dSs[r, cc + 1] = uint16(w >> 16)
+            cuda.syncthreads()                        # dS^T is whole
+
+            # ---- dQ_i += scale dS K_j: piece (row group rg, columns 16 cp .. +15) a warp at a time
+            for item in range(warp, ITEMS, W):
+                rg = item // (ND // 2)
+                cp = item % (ND // 2)
+                c0 = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+                c1 = c0
+                for kk in range(W):                    # Bc / 16 k-steps over the block's keys
+                    a = ldmatrix_trans(dSs, kk * 16 + br, rg * 16 + bc)   # A = dS from dS^T
+                    x = ldmatrix_trans(Ks, kk * 16 + ar, cp * 16 + ac)    # B = K_j
+                    c0 = mma(a, (x[0], x[1]), c0)
+                    c1 = mma(a, (x[2], x[3]), c1)
+                for e in range(4):
+                    row = q0 + rg * 16 + g + 8 * (e // 2)
+                    col = cp * 16 + 2 * t + e % 2
+                    if row < n_q:
+                        if col < d:
+                            cuda.atomic.add(dq, (bh, row, col), c0[e] * scale)
+                        if col + 8 < d:
+                            cuda.atomic.add(dq, (bh, row, col + 8), c1[e] * scale)
+
+        cp_async_wait_all()                           # (the last, empty, group)
+
+        # ---- dK_j = scale dK_w, dV_j: the warp's 16 rows
+        for j in range(ND):
+            for e in range(4):
+                key = k0 + kw + g + 8 * (e // 2)
+                col = j * 8 + 2 * t + e % 2
+                if key < n_k and col < d:
+                    dk[bkv, key, col] = dka[j, e] * scale
+                    dv[bkv, key, col] = dva[j, e]
+
+    backward_tc.threads = THREADS
+    backward_tc.keys = Bc
+    return backward_tc
+
+
+# --------------------------------------------------------------------------- the launcher
+
+def _bits(x, name):
+    """A device view of ``x`` as uint16 bits (float16 or uint16 arrays; uint16 holds bf16)."""
+    dev = to_device(x, name)
+    if dev.dtype == np.float16:
+        dev = dev.view(np.uint16)
+    return dev
+
+
+def launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, causal, bf16, tiles=None):
+    """The two kernels on device views: qd, dod (B*H, Nq, d), kd, vd (B*Hkv, Nk, d) uint16;
+    od (B*H, Nq, d) float32 or uint16; lsed (B*H, Nq) float32; into the buffers delta, l2
+    (B*H, Nq) and dq, dk, dv float32. ``tiles``: (Br, W), by default ``tc_backward_tiles``."""
+    from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
+
+    bh, n_q, d = qd.shape
+    bkv, n_k = kd.shape[0], kd.shape[1]
+    Br, W, D = tc_backward_tiles(d)
+    if tiles is not None:
+        Br, W = tiles
+    delta_kernel = make_delta_tc(bool(bf16), od.dtype == np.uint16)
+    delta_kernel[(cdiv(n_q, 4), bh), 128](od, dod, lsed, delta, l2, dq)
+    nbytes = 2 * shared_halves(Br, W, D)
+    dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
+    kernel = make_backward_tc(Br, W, D, bool(bf16), dynamic)
+    aligned = int(d % 8 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd, dod))) \
+        if not on_simulator() else int(d % 8 == 0)
+    args = (qd, kd, vd, dod, l2, delta, dq, dk, dv, np.float32(scale), np.int32(causal), np.int32(bh // bkv),
+            np.int32(aligned))
+    if dynamic:
+        allow_dynamic_shared_memory(kernel, args, nbytes)
+    kernel[(cdiv(n_k, 16 * W), bkv), kernel.threads, 0, nbytes if dynamic else 0](*args)
+
+
+def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None, bf16=False):
+    """Gradients (dq, dk, dv) of attention on tensor cores, for the upstream gradient ``do``.
+
+    q and do (B, H, Nq, d), k and v (B, Hkv, Nk, d) with H a multiple of Hkv (grouped-query
+    attention: query head h reads KV head h // (H / Hkv)), d <= 128: float16 arrays, or
+    with ``bf16=True`` bfloat16 device arrays (PyTorch bf16 CUDA tensors) or uint16 arrays
+    of bf16 bit patterns. o (B, H, Nq, d): float32 (what ``flash_attention_tc`` returns) or
+    the inputs' 16-bit type; lse (B, H, Nq) float32, natural log. ``causal`` masks
+    bottom-right aligned; ``scale`` defaults to 1/sqrt(d). Returns float32 dq (B, H, Nq, d),
+    dk and dv (B, Hkv, Nk, d); dq's last bits vary from run to run (atomic adds). NumPy in,
+    NumPy out; device arrays in, device arrays out."""
+    bf16 = check_flag(bf16, "bf16")
+    want = np.uint16 if bf16 else np.float16
+    kind = ArrayKind(q)
+    named = dict(zip(("q", "k", "v", "o", "do"), (q, k, v, o, do)))
+    for name, x in named.items():
+        if is_bf16_array(x) and not bf16:
+            raise TypeError(f"{name}: a bfloat16 array: pass bf16=True (or fp16 inputs)")
+    q, k, v, o, do = (Bf16Bits(x) if is_bf16_array(x) else x for x in named.values())
+    (B, H, n_q, d), _ = check_array(q, "q", ndim=4, dtypes=(want,))
+    ks, _ = check_array(k, "k", ndim=4, dtypes=(want,))
+    vs, _ = check_array(v, "v", ndim=4, dtypes=(want,))
+    if vs != ks:
+        raise ValueError(f"v: expected the shape of k {ks}, got {vs}")
+    if ks[0] != B or ks[3] != d:
+        raise ValueError(f"k: expected (B, Hkv, Nk, d) = ({B}, Hkv, Nk, {d}) like q, got {ks}")
+    hkv, n_k = ks[1], ks[2]
+    if hkv < 1 or H % hkv:
+        raise ValueError(f"k: expected a number of KV heads that divides q's H = {H}, got {hkv}")
+    if not 1 <= d <= 128:
+        raise ValueError(f"q: expected head dim d in 1..128, got {d}")
+    for x, name, shape, dtypes in ((o, "o", (B, H, n_q, d), (np.float32, want)),
+                                   (lse, "lse", (B, H, n_q), (np.float32,)),
+                                   (do, "do", (B, H, n_q, d), (want,))):
+        got, _ = check_array(x, name, ndim=len(shape), dtypes=dtypes)
+        if tuple(got) != shape:
+            raise ValueError(f"{name}: expected shape {shape} (like q), got {tuple(got)}")
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    if B * H > MAX_GRID_Y:
+        raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
+    dq = kind.empty((B * H, n_q, d), np.float32)
+    dk = kind.empty((B * hkv, n_k, d), np.float32)
+    dv = kind.empty((B * hkv, n_k, d), np.float32)
+    if B * H and n_q and n_k:
+        qd, dod = (_bits(x, n).reshape(B * H, n_q, d) for x, n in ((q, "q"), (do, "do")))
+        kd, vd = (_bits(x, n).reshape(B * hkv, n_k, d) for x, n in ((k, "k"), (v, "v")))
+        od = _bits(o, "o").reshape(B * H, n_q, d)
+        lsed = to_device(lse, "lse").reshape(B * H, n_q)
+        delta, l2 = cuda.device_array((B * H, n_q), np.float32), cuda.device_array((B * H, n_q), np.float32)
+        launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, causal, bf16)
+    else:                                             # nothing attends to anything: zero gradients
+        for x in (dq, dk, dv):
+            if x.size:
+                _zero(x)
+    return (kind.give_back(dq.reshape(B, H, n_q, d)), kind.give_back(dk.reshape(B, hkv, n_k, d)),
+            kind.give_back(dv.reshape(B, hkv, n_k, d)))
+
+
+def _zero(x):
+    zeros = np.zeros(x.shape, np.float32)
+    if isinstance(x, np.ndarray):
+        x[...] = zeros
+    else:
+        x.copy_to_device(zeros)
+
+
+# --------------------------------------------------------------------------- the float32 yardstick
+
+def _round(x, bf16):
+    """float32 values rounded to fp16 or bf16 (nearest even) and back."""
+    from kernels.base.mma import bf16_bits
+
+    x = np.asarray(x, np.float32)
+    if bf16:
+        return (bf16_bits(x).astype(np.uint32) << 16).view(np.float32).reshape(x.shape)
+    return x.astype(np.float16).astype(np.float32)
+
+
+def rounded_backward_numpy(q, k, v, o, lse, do, *, causal=False, scale=None, bf16=False):
+    """The backward in float32 NumPy with P rounded to the input type before dV = P^T dO and
+    dS before dK = scale dS^T Q and dQ = scale dS K, as the kernel does (the tests'
+    yardstick). Inputs as float arrays (the 16-bit values), k, v with Hkv heads; returns
+    float32 (dq, dk, dv)."""
+    q, k, v, o, do = (np.asarray(x, np.float32) for x in (q, k, v, o, do))
+    lse = np.asarray(lse, np.float32)
+    H, hkv = q.shape[1], k.shape[1]
+    k, v = (np.repeat(x, H // hkv, axis=1) for x in (k, v))
+    n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = np.float32(1 / math.sqrt(d) if scale is None else scale)
+    s = scale * (q @ np.swapaxes(k, -1, -2))
+    allowed = np.ones((n_q, n_k), bool)
+    if causal:
+        allowed = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + (n_k - n_q)
+    live = np.isfinite(lse)[..., None] | np.isnan(lse)[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(allowed & live, np.exp(s - np.where(live, lse[..., None], 0)), 0).astype(np.float32)
+        dp = do @ np.swapaxes(v, -1, -2)
+        big_d = np.sum(do * o, axis=-1, keepdims=True, dtype=np.float32)
+        ds = np.where(allowed & live, p * (dp - big_d), 0).astype(np.float32)
+        pr, dsr = _round(p, bf16), _round(ds, bf16)
+        dv = np.swapaxes(pr, -1, -2) @ do
+        dk = scale * (np.swapaxes(dsr, -1, -2) @ q)
+        dq = scale * (dsr @ k)
+    B = q.shape[0]
+    dk = dk.reshape(B, hkv, H // hkv, n_k, d).sum(axis=2, dtype=np.float32)
+    dv = dv.reshape(B, hkv, H // hkv, n_k, d).sum(axis=2, dtype=np.float32)
+    return dq.astype(np.float32), dk, dv
+
+
+# --------------------------------------------------------------------------- PTX check
+
+def ptx_targets(every_shape: bool = False):
+    """The kernel at the GPU tiles, d = 64 and 128, fp16 (``every_shape``: bf16 too)."""
+    sig = ("void(uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], float32[:, ::1], "
+           "float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32, int32, int32, "
+           "int32)")
+    out = []
+    for D in (64, 128):
+        for bf16 in (False, True) if every_shape else (False,):
+            Br, W, _ = 64, 8, D
+            dynamic = 2 * shared_halves(Br, W, D) > 48 * 1024
+            out.append((f"backward tensor cores {'bf16' if bf16 else 'fp16'} Br={Br} Bc={16 * W} D={D}",
+                        make_backward_tc(Br, W, D, bf16, dynamic), sig))
+    return out
