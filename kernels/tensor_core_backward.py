@@ -62,13 +62,16 @@ DEAD = float32(1.0e30)
 
 def tc_backward_tiles(d: int) -> tuple[int, int, int]:
     """(Br, W, D): Br query rows a tile, W warps (Bc = 16 W keys a block), D = d rounded
-    up to a multiple of 16. On a GPU 64 query rows and 8 warps (128 keys: the atomic adds
-    to dQ, Br D a block and query tile, are per Bc keys of work); in the simulator 32 rows
-    and 2 warps."""
+    up to a multiple of 16. On a GPU 8 warps (128 keys: dQ's atomic adds, Br D a block and
+    query tile, come once per Bc keys of work) and 128 query rows at D <= 64, 64 at D = 128
+    (where two buffers of 128 rows of Q and dO would not fit in shared memory). Measured on
+    the H100 at B=4 H=16 N=4096 fp16, bare launches: d = 64, 5.2 ms against 6.0 ms with 64
+    rows and 5.9 ms with 4 warps; d = 128, 10.8 against 11.4 ms with 4 warps. In the
+    simulator 32 rows and 2 warps."""
     D = 16 * cdiv(max(int(d), 1), 16)
     if on_simulator():
         return 32, 2, D
-    return 64, 8, D
+    return (128 if D <= 64 else 64), 8, D
 
 
 def shared_halves(Br: int, W: int, D: int) -> int:
@@ -125,7 +128,7 @@ def cdiv_dev(a, b):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool = False):
+def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool = False, CP: int = 0):
     """The dK/dV/dQ kernel for Br query rows a tile, W warps (Bc = 16 W keys), head dim D
     (a multiple of 16); ``dynamic``: its shared memory (``shared_halves``) is dynamic.
 
@@ -133,9 +136,10 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     k, v (B*Hkv, Nk, d) uint16 (fp16 or bf16 bits); l2 and delta (B*H, Nq) float32 (L in
     base 2 and D, from ``make_delta_tc``); dq (B*H, Nq, d) float32, zeroed; dk, dv (B*Hkv,
     Nk, d) float32; scale (float32), causal (int32 0/1), group (int32: H / Hkv), aligned
-    (int32: rows 16-byte aligned, d % 8 == 0)."""
+    (int32: rows of q, k, v, dO and dQ 16-byte aligned, d % 8 == 0: cp.async copies, and
+    dQ's adds in pairs). ``CP``: dQ's 16-column pairs a warp takes at once (0: up to 2)."""
     from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, ldmatrix,
-                                  ldmatrix_trans, mma_bf16, mma_f16, pack_bf16, pack_f16)
+                                  ldmatrix_trans, mma_bf16, mma_f16, pack_bf16, pack_f16, red_add_pair, store_word)
     from kernels.base.shared_memory import shared_view
 
     if D % 16 or Br % 16 or W < 1:
@@ -146,7 +150,11 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     THREADS = 32 * W
     KS, ND, QC = D // 16, D // 8, Br // 16       # k-steps over d; tiles of d; 16-query chunks
     SD, SB = D + 8, Br + 8                        # shared row strides (halves)
-    ITEMS = QC * (ND // 2)                        # dQ_i's 16 x 16 pieces, shared by the warps
+    if CP == 0:                                   # dQ_i's column pairs a warp: one piece a warp if it fits
+        CP = max(1, min(ND // 2, QC * (ND // 2) // W, 2))
+    if (ND // 2) % CP:
+        raise ValueError(f"CP: expected a divisor of D / 16 = {ND // 2}, got {CP}")
+    ITEMS = QC * (ND // (2 * CP))                 # dQ_i's pieces of 16 x 16 CP, shared by the warps
     TILE, QTILE = Bc * SD, Br * SD
     # K_w's and V_w's A fragments kept in registers (D / 2 of them) up to D = 64; at D = 128
     # they would take the thread past 255 registers, so they are read from shared memory.
@@ -255,6 +263,8 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
             cp_async_wait_prior()                     # this pair's Q_i and dO_i have landed
             cuda.syncthreads()
 
+            ubuf = uint32(buf)                        # unsigned indices: no negative-index wraparound
+            ut2 = uint32(2 * t)
             for c in range(QC):
                 qa = q0 + c * 16                      # the chunk's first query
                 # ---- S^T = K_w Q_c^T and dP^T = V_w dO_c^T: 16 keys x 16 queries, 2 tiles each
@@ -282,18 +292,24 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                 pt = cuda.local.array((2, 4), float32)
                 dst = cuda.local.array((2, 4), float32)
                 for n in range(2):
-                    for e in range(4):
-                        col = c * 16 + n * 8 + 2 * t + e % 2
-                        key = k0 + kw + g + 8 * (e // 2)
-                        s = s0[e] if n == 0 else s1[e]
-                        dp = p0[e] if n == 0 else p1[e]
-                        p = math.exp2(s * scale2 - Ls[buf, col])
-                        ds = p * (dp - Ds[buf, col])
-                        if masked and (key >= n_k or (causal != 0 and key > q0 + col + diag)):
-                            p = float32(0.0)
-                            ds = float32(0.0)
-                        pt[n, e] = p
-                        dst[n, e] = ds
+                    for i in range(2):                # the lane's two queries of tile n
+                        col = uint32(c * 16 + n * 8 + i) + ut2
+                        lq, dq_ = Ls[ubuf, col], Ds[ubuf, col]
+                        for h in range(2):            # keys g and g + 8
+                            e = 2 * h + i
+                            s = s0[e] if n == 0 else s1[e]
+                            dp = p0[e] if n == 0 else p1[e]
+                            p = math.exp2(s * scale2 - lq)
+                            pt[n, e] = p
+                            dst[n, e] = p * (dp - dq_)
+                if masked:                            # only chunks that cross n_k or the diagonal
+                    for n in range(2):
+                        for e in range(4):
+                            key = k0 + kw + g + 8 * (e // 2)
+                            query = qa + n * 8 + 2 * t + e % 2
+                            if key >= n_k or (causal != 0 and key > query + diag):
+                                pt[n, e] = float32(0.0)
+                                dst[n, e] = float32(0.0)
                 # ---- dV_w += P^T dO_c and dK_w += dS^T Q_c: the chunk is one k-step
                 ap = (pack(pt[0, 0], pt[0, 1]), pack(pt[0, 2], pt[0, 3]), pack(pt[1, 0], pt[1, 1]),
                       pack(pt[1, 2], pt[1, 3]))
@@ -316,32 +332,44 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                 # ---- dS^T to shared memory, as the products use it (16-bit)
                 for n in range(2):
                     for h in range(2):
-                        w = ad[2 * n + h]
-                        r = kw + g + 8 * h
-                        cc = c * 16 + n * 8 + 2 * t
-                        dSs[r, cc] = uint16(w & 0xFFFF)
-                        dSs[r, cc + 1] = uint16(w >> 16)
+                        store_word(dSs, kw + g + 8 * h, c * 16 + n * 8 + 2 * t, ad[2 * n + h])
             cuda.syncthreads()                        # dS^T is whole
 
-            # ---- dQ_i += scale dS K_j: piece (row group rg, columns 16 cp .. +15) a warp at a time
+            # ---- dQ_i += scale dS K_j: a warp takes row group rg (16 queries) and CP column
+            # pairs (16 CP columns of d); dS's A fragment is read once for the CP pairs
+            dqh = dq[bh]
             for item in range(warp, ITEMS, W):
-                rg = item // (ND // 2)
-                cp = item % (ND // 2)
-                c0 = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
-                c1 = c0
+                rg = item // (ND // (2 * CP))
+                cp0 = (item % (ND // (2 * CP))) * CP
+                acc = cuda.local.array((CP, 2, 4), float32)
+                for u in range(CP):
+                    for e in range(4):
+                        acc[u, 0, e] = float32(0.0)
+                        acc[u, 1, e] = float32(0.0)
                 for kk in range(W):                    # Bc / 16 k-steps over the block's keys
                     a = ldmatrix_trans(dSs, kk * 16 + br, rg * 16 + bc)   # A = dS from dS^T
-                    x = ldmatrix_trans(Ks, kk * 16 + ar, cp * 16 + ac)    # B = K_j
-                    c0 = mma(a, (x[0], x[1]), c0)
-                    c1 = mma(a, (x[2], x[3]), c1)
-                for e in range(4):
-                    row = q0 + rg * 16 + g + 8 * (e // 2)
-                    col = cp * 16 + 2 * t + e % 2
-                    if row < n_q:
-                        if col < d:
-                            cuda.atomic.add(dq, (bh, row, col), c0[e] * scale)
-                        if col + 8 < d:
-                            cuda.atomic.add(dq, (bh, row, col + 8), c1[e] * scale)
+                    for u in range(CP):
+                        x = ldmatrix_trans(Ks, kk * 16 + ar, (cp0 + u) * 16 + ac)    # B = K_j
+                        y0 = mma(a, (x[0], x[1]), (acc[u, 0, 0], acc[u, 0, 1], acc[u, 0, 2], acc[u, 0, 3]))
+                        y1 = mma(a, (x[2], x[3]), (acc[u, 1, 0], acc[u, 1, 1], acc[u, 1, 2], acc[u, 1, 3]))
+                        for e in range(4):
+                            acc[u, 0, e] = y0[e]
+                            acc[u, 1, e] = y1[e]
+                for u in range(CP):
+                    for n in range(2):
+                        for h in range(2):
+                            row = q0 + rg * 16 + g + 8 * h
+                            col = (cp0 + u) * 16 + n * 8 + 2 * t
+                            x0 = acc[u, n, 2 * h] * scale
+                            x1 = acc[u, n, 2 * h + 1] * scale
+                            if row < n_q:
+                                if aligned != 0 and col + 2 <= d:
+                                    red_add_pair(dqh, row, col, x0, x1)
+                                else:
+                                    if col < d:
+                                        cuda.atomic.add(dqh, (row, col), x0)
+                                    if col + 1 < d:
+                                        cuda.atomic.add(dqh, (row, col + 1), x1)
 
         cp_async_wait_all()                           # (the last, empty, group)
 
@@ -372,20 +400,23 @@ def _bits(x, name):
 def launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, causal, bf16, tiles=None):
     """The two kernels on device views: qd, dod (B*H, Nq, d), kd, vd (B*Hkv, Nk, d) uint16;
     od (B*H, Nq, d) float32 or uint16; lsed (B*H, Nq) float32; into the buffers delta, l2
-    (B*H, Nq) and dq, dk, dv float32. ``tiles``: (Br, W), by default ``tc_backward_tiles``."""
+    (B*H, Nq) and dq, dk, dv float32. ``tiles``: (Br, W) or (Br, W, CP), by default
+    ``tc_backward_tiles``."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
 
     bh, n_q, d = qd.shape
     bkv, n_k = kd.shape[0], kd.shape[1]
     Br, W, D = tc_backward_tiles(d)
+    CP = 0
     if tiles is not None:
-        Br, W = tiles
+        Br, W, *rest = tiles
+        CP = rest[0] if rest else 0
     delta_kernel = make_delta_tc(bool(bf16), od.dtype == np.uint16)
     delta_kernel[(cdiv(n_q, 4), bh), 128](od, dod, lsed, delta, l2, dq)
     nbytes = 2 * shared_halves(Br, W, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kernel = make_backward_tc(Br, W, D, bool(bf16), dynamic)
-    aligned = int(d % 8 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd, dod))) \
+    kernel = make_backward_tc(Br, W, D, bool(bf16), dynamic, CP)
+    aligned = int(d % 8 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd, dod, dq))) \
         if not on_simulator() else int(d % 8 == 0)
     args = (qd, kd, vd, dod, l2, delta, dq, dk, dv, np.float32(scale), np.int32(causal), np.int32(bh // bkv),
             np.int32(aligned))
@@ -443,7 +474,7 @@ def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None
         kd, vd = (_bits(x, n).reshape(B * hkv, n_k, d) for x, n in ((k, "k"), (v, "v")))
         od = _bits(o, "o").reshape(B * H, n_q, d)
         lsed = to_device(lse, "lse").reshape(B * H, n_q)
-        delta, l2 = cuda.device_array((B * H, n_q), np.float32), cuda.device_array((B * H, n_q), np.float32)
+        delta, l2 = kind.empty((B * H, n_q), np.float32), kind.empty((B * H, n_q), np.float32)
         launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, causal, bf16)
     else:                                             # nothing attends to anything: zero gradients
         for x in (dq, dk, dv):

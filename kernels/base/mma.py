@@ -30,6 +30,9 @@ so any PTX instruction: that is all this module does on the GPU. The device func
     split_tf32(x)                           float32 -> (hi, lo) uint32 tf32 patterns: hi = x rounded,
                                             lo = (x - hi) rounded (3xTF32: x = hi + lo to ~2^-22)
     load_words(a, row, col)                 16 bytes of a 2-D array from a[row, col] -> 4 uint32
+    store_word(a, row, col, w)              one uint32 into a 2-D 16-bit array at a[row, col .. col + 1]
+    red_add_pair(a, row, col, x, y)         a[row, col] += x, a[row, col + 1] += y (float32, one
+                                            red.global.add.v2.f32; col even, the pair 8-byte aligned)
     ldmatrix(s, row, col), ldmatrix_trans   four 8x8 b16 matrices from shared memory -> 4 uint32
     cp_async(dst, drow, dcol, src, srow, scol)   16 bytes global -> shared, asynchronously
     cp_async_commit(), cp_async_wait_all(), cp_async_wait_prior()   (all but the last group done)
@@ -54,7 +57,7 @@ from kernels.base.runtime import on_simulator
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
            "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32",
-           "load_words", "ldmatrix", "ldmatrix_trans", "cp_async", "cp_async_commit", "cp_async_wait_all",
+           "load_words", "store_word", "red_add_pair", "ldmatrix", "ldmatrix_trans", "cp_async", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
            "half_bits", "bf16_bits", "tf32_bits", "words_to_halves", "PTX"]
 
@@ -310,6 +313,21 @@ def _sim_load_words(a, row, col):
     return tuple(np.uint32(w) for w in raw)
 
 
+def _sim_store_word(a, row, col, w):
+    w = int(w) & 0xFFFFFFFF
+    a[row, col] = w & 0xFFFF
+    a[row, col + 1] = w >> 16
+
+
+_sim_red_lock = threading.Lock()
+
+
+def _sim_red_add_pair(a, row, col, x, y):
+    with _sim_red_lock:                      # the simulator's threads are Python threads
+        a[row, col] += np.float32(x)
+        a[row, col + 1] += np.float32(y)
+
+
 def _sim_ldmatrix(trans):
     def load(s, row, col):
         lane, posted = _warp_exchange((s, int(row), int(col)))
@@ -484,6 +502,33 @@ def _gpu_functions():
 
         return result(array, row, col), codegen
 
+    @intrinsic
+    def store_word(typingctx, array, row, col, w):
+        if not (is_2d(array) and array.dtype.bitwidth == 16 and isinstance(w, types.Integer)):
+            raise TypeError(f"store_word(a, row, col, w): expected a 2-D 16-bit array and a word, got {array}, {w}")
+
+        def codegen(context, builder, sig, args):
+            ptr = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], args[2], sig.args[2])
+            word = context.cast(builder, args[3], sig.args[3], types.uint32)
+            builder.store(word, builder.bitcast(ptr, i32.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(array, row, col, w), codegen
+
+    @intrinsic
+    def red_add_pair(typingctx, array, row, col, x, y):
+        if not (is_2d(array) and array.dtype == types.float32):
+            raise TypeError(f"red_add_pair(a, row, col, x, y): expected a 2-D float32 array, got {array}")
+
+        def codegen(context, builder, sig, args):
+            ptr = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], args[2], sig.args[2])
+            vals = [context.cast(builder, args[k], sig.args[k], types.float32) for k in (3, 4)]
+            asm(builder, [], "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}",
+                [builder.ptrtoint(ptr, ir.IntType(64)), *vals], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(array, row, col, x, y), codegen
+
     def make_ldmatrix(text):
         result = types.UniTuple(types.uint32, 4)
 
@@ -541,6 +586,8 @@ def _gpu_functions():
         to_tf32=to_tf32,
         split_tf32=split_tf32,
         load_words=load_words,
+        store_word=store_word,
+        red_add_pair=red_add_pair,
         ldmatrix=make_ldmatrix("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),
         ldmatrix_trans=make_ldmatrix("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"),
         cp_async=cp_async,
@@ -563,6 +610,8 @@ def _sim_functions():
         to_tf32=_sim_to_tf32,
         split_tf32=_sim_split_tf32,
         load_words=_sim_load_words,
+        store_word=_sim_store_word,
+        red_add_pair=_sim_red_add_pair,
         ldmatrix=_sim_ldmatrix(False),
         ldmatrix_trans=_sim_ldmatrix(True),
         cp_async=_sim_cp_async,
@@ -584,6 +633,8 @@ unpack_bf16 = _functions["unpack_bf16"]
 to_tf32 = _functions["to_tf32"]
 split_tf32 = _functions["split_tf32"]
 load_words = _functions["load_words"]
+store_word = _functions["store_word"]
+red_add_pair = _functions["red_add_pair"]
 ldmatrix = _functions["ldmatrix"]
 ldmatrix_trans = _functions["ldmatrix_trans"]
 cp_async = _functions["cp_async"]
