@@ -418,6 +418,28 @@ MUTANTS += [
                     "N = 1024 and 93x at N = 8192 (test_long_sequence_meets_the_rule, N = 16384)"),
 ]
 
+# ---- the backward on tensor cores (chapter 12)
+TCB = "kernels.tensor_core_backward"
+T12 = ("tests/test_tensor_core_backward.py",)
+CH12 = "test_gradients_match_the_oracle"
+MUTANTS += [
+    Mutant("tcb-dk-unscaled", 12, TCB,
+           (("dk[bkv, key, col] = dka[j, e] * scale", "dk[bkv, key, col] = dka[j, e]   # PLANTED: no scale"),),
+           T12, CH12, "dK = dS^T Q written without the softmax scale"),
+    Mutant("tcb-causal-diagonal-shifted", 12, TCB,
+           (("diag = n_k - n_q\n", "diag = n_k - n_q + 1   # PLANTED: the diagonal one key late\n"),),
+           T12, CH12, "causal: each query also sees the key after its own (the mask and the query tiles walked)"),
+    Mutant("tcb-p-tiles-swapped", 12, TCB,
+           (("ap = (pack(pt[0, 0], pt[0, 1]), pack(pt[0, 2], pt[0, 3]), pack(pt[1, 0], pt[1, 1]),\n"
+             "                      pack(pt[1, 2], pt[1, 3]))",
+             "ap = (pack(pt[1, 0], pt[1, 1]), pack(pt[1, 2], pt[1, 3]), pack(pt[0, 0], pt[0, 1]),\n"
+             "                      pack(pt[0, 2], pt[0, 3]))   # PLANTED: P^T's two n8 tiles swapped"),),
+           T12, CH12, "dV = P^T dO: P^T's two n8 tiles swapped in the A fragment (queries 0-7 weigh dO's rows 8-15)"),
+    Mutant("tcb-lse-not-base-2", 12, TCB,
+           (("else L * float32(LOG2E)", "else L   # PLANTED: L left in natural log"),),
+           T12, CH12, "make_delta_tc: L is not converted to base 2 for P = exp2(S scale log2 e - L log2 e)"),
+]
+
 BY_ID = {m.id: m for m in MUTANTS}
 assert len(BY_ID) == len(MUTANTS), "mutant ids must be unique"
 
