@@ -151,7 +151,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     KS, ND, QC = D // 16, D // 8, Br // 16       # k-steps over d; tiles of d; 16-query chunks
     SD, SB = D + 8, Br + 8                        # shared row strides (halves)
     if CP == 0:                                   # dQ_i's column pairs a warp: one piece a warp if it fits
-        CP = max(1, min(ND // 2, QC * (ND // 2) // W, 2))
+        CP = 2 if (ND // 2) % 2 == 0 and QC * (ND // 2) >= 2 * W else 1
     if (ND // 2) % CP:
         raise ValueError(f"CP: expected a divisor of D / 16 = {ND // 2}, got {CP}")
     ITEMS = QC * (ND // (2 * CP))                 # dQ_i's pieces of 16 x 16 CP, shared by the warps

@@ -154,9 +154,6 @@ def test_o_in_the_inputs_type(bf16):
     x.check(x.run())
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="make_backward_tc's default CP = 2 does not divide D / 16 = 3, 5, 7 (d in 33..48, 65..80, "
-                          "97..112): the launcher raises 'CP: expected a divisor of D / 16'")
 @pytest.mark.parametrize("d", [40] if SIM else [40, 72, 100])
 def test_head_dims_with_an_odd_number_of_column_pairs(d):
     """D / 16 odd (D = 48, 80, 112): dQ's pieces of 16 x 16 CP columns must still tile D."""
