@@ -117,6 +117,21 @@ def main(only):
                 m.flash_attention_tc(*(x.astype(np.float16) for x in (q, k, v)), causal=causal)
                 m.flash_attention_tc(*(bf16_bits(x).astype(np.uint16) for x in (q, k, v)), causal=causal, bf16=True)
         ran.append("flash_tensor_cores")
+    if want("tensor_core_backward") and (m := have("tensor_core_backward")):
+        from kernels.base.mma import bf16_bits
+
+        # ragged tiles, d padded (40, 100: odd column pairs; 13: scalar atomics), GQA, Nq != Nk
+        for b, h, hkv, nq, nk, d in [(1, 2, 1, 150, 133, 64), (1, 1, 1, 70, 200, 128), (1, 2, 2, 33, 20, 40),
+                                     (1, 4, 2, 129, 129, 100), (2, 1, 1, 1, 1, 13)]:
+            for causal in (False, True):
+                q, do = rand(rng, b, h, nq, d), rand(rng, b, h, nq, d)
+                k, v = rand(rng, b, hkv, nk, d), rand(rng, b, hkv, nk, d)
+                o, lse = rand(rng, b, h, nq, d), np.full((b, h, nq), 2.0, np.float32)
+                m.flash_attention_backward_tc(*(x.astype(np.float16) for x in (q, k, v)), o, lse,
+                                              do.astype(np.float16), causal=causal)
+                m.flash_attention_backward_tc(*(bf16_bits(x).astype(np.uint16) for x in (q, k, v, o)), lse,
+                                              bf16_bits(do).astype(np.uint16), causal=causal, bf16=True)
+        ran.append("tensor_core_backward")
     if want("flash_tf32") and (m := have("flash_tf32")):
         for b, h, nq, nk, d in shapes + [(1, 1, 200, 130, 100)]:
             for causal in (False, True):
