@@ -159,6 +159,9 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     # K_w's and V_w's A fragments kept in registers (D / 2 of them) up to D = 64; at D = 128
     # they would take the thread past 255 registers, so they are read from shared memory.
     KEEP = D <= 64
+    # Unsigned loop counters and indices on the GPU (see below); plain ints in the simulator,
+    # where every index sum is Python and NumPy scalars would make it several times slower.
+    U = int if on_simulator() else uint32
     HALVES = shared_halves(Br, W, D)
     SHARED = 0 if dynamic else HALVES
 
@@ -261,11 +264,11 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
             cp_async_wait_prior()                     # this pair's Q_i and dO_i have landed
             cuda.syncthreads()
 
-            ubuf = uint32(buf)                        # unsigned indices: no negative-index wraparound
-            ut2 = uint32(2 * t)
+            ubuf = U(buf)                             # unsigned indices: no negative-index wraparound
+            ut2 = U(2 * t)
             qoff = 2 * TILE + Bc * SB + 2 * buf * QTILE      # Q_i's rows in this buffer, then dO_i's
-            c = uint32(0)                             # (while loops: see dQ's k-steps below)
-            while c < uint32(QC):
+            c = U(0)                                  # (while loops: see dQ's k-steps below)
+            while c < U(QC):
                 qa = q0 + c * 16                      # the chunk's first query
                 # the chunk's 16 rows of Q_i and dO_i as views: each lane's row in them is fixed, so
                 # its ldmatrix addresses are a view's base plus constants (fewer 64-bit index sums)
@@ -297,7 +300,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                 dst = cuda.local.array((2, 4), float32)
                 for n in range(2):
                     for i in range(2):                # the lane's two queries of tile n
-                        col = uint32(c * 16 + n * 8 + i) + ut2
+                        col = U(c * 16 + n * 8 + i) + ut2
                         lq, dq_ = Ls[ubuf, col], Ds[ubuf, col]
                         for h in range(2):            # keys g and g + 8
                             e = 2 * h + i
@@ -337,14 +340,14 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                 for n in range(2):
                     for h in range(2):
                         store_word(dSs, kw + g + 8 * h, c * 16 + n * 8 + 2 * t, ad[2 * n + h])
-                c += uint32(1)
+                c += U(1)
             cuda.syncthreads()                        # dS^T is whole
 
             # ---- dQ_i += scale dS K_j: a warp takes row group rg (16 queries) and CP column
             # pairs (16 CP columns of d); dS's A fragment is read once for the CP pairs
             dqh = dq[bh]
-            item = uint32(warp)
-            while item < uint32(ITEMS):
+            item = U(warp)
+            while item < U(ITEMS):
                 rg = item // (ND // (2 * CP))
                 cp0 = (item % (ND // (2 * CP))) * CP
                 acc = cuda.local.array((CP, 2, 4), float32)
@@ -356,8 +359,8 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                 # range() loop control and signed 64-bit indices cost as many instructions as the
                 # step's two products (measured, with the chunk and piece loops as while loops too:
                 # 4.6 against 5.1 ms at d = 64 on the H100)
-                kk = uint32(0)
-                while kk < uint32(W):
+                kk = U(0)
+                while kk < U(W):
                     dSk = shared_view(smem, 2 * TILE + kk * 16 * SB, (16, SB))
                     Kk = shared_view(smem, kk * 16 * SD, (16, SD))
                     a = ldmatrix_trans(dSk, br, rg * 16 + bc)   # A = dS from dS^T
@@ -368,7 +371,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                         for e in range(4):
                             acc[u, 0, e] = y0[e]
                             acc[u, 1, e] = y1[e]
-                    kk += uint32(1)
+                    kk += U(1)
                 for u in range(CP):
                     for n in range(2):
                         for h in range(2):
@@ -384,7 +387,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                                         cuda.atomic.add(dqh, (row, col), x0)
                                     if col + 1 < d:
                                         cuda.atomic.add(dqh, (row, col + 1), x1)
-                item += uint32(W)
+                item += U(W)
 
         cp_async_wait_all()                           # (the last, empty, group)
 
@@ -560,7 +563,7 @@ def ptx_targets(every_shape: bool = False):
     out = []
     for D in (64, 128):
         for bf16 in (False, True) if every_shape else (False,):
-            Br, W, _ = 64, 8, D
+            Br, W = (128 if D <= 64 else 64), 8       # tc_backward_tiles on a GPU
             dynamic = 2 * shared_halves(Br, W, D) > 48 * 1024
             out.append((f"backward tensor cores {'bf16' if bf16 else 'fp16'} Br={Br} Bc={16 * W} D={D}",
                         make_backward_tc(Br, W, D, bf16, dynamic), sig))
