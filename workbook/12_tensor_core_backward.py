@@ -515,7 +515,7 @@ if rows:
 # ### Where the time goes, and what is left
 #
 # At N = 4096 the kernel runs at 0.5x to 0.66x of SDPA flash's backward (FlashAttention-2)
-# and beats SDPA memory-efficient; cuDNN's backward (Hopper's wgmma, not mma.sync) is 2.5x
+# and beats SDPA memory-efficient; cuDNN's backward (Hopper's wgmma, not mma.sync) is 2.4x
 # to 3.4x faster than ours. Nsight Compute on an earlier version of the kernel
 # (`workbook/results/tensor_core_backward_ncu.txt`, d = 64) says why it is not faster:
 #
