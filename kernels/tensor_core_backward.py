@@ -45,15 +45,16 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import OrderedDict
 
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from kernels.base.fused import FASTMATH, LOG2E, MAX_GRID_Y, make_row_reductions
-from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, \
-    is_bf16_array, on_simulator, to_device
+from kernels.base.runtime import ArrayKind, Bf16Bits, LaunchTemplate, cdiv, check_array, check_flag, \
+    check_scale, device_pointer, is_bf16_array, is_device_array, on_simulator, to_device
 
-__all__ = ["flash_attention_backward_tc", "launch_backward", "make_backward_tc", "make_delta_tc",
+__all__ = ["flash_attention_backward_tc", "BackwardLaunches", "launch_backward", "make_backward_tc", "make_delta_tc",
            "rounded_backward_numpy", "tc_backward_tiles", "shared_halves", "ptx_targets"]
 
 # The "logsumexp" (base 2) of a dead row (past Nq, or L = -inf): exp2(S - DEAD) = 0.
@@ -443,6 +444,64 @@ def launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, cau
     kernel[(cdiv(n_k, 16 * W), bkv), kernel.threads, 0, nbytes if dynamic else 0](*args)
 
 
+class BackwardLaunches:
+    """The two launches of one call shape, bound once (``LaunchTemplate``): Numba's typing
+    of a dozen arguments and its device views cost about 0.9 ms of Python a call, longer
+    than the kernels take at N = 1024. D and L2 are the plan's own buffers; a call passes
+    q, k, v, o, lse, do, dq, dk, dv: views in the simulator, data pointers on a GPU."""
+
+    DELTA_SLOTS = dict(o=0, do=1, lse=2, dq=5)
+    MAIN_SLOTS = dict(q=0, k=1, v=2, do=3, dq=6, dk=7, dv=8)
+
+    def __init__(self, views: dict, scale: float, causal: bool, bf16: bool, aligned: int, tiles=None):
+        from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
+
+        qd, kd = views["q"], views["k"]
+        bh, n_q, d = qd.shape
+        bkv, n_k = kd.shape[0], kd.shape[1]
+        Br, W, D = tc_backward_tiles(d)
+        CP = 0
+        if tiles is not None:
+            Br, W, *rest = tiles
+            CP = rest[0] if rest else 0
+        self.delta = cuda.device_array((bh, n_q), np.float32)
+        self.l2 = cuda.device_array((bh, n_q), np.float32)
+        delta_kernel = make_delta_tc(bool(bf16), views["o"].dtype == np.uint16)
+        self.templates = [LaunchTemplate(delta_kernel, (cdiv(n_q, 4), bh), 128,
+                                         (views["o"], views["do"], views["lse"], self.delta, self.l2, views["dq"]),
+                                         self.DELTA_SLOTS)]
+        nbytes = 2 * shared_halves(Br, W, D)
+        dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
+        kernel = make_backward_tc(Br, W, D, bool(bf16), dynamic, CP)
+        args = (qd, kd, views["v"], views["do"], self.l2, self.delta, views["dq"], views["dk"], views["dv"],
+                np.float32(scale), np.int32(causal), np.int32(bh // bkv), np.int32(aligned))
+        if dynamic:
+            allow_dynamic_shared_memory(kernel, args, nbytes)
+        self.templates.append(LaunchTemplate(kernel, (cdiv(n_k, 16 * W), bkv), kernel.threads, args,
+                                             self.MAIN_SLOTS, nbytes if dynamic else 0))
+
+    def __call__(self, **arrays):
+        for launch in self.templates:
+            launch(**arrays)
+
+
+_launches: OrderedDict = OrderedDict()
+MAX_CACHED_CALLS = 64
+
+
+def _dtype(x):
+    cai = getattr(x, "__cuda_array_interface__", None)
+    return np.dtype(cai["typestr"]) if cai is not None else np.dtype(x.dtype)
+
+
+def _views(arrays: dict, bh: int, bkv: int, n_q: int, n_k: int, d: int) -> dict:
+    """Numba device views of a call's arrays in the kernels' shapes ((B*H, Nq, d), ...), 16-bit
+    inputs as their bits (uint16)."""
+    shapes = dict(q=(bh, n_q, d), do=(bh, n_q, d), o=(bh, n_q, d), lse=(bh, n_q), k=(bkv, n_k, d),
+                  v=(bkv, n_k, d), dq=(bh, n_q, d), dk=(bkv, n_k, d), dv=(bkv, n_k, d))
+    return {name: _bits(x, name).reshape(*shapes[name]) for name, x in arrays.items()}
+
+
 def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None, bf16=False):
     """Gradients (dq, dk, dv) of attention on tensor cores, for the upstream gradient ``do``.
 
@@ -484,22 +543,32 @@ def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None
     scale = check_scale(scale, d)
     if B * H > MAX_GRID_Y:
         raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
-    dq = kind.empty((B * H, n_q, d), np.float32)
-    dk = kind.empty((B * hkv, n_k, d), np.float32)
-    dv = kind.empty((B * hkv, n_k, d), np.float32)
-    if B * H and n_q and n_k:
-        qd, dod = (_bits(x, n).reshape(B * H, n_q, d) for x, n in ((q, "q"), (do, "do")))
-        kd, vd = (_bits(x, n).reshape(B * hkv, n_k, d) for x, n in ((k, "k"), (v, "v")))
-        od = _bits(o, "o").reshape(B * H, n_q, d)
-        lsed = to_device(lse, "lse").reshape(B * H, n_q)
-        delta, l2 = kind.empty((B * H, n_q), np.float32), kind.empty((B * H, n_q), np.float32)
-        launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, causal, bf16)
-    else:                                             # nothing attends to anything: zero gradients
-        for x in (dq, dk, dv):
+    if not (B * H and n_q and n_k):                   # nothing attends to anything: zero gradients
+        grads = [kind.empty(shape, np.float32) for shape in ((B, H, n_q, d), (B, hkv, n_k, d), (B, hkv, n_k, d))]
+        for x in grads:
             if x.size:
                 _zero(x)
-    return (kind.give_back(dq.reshape(B, H, n_q, d)), kind.give_back(dk.reshape(B, hkv, n_k, d)),
-            kind.give_back(dv.reshape(B, hkv, n_k, d)))
+        return tuple(kind.give_back(x) for x in grads)
+    held = {name: x if is_device_array(x) else to_device(x, name)
+            for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do))}
+    grads = dict(dq=kind.new((B, H, n_q, d)), dk=kind.new((B, hkv, n_k, d)), dv=kind.new((B, hkv, n_k, d)))
+    arrays = {**held, **grads}
+    if on_simulator():
+        aligned, device = int(d % 8 == 0), 0
+    else:
+        pointers = {name: device_pointer(x, name) for name, x in arrays.items()}
+        aligned = int(d % 8 == 0 and all(pointers[n] % 16 == 0 for n in ("q", "k", "v", "do", "dq")))
+        device = cuda.get_current_device().id
+    key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) != np.float32, causal, scale, aligned, device)
+    launches = _launches.get(key)
+    views = _views(arrays, B * H, B * hkv, n_q, n_k, d) if launches is None or on_simulator() else None
+    if launches is None:
+        launches = _launches[key] = BackwardLaunches(views, scale, causal, bf16, aligned)
+        while len(_launches) > MAX_CACHED_CALLS:
+            _launches.popitem(last=False)
+    _launches.move_to_end(key)
+    launches(**(views if on_simulator() else pointers))
+    return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))
 
 
 def _zero(x):

@@ -161,6 +161,18 @@ def test_head_dims_with_an_odd_number_of_column_pairs(d):
     x.check(x.run())
 
 
+def test_a_bound_call_shape_takes_each_calls_arrays():
+    """The launcher binds its launches once a call shape (``BackwardLaunches``); a second call
+    of that shape with other values (and fresh output arrays) gets its own gradients, and a
+    third with the other causal flag its own launches."""
+    shape_q, shape_k = (1, 2, 21, 16), (1, 1, 19, 16)
+    first, second = (Inputs(pinned(shape_q, shape_k, causal=True, seed=s), False, seed=s) for s in (31, 32))
+    first.check(first.run())
+    second.check(second.run())
+    third = Inputs(pinned(shape_q, shape_k, causal=False, seed=33), False, seed=33)
+    third.check(third.run())
+
+
 # --------------------------------------------------------------------------- NaN
 
 # A NaN in one row of dO (or of L) reaches the gradients that row touches: its row of dQ,

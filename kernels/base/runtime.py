@@ -350,13 +350,15 @@ class LaunchTemplate:
     arrays of the shape and dtype the template was made with (only the data pointer
     changes): on the GPU as device pointers (``device_pointer``), in the simulator as the
     arrays themselves (there a call is the plain launch). The template holds every other
-    argument, since its parameters are raw pointers into them, and none of the slots'."""
+    argument, since its parameters are raw pointers into them, and none of the slots'.
+    ``shared_bytes``: dynamic shared memory a block (``kernels.base.shared_memory``)."""
 
     # Numba passes an array as: meminfo, parent, size, itemsize, data, shape..., strides...
     _DATA = 4
 
-    def __init__(self, kernel, grid, threads, args, slots=None):
+    def __init__(self, kernel, grid, threads, args, slots=None, shared_bytes=0):
         self.slots = dict(slots or {})
+        self._shared = int(shared_bytes)          # dynamic shared memory a block (the caller raised its limit)
         taken = set(self.slots.values())
         self._args = [None if i in taken else a for i, a in enumerate(args)]
         # (configured at each call: the simulator's kernel[grid, threads] configures the
@@ -379,7 +381,7 @@ class LaunchTemplate:
         if write_back:
             raise TypeError("LaunchTemplate: host arrays among the arguments (they would need copies back)")
         self._params, self._data_at = params, data_at
-        self._config = LaunchConfig(grid=grid, block=threads)
+        self._config = LaunchConfig(grid=grid, block=threads, shmem_size=self._shared)
         self._function = compiled._codelibrary.get_cufunc().kernel
         self._stream = driver._to_core_stream(0)
 
@@ -389,7 +391,7 @@ class LaunchTemplate:
             args = list(self._args)
             for name, i in self.slots.items():
                 args[i] = arrays[name]
-            self._kernel[self._grid, self._threads](*args)
+            self._kernel[self._grid, self._threads, 0, self._shared](*args)
             return
         from cuda.core import launch
 
