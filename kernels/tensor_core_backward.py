@@ -139,8 +139,9 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     Nk, d) float32; scale (float32), causal (int32 0/1), group (int32: H / Hkv), aligned
     (int32: rows of q, k, v, dO and dQ 16-byte aligned, d % 8 == 0: cp.async copies, and
     dQ's adds in pairs). ``CP``: dQ's 16-column pairs a warp takes at once (0: up to 2)."""
-    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, ldmatrix,
-                                  ldmatrix_trans, mma_bf16, mma_f16, pack_bf16, pack_f16, red_add_pair, store_word)
+    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
+                                  ldmatrix_at, ldmatrix_trans_at, mma_bf16, mma_f16, pack_bf16, pack_f16,
+                                  red_add_pair, shared_address, store_word)
     from kernels.base.shared_memory import shared_view
 
     if D % 16 or Br % 16 or W < 1:
@@ -212,12 +213,18 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
         cp_async_commit()
         cp_async_wait_all()
         cuda.syncthreads()
+        # 32-bit shared addresses of each lane's ldmatrix row, made once: a k-step adds a
+        # constant (indexing an array would cost 64-bit arithmetic at every load)
+        ka = shared_address(Ks, kw + ar, ac)          # K_w, V_w as A
+        va = shared_address(Vs, kw + ar, ac)
+        kt = shared_address(Ks, ar, ac)               # K_j as B of dQ (.trans)
+        sa = shared_address(dSs, br, bc)              # dS as A of dQ (.trans of dS^T)
         kf = cuda.local.array((KS, 4), uint32)
         vf = cuda.local.array((KS, 4), uint32)
         if KEEP:
             for s_ in range(KS):
-                x = ldmatrix(Ks, kw + ar, s_ * 16 + ac)
-                y = ldmatrix(Vs, kw + ar, s_ * 16 + ac)
+                x = ldmatrix_at(ka + s_ * 32)
+                y = ldmatrix_at(va + s_ * 32)
                 for e in range(4):
                     kf[s_, e] = x[e]
                     vf[s_, e] = y[e]
@@ -268,13 +275,14 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
             ubuf = U(buf)                             # unsigned indices: no negative-index wraparound
             ut2 = U(2 * t)
             qoff = 2 * TILE + Bc * SB + 2 * buf * QTILE      # Q_i's rows in this buffer, then dO_i's
+            Qv = shared_view(smem, qoff, (Br, SD))
+            dOv = shared_view(smem, qoff + QTILE, (Br, SD))
+            qb, qt = shared_address(Qv, br, bc), shared_address(Qv, ar, ac)       # as B, and as B by .trans
+            ob, ot = shared_address(dOv, br, bc), shared_address(dOv, ar, ac)
             c = U(0)                                  # (while loops: see dQ's k-steps below)
             while c < U(QC):
                 qa = q0 + c * 16                      # the chunk's first query
-                # the chunk's 16 rows of Q_i and dO_i as views: each lane's row in them is fixed, so
-                # its ldmatrix addresses are a view's base plus constants (fewer 64-bit index sums)
-                Qc = shared_view(smem, qoff + c * 16 * SD, (16, SD))
-                dOc = shared_view(smem, qoff + QTILE + c * 16 * SD, (16, SD))
+                cb = c * (32 * SD)                    # the chunk's 16 rows, in bytes
                 # ---- S^T = K_w Q_c^T and dP^T = V_w dO_c^T: 16 keys x 16 queries, 2 tiles each
                 s0 = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
                 s1 = s0
@@ -284,15 +292,15 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                     if KEEP:
                         a = (kf[s_, 0], kf[s_, 1], kf[s_, 2], kf[s_, 3])
                     else:
-                        a = ldmatrix(Ks, kw + ar, s_ * 16 + ac)
-                    x = ldmatrix(Qc, br, s_ * 16 + bc)
+                        a = ldmatrix_at(ka + s_ * 32)
+                    x = ldmatrix_at(qb + cb + s_ * 32)
                     s0 = mma(a, (x[0], x[1]), s0)
                     s1 = mma(a, (x[2], x[3]), s1)
                     if KEEP:
                         a = (vf[s_, 0], vf[s_, 1], vf[s_, 2], vf[s_, 3])
                     else:
-                        a = ldmatrix(Vs, kw + ar, s_ * 16 + ac)
-                    x = ldmatrix(dOc, br, s_ * 16 + bc)
+                        a = ldmatrix_at(va + s_ * 32)
+                    x = ldmatrix_at(ob + cb + s_ * 32)
                     p0 = mma(a, (x[0], x[1]), p0)
                     p1 = mma(a, (x[2], x[3]), p1)
                 # ---- P^T and dS^T: element e of tile n is key g + 8 (e // 2), query 8 n + 2 t + e % 2
@@ -324,11 +332,11 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                 ad = (pack(dst[0, 0], dst[0, 1]), pack(dst[0, 2], dst[0, 3]), pack(dst[1, 0], dst[1, 1]),
                       pack(dst[1, 2], dst[1, 3]))
                 for dt in range(ND // 2):
-                    x = ldmatrix_trans(dOc, ar, dt * 16 + ac)
+                    x = ldmatrix_trans_at(ot + cb + dt * 32)
                     y0 = mma(ap, (x[0], x[1]), (dva[2 * dt, 0], dva[2 * dt, 1], dva[2 * dt, 2], dva[2 * dt, 3]))
                     y1 = mma(ap, (x[2], x[3]),
                              (dva[2 * dt + 1, 0], dva[2 * dt + 1, 1], dva[2 * dt + 1, 2], dva[2 * dt + 1, 3]))
-                    x = ldmatrix_trans(Qc, ar, dt * 16 + ac)
+                    x = ldmatrix_trans_at(qt + cb + dt * 32)
                     z0 = mma(ad, (x[0], x[1]), (dka[2 * dt, 0], dka[2 * dt, 1], dka[2 * dt, 2], dka[2 * dt, 3]))
                     z1 = mma(ad, (x[2], x[3]),
                              (dka[2 * dt + 1, 0], dka[2 * dt + 1, 1], dka[2 * dt + 1, 2], dka[2 * dt + 1, 3]))
@@ -357,16 +365,14 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                         acc[u, 0, e] = float32(0.0)
                         acc[u, 1, e] = float32(0.0)
                 # Bc / 16 k-steps over the block's keys. A while loop on an unsigned counter: Numba's
-                # range() loop control and signed 64-bit indices cost as many instructions as the
-                # step's two products (measured, with the chunk and piece loops as while loops too:
-                # 4.6 against 5.1 ms at d = 64 on the H100)
+                # range() loop control costs as many instructions as the step's two products
+                # (measured, with the chunk and piece loops as while loops too: 4.6 against 5.1 ms
+                # at d = 64 on the H100; the 32-bit addresses then 4.2 ms)
                 kk = U(0)
                 while kk < U(W):
-                    dSk = shared_view(smem, 2 * TILE + kk * 16 * SB, (16, SB))
-                    Kk = shared_view(smem, kk * 16 * SD, (16, SD))
-                    a = ldmatrix_trans(dSk, br, rg * 16 + bc)   # A = dS from dS^T
+                    a = ldmatrix_trans_at(sa + kk * (32 * SB) + rg * 32)          # A = dS from dS^T
                     for u in range(CP):
-                        x = ldmatrix_trans(Kk, ar, (cp0 + u) * 16 + ac)    # B = K_j
+                        x = ldmatrix_trans_at(kt + kk * (32 * SD) + (cp0 + u) * 32)   # B = K_j
                         y0 = mma(a, (x[0], x[1]), (acc[u, 0, 0], acc[u, 0, 1], acc[u, 0, 2], acc[u, 0, 3]))
                         y1 = mma(a, (x[2], x[3]), (acc[u, 1, 0], acc[u, 1, 1], acc[u, 1, 2], acc[u, 1, 3]))
                         for e in range(4):

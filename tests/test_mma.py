@@ -239,6 +239,36 @@ def test_ldmatrix_gives_the_mma_fragments(trans):
 
 
 @cuda.jit
+def _ldmatrix_at_kernel(src, out):
+    lane = cuda.threadIdx.x
+    s = cuda.shared.array((24, 40), np.float16)
+    for e in range(lane, 24 * 40, 32):
+        s[e // 40, e % 40] = src[e // 40, e % 40]
+    cuda.syncthreads()
+    j = lane // 8
+    row, col = 8 + (j % 2) * 8 + lane % 8, 16 + (j // 2) * 8        # the 16 x 16 block at (8, 16)
+    base = mma.shared_address(s, 0, 0)
+    a = mma.ldmatrix(s, row, col)
+    b = mma.ldmatrix_at(base + (row * 40 + col) * 2)                   # bytes from s[0, 0]
+    c = mma.ldmatrix_trans(s, row, col)
+    d = mma.ldmatrix_trans_at(mma.shared_address(s, row, 0) + col * 2)
+    for i in range(4):
+        out[lane, i] = a[i]
+        out[lane, 4 + i] = b[i]
+        out[lane, 8 + i] = c[i]
+        out[lane, 12 + i] = d[i]
+
+
+def test_ldmatrix_at_a_shared_address_reads_what_ldmatrix_reads():
+    x = np.random.default_rng(5).standard_normal((24, 40)).astype(np.float16)
+    out = np.zeros((32, 16), np.uint32)
+    _ldmatrix_at_kernel[1, 32](x, out)
+    np.testing.assert_array_equal(out[:, 4:8], out[:, 0:4])
+    np.testing.assert_array_equal(out[:, 12:16], out[:, 8:12])
+    np.testing.assert_array_equal(out[:, 0:4], mma.fragment_a(x[8:24, 16:32].astype(np.float32)))
+
+
+@cuda.jit
 def _copy_kernel(src, out):
     t = cuda.threadIdx.x
     s = cuda.shared.array((4, 64), np.float16)

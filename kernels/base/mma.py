@@ -34,6 +34,10 @@ so any PTX instruction: that is all this module does on the GPU. The device func
     red_add_pair(a, row, col, x, y)         a[row, col] += x, a[row, col + 1] += y (float32, one
                                             red.global.add.v2.f32; col even, the pair 8-byte aligned)
     ldmatrix(s, row, col), ldmatrix_trans   four 8x8 b16 matrices from shared memory -> 4 uint32
+    shared_address(s, row, col)             the 32-bit shared-memory address of s[row, col] (bytes)
+    ldmatrix_at(addr), ldmatrix_trans_at    ldmatrix at an address from shared_address plus a byte
+                                            offset: a kernel adds constants to an address it made
+                                            once (where indexing an array costs 64-bit arithmetic)
     cp_async(dst, drow, dcol, src, srow, scol)   16 bytes global -> shared, asynchronously
     cp_async_commit(), cp_async_wait_all(), cp_async_wait_prior()   (all but the last group done)
     cp_async_wait_prior2()                  (all but the last two groups done)
@@ -57,7 +61,7 @@ from kernels.base.runtime import on_simulator
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
            "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32",
-           "load_words", "store_word", "red_add_pair", "ldmatrix", "ldmatrix_trans", "cp_async", "cp_async_commit", "cp_async_wait_all",
+           "load_words", "store_word", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
            "half_bits", "bf16_bits", "tf32_bits", "words_to_halves", "PTX"]
 
@@ -343,6 +347,32 @@ def _sim_ldmatrix(trans):
     return load
 
 
+class _SimAddress:
+    """The simulator's shared address: a 2-D array and a byte offset from its [0, 0]."""
+
+    def __init__(self, array, offset):
+        self.array, self.offset = array, int(offset)
+
+    def __add__(self, nbytes):
+        return _SimAddress(self.array, self.offset + int(nbytes))
+
+    def element(self):
+        row, col = divmod(self.offset // self.array.itemsize, self.array.shape[1])
+        return self.array, row, col
+
+
+def _sim_shared_address(a, row, col):
+    return _SimAddress(a, (int(row) * a.shape[1] + int(col)) * a.itemsize)
+
+
+def _sim_ldmatrix_at(trans):
+    load = _sim_ldmatrix(trans)
+
+    def load_at(addr):
+        return load(*addr.element())
+    return load_at
+
+
 def _sim_cp_async(dst, drow, dcol, src, srow, scol):
     n = 16 // src.itemsize
     dst[drow, dcol:dcol + n] = src[srow, scol:scol + n]
@@ -503,6 +533,36 @@ def _gpu_functions():
         return result(array, row, col), codegen
 
     @intrinsic
+    def shared_address(typingctx, array, row, col):
+        if not is_2d(array):
+            raise TypeError(f"shared_address(s, row, col): expected a 2-D shared array, got {array}")
+
+        def codegen(context, builder, sig, args):
+            ptr = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], args[2], sig.args[2])
+            body = "{ .reg .u64 s; cvta.to.shared.u64 s, $1; cvt.u32.u64 $0, s; }"
+            return asm(builder, [i32], body, "=r,l", [builder.ptrtoint(ptr, ir.IntType(64))])[0]
+
+        return types.uint32(array, row, col), codegen
+
+    def make_ldmatrix_at(text):
+        result = types.UniTuple(types.uint32, 4)
+
+        @intrinsic
+        def load_at(typingctx, addr):
+            if not isinstance(addr, types.Integer):
+                raise TypeError(f"ldmatrix_at(addr): expected a 32-bit shared address, got {addr}")
+
+            def codegen(context, builder, sig, args):
+                a = context.cast(builder, args[0], sig.args[0], types.uint32)
+                outs = asm(builder, [i32] * 4, text + " {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}", [a],
+                           side_effect=True)
+                return context.make_tuple(builder, result, outs)
+
+            return result(addr), codegen
+
+        return load_at
+
+    @intrinsic
     def store_word(typingctx, array, row, col, w):
         if not (is_2d(array) and array.dtype.bitwidth == 16 and isinstance(w, types.Integer)):
             raise TypeError(f"store_word(a, row, col, w): expected a 2-D 16-bit array and a word, got {array}, {w}")
@@ -590,6 +650,9 @@ def _gpu_functions():
         red_add_pair=red_add_pair,
         ldmatrix=make_ldmatrix("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),
         ldmatrix_trans=make_ldmatrix("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"),
+        shared_address=shared_address,
+        ldmatrix_at=make_ldmatrix_at("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),
+        ldmatrix_trans_at=make_ldmatrix_at("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"),
         cp_async=cp_async,
         cp_async_commit=make_fence("cp.async.commit_group;"),
         cp_async_wait_all=make_fence("cp.async.wait_all;"),
@@ -614,6 +677,9 @@ def _sim_functions():
         red_add_pair=_sim_red_add_pair,
         ldmatrix=_sim_ldmatrix(False),
         ldmatrix_trans=_sim_ldmatrix(True),
+        shared_address=_sim_shared_address,
+        ldmatrix_at=_sim_ldmatrix_at(False),
+        ldmatrix_trans_at=_sim_ldmatrix_at(True),
         cp_async=_sim_cp_async,
         cp_async_commit=_sim_nothing,
         cp_async_wait_all=_sim_nothing,
@@ -637,6 +703,9 @@ store_word = _functions["store_word"]
 red_add_pair = _functions["red_add_pair"]
 ldmatrix = _functions["ldmatrix"]
 ldmatrix_trans = _functions["ldmatrix_trans"]
+shared_address = _functions["shared_address"]
+ldmatrix_at = _functions["ldmatrix_at"]
+ldmatrix_trans_at = _functions["ldmatrix_trans_at"]
 cp_async = _functions["cp_async"]
 cp_async_commit = _functions["cp_async_commit"]
 cp_async_wait_all = _functions["cp_async_wait_all"]
