@@ -514,27 +514,31 @@ if rows:
 # %% [markdown]
 # ### Where the time goes, and what is left
 #
-# At N = 4096 the kernel runs at 0.5x to 0.66x of SDPA flash's backward (FlashAttention-2)
-# and beats SDPA memory-efficient; cuDNN's backward (Hopper's wgmma, not mma.sync) is 2.4x
+# At N = 4096 the kernel runs at 0.55x to 0.68x of SDPA flash's backward (FlashAttention-2)
+# and beats SDPA memory-efficient; cuDNN's backward (Hopper's wgmma, not mma.sync) is 2.1x
 # to 3.4x faster than ours. Nsight Compute on an earlier version of the kernel
-# (`workbook/results/tensor_core_backward_ncu.txt`, d = 64) says why it is not faster:
+# (`workbook/results/tensor_core_backward_ncu.txt`, d = 64, at 5.0-5.3 ms) says why:
 #
 # - **Few warps.** dK and dV of a warp's 16 keys stay in its registers for the whole run
-#   (D/2 floats each a lane) and the thread needs over 200 registers: one block of 8 warps
+#   (D/2 floats each a lane) and the thread needs about 200 registers: one block of 8 warps
 #   an SM, 2 warps a scheduler. A scheduler issued in 49% of cycles; the most common stall
 #   waits on the previous instruction's fixed latency, which more warps would hide.
 # - **Too many instructions a product.** 2.07 G instructions for 168 M `mma`s: about 12
-#   each, where the products and their `ldmatrix`es alone need 2. Most are 64-bit index
+#   each, where the products and their `ldmatrix`es alone need 2. Most were 64-bit index
 #   arithmetic that Numba emits for every array index (signed, with a wraparound for
-#   negative indices) and its `range()` loop control. Views of each chunk's rows and
-#   `while` loops on unsigned counters took 5.1 ms to 4.6 ms at d = 64.
-# - **The launcher** adds about 0.9 ms of Python a call (argument checks, device views,
-#   PyTorch allocations): invisible at N = 16384, 1.9x the kernel's time at N = 1024.
+#   negative indices) and its `range()` loop control. Three changes, each measured, took
+#   d = 64 from 5.1 ms to 4.2 ms: views of each chunk's rows, `while` loops on unsigned
+#   counters, and `ldmatrix` at 32-bit shared addresses made once a lane
+#   (`kernels.base.mma.shared_address`, `ldmatrix_at`), which also freed 11 registers at
+#   d = 64 and the spill at d = 128.
+# - **The launcher** binds its two launches once a call shape (chapter 7's
+#   `LaunchTemplate`) and passes data pointers: about 0.3 ms of Python a call, hidden
+#   behind the GPU's work; before, Numba's typing of a dozen arguments cost 0.9 ms.
 #
-# What would help, in order: 32-bit shared-memory addresses computed once (an `ldmatrix`
-# that takes an address, not an array and two indices); dQ's k-steps unrolled; a launch
-# bound once a call shape (chapter 7's `LaunchTemplate`); and, beyond `mma.sync`, Hopper's
-# `wgmma` with the operands in shared memory, as cuDNN and FlashAttention-3 do.
+# What would help next: dQ's k-steps unrolled (its atomic adds, too, are 64-bit index
+# arithmetic); fewer registers for more warps (dK or dV through shared memory); and, beyond
+# `mma.sync`, Hopper's `wgmma` with the operands in shared memory, as cuDNN and
+# FlashAttention-3 do.
 
 # %% [markdown]
 # ## 8. Exercises
