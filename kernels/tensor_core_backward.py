@@ -6,8 +6,8 @@ accumulate). K/V tiles outer, as FlashAttention-2's backward:
 
     one block        key tile j: Bc = 16 W keys of one (batch, KV head), W warps; K_j, V_j
                      in shared memory; dK_j, dV_j in the warps' accumulators
-    one warp         16 keys: its rows of K_j and V_j as A fragments, its 16 rows of dK_j
-                     and dV_j as D/8 accumulator tiles each
+    one warp         16 keys: its rows of K_j and V_j as A fragments (kept in registers up
+                     to D = 64), its 16 rows of dK_j and dV_j as D/8 accumulator tiles each
     for each query head of the KV head's group (GQA), each query tile i (Br rows: Q_i, dO_i,
     L_i, D_i staged in shared memory, the next tile's copy flying during this one's work),
     each chunk c of 16 queries (the k-step of the two products that sum over queries):
@@ -22,7 +22,7 @@ accumulate). K/V tiles outer, as FlashAttention-2's backward:
         dS^T -> shared memory (16-bit, as the products use it)
     then dQ_i += scale dS K_j      dS (Br x Bc) read back as A fragments (ldmatrix.trans of
                                    the stored dS^T), K_j as B (ldmatrix.trans); the warps
-                                   split Br/16 row groups x D/16 column pairs; the block's
+                                   share its pieces of 16 rows x 32 columns; the block's
                                    sums go to dQ by float32 atomic adds (FlashAttention-2's
                                    dQ accumulator: dQ's last bits vary from run to run)
     dK_j = scale dK_w and dV_j written once, float32.
@@ -33,6 +33,13 @@ the registers for them. Only dQ, which sums over the block's keys across warps, 
 in shared memory.
 
 A kernel ``make_delta_tc`` runs first: D = rowsum(dO o O) a query row, and dQ = 0.
+
+What Numba makes costly, and the kernel avoids (each step measured on the H100, see the
+comments): indexing an array costs signed 64-bit arithmetic, so each lane's ldmatrix rows
+are 32-bit shared-memory addresses made once (``shared_address``) to which a k-step adds
+a constant (``ldmatrix_at``); ``range()`` loops cost their control, so the long loops are
+``while`` loops on unsigned counters. The launcher binds its two launches once a call
+shape (``BackwardLaunches``).
 
 Inputs fp16, or bf16 (``bf16=True``; PyTorch bf16 tensors or uint16 bit patterns); O
 float32 (what chapter 8's forward returns) or the inputs' 16-bit type; L float32.
