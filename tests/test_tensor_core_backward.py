@@ -124,12 +124,15 @@ ONE_PAST_Q, ONE_PAST_K = BR + 1, BC + 1
 @example(case=pinned((1, 1, ONE_PAST_Q, 13), (1, 1, ONE_PAST_K, 13), causal=True), bf16=True, seed=4)  # one past
 @example(case=pinned((1, 2, 6, 8), (1, 1, 0, 8), causal=True), bf16=False, seed=5)                 # Nk = 0
 @example(case=pinned((1, 2, 0, 8), (1, 2, 7, 8)), bf16=True, seed=6)                               # Nq = 0
+@example(case=pinned((1, 1, BR + 8, 16), (1, 1, BC + 13, 16), causal=True), bf16=False, seed=7)    # skipped tiles
 def test_gradients_match_the_oracle(case, bf16, seed):
     """Pinned: N = 1 (dS = 0 up to rounding: the floors decide); Nq > Nk causal (rows 0..7
     see no key: L = -inf, zero gradients); GQA group 2, causal, d = 16 (cp.async copies,
     dQ's paired adds); logits of several hundred (P nearly one-hot: dS = P (dP - D) cancels); one
     past a query tile (the next tile's copies) and a key tile (a second block, skipping
-    the first query tile); empty sequences (zeros of the right shapes, no launch)."""
+    the first query tile); empty sequences (zeros of the right shapes, no launch); causal with
+    Nk - Nq = 5 over two query and two key tiles (the second key tile is first seen by the
+    last rows of the first query tile, which its walk must not skip)."""
     x = Inputs(case, bf16, seed)
     got = x.run()
     x.check(got)
