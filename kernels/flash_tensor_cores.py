@@ -42,6 +42,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from kernels.base.fragment_softmax import make_fragment_softmax
+from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, \
     is_bf16_array, on_simulator, to_device
@@ -127,7 +128,7 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
     (B*H, Nk, d) uint16 (fp16 or bf16 bits); o (B*H, Nq, d) and lse (B*H, Nq) float32;
     scale (float32), causal (int32 0/1), aligned (int32: rows 16-byte aligned, d % 8 == 0,
     so whole 16-byte chunks go by cp.async)."""
-    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, ldmatrix,
+    from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior, ldmatrix,
                                   ldmatrix_trans, mma_bf16, mma_f16)
 
     mma = mma_bf16 if bf16 else mma_f16
@@ -141,21 +142,7 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
     if Br not in (Bc, 2 * Bc):
         raise ValueError("tiles: the Q tile is staged through the K and V buffers: Br must be Bc or 2 Bc")
 
-    @cuda.jit(device=True, inline=True)
-    def stage_in(src, dst, rows, r0, d, tid, aligned):
-        """src[r0 + r, :d] -> dst[r, :D] (zeros past rows and d), 16 bytes a step."""
-        for ch in range(tid, Bc * (D // 8), THREADS):
-            r = ch // (D // 8)
-            c = (ch % (D // 8)) * 8
-            row = r0 + r
-            if aligned != 0 and row < rows and c + 8 <= d:
-                cp_async(dst, r, c, src, row, c)
-            else:
-                for e in range(8):
-                    x = uint16(0)
-                    if row < rows and c + e < d:
-                        x = src[row, c + e]
-                    dst[r, c + e] = x
+    stage_in = make_async_tile_copy(Bc, D, THREADS)         # src[r0 + r, :d] -> dst[r, :D], r < Bc
 
     # At D <= 64 and 8 warps, 128 registers a thread (from 160, a few spilled) let two
     # blocks share an SM: measured 1.2x faster on the H100 (workbook/results/TUNING.md).

@@ -58,6 +58,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from kernels.base.fused import FASTMATH, LOG2E, MAX_GRID_Y, make_row_reductions
+from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.runtime import ArrayKind, Bf16Bits, LaunchTemplate, cdiv, check_array, check_flag, \
     check_scale, device_pointer, is_bf16_array, is_device_array, on_simulator, to_device
 
@@ -146,7 +147,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     Nk, d) float32; scale (float32), causal (int32 0/1), group (int32: H / Hkv), aligned
     (int32: rows of q, k, v, dO and dQ 16-byte aligned, d % 8 == 0: cp.async copies, and
     dQ's adds in pairs). ``CP``: dQ's 16-column pairs a warp takes at once (0: up to 2)."""
-    from kernels.base.mma import (cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
+    from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
                                   ldmatrix_at, ldmatrix_trans_at, mma_bf16, mma_f16, pack_bf16, pack_f16,
                                   red_add_pair, shared_address, store_word)
     from kernels.base.shared_memory import shared_view
@@ -174,21 +175,8 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     HALVES = shared_halves(Br, W, D)
     SHARED = 0 if dynamic else HALVES
 
-    @cuda.jit(device=True, inline=True)
-    def stage_in(src, dst, n_rows, r0, rows, d, tid, aligned):
-        """src[r0 + r, :d] -> dst[r, :D] for r < rows (zeros past n_rows and d), 16 bytes a step."""
-        for ch in range(tid, rows * (D // 8), THREADS):
-            r = ch // (D // 8)
-            c = (ch % (D // 8)) * 8
-            row = r0 + r
-            if aligned != 0 and row < n_rows and c + 8 <= d:
-                cp_async(dst, r, c, src, row, c)
-            else:
-                for e in range(8):
-                    x = uint16(0)
-                    if row < n_rows and c + e < d:
-                        x = src[row, c + e]
-                    dst[r, c + e] = x
+    stage_keys = make_async_tile_copy(Bc, D, THREADS)       # K_j, V_j: Bc rows
+    stage_queries = make_async_tile_copy(Br, D, THREADS)     # Q_i, dO_i: Br rows
 
     @cuda.jit(fastmath=FASTMATH)
     def backward_tc(q, k, v, do, l2, delta, dq, dk, dv, scale, causal, group, aligned):
@@ -215,8 +203,8 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
         diag = n_k - n_q
 
         # ---- K_j, V_j in shared memory; the warp's rows as A fragments
-        stage_in(k[bkv], Ks, n_k, k0, Bc, d, tid, aligned)
-        stage_in(v[bkv], Vs, n_k, k0, Bc, d, tid, aligned)
+        stage_keys(k[bkv], Ks, n_k, k0, d, tid, aligned)
+        stage_keys(v[bkv], Vs, n_k, k0, d, tid, aligned)
         cp_async_commit()
         cp_async_wait_all()
         cuda.syncthreads()
@@ -251,8 +239,9 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
         if steps > 0:                                 # the first pair's copies
             bh = bkv * group
             q0 = first * Br
-            stage_in(q[bh], shared_view(smem, 2 * TILE + Bc * SB, (Br, SD)), n_q, q0, Br, d, tid, aligned)
-            stage_in(do[bh], shared_view(smem, 2 * TILE + Bc * SB + QTILE, (Br, SD)), n_q, q0, Br, d, tid, aligned)
+            stage_queries(q[bh], shared_view(smem, 2 * TILE + Bc * SB, (Br, SD)), n_q, q0, d, tid, aligned)
+            stage_queries(do[bh], shared_view(smem, 2 * TILE + Bc * SB + QTILE, (Br, SD)), n_q, q0, d, tid,
+                          aligned)
             for r in range(tid, Br, THREADS):
                 row = q0 + r
                 Ls[0, r] = l2[bh, row] if row < n_q else DEAD
@@ -267,10 +256,10 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                 nbh = bkv * group + (step + 1) // n_tiles
                 nq0 = (first + (step + 1) % n_tiles) * Br
                 nb = 1 - buf
-                stage_in(q[nbh], shared_view(smem, 2 * TILE + Bc * SB + 2 * nb * QTILE, (Br, SD)), n_q, nq0, Br,
-                         d, tid, aligned)
-                stage_in(do[nbh], shared_view(smem, 2 * TILE + Bc * SB + (2 * nb + 1) * QTILE, (Br, SD)), n_q,
-                         nq0, Br, d, tid, aligned)
+                stage_queries(q[nbh], shared_view(smem, 2 * TILE + Bc * SB + 2 * nb * QTILE, (Br, SD)), n_q, nq0,
+                              d, tid, aligned)
+                stage_queries(do[nbh], shared_view(smem, 2 * TILE + Bc * SB + (2 * nb + 1) * QTILE, (Br, SD)), n_q,
+                              nq0, d, tid, aligned)
                 for r in range(tid, Br, THREADS):
                     row = nq0 + r
                     Ls[nb, r] = l2[nbh, row] if row < n_q else DEAD
