@@ -44,8 +44,8 @@ from numba import cuda, float32, int32, uint16, uint32
 from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
-from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, \
-    is_bf16_array, on_simulator, to_device
+from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, device_bits16, \
+    is_bf16_array, on_simulator
 
 __all__ = ["flash_attention_tc", "make_flash_forward_mma", "make_flash_forward_mma_from", "make_load_a_fragment",
            "make_p_to_a", "a_fragment_registers", "p_to_a_registers", "tc_tiles", "ptx_targets", "EXERCISES"]
@@ -325,14 +325,6 @@ def p_to_a_registers(p, bf16: bool = False) -> np.ndarray:
 
 # --------------------------------------------------------------------------- the launcher
 
-def _bits(x, name):
-    """A device view of ``x`` as uint16 bits (float16 or uint16 arrays; uint16 holds bf16)."""
-    dev = to_device(x, name)
-    if dev.dtype == np.float16:
-        dev = dev.view(np.uint16)
-    return dev
-
-
 def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
     """Attention forward on tensor cores. q (B, H, Nq, d), k and v (B, H, Nk, d), d <= 128:
     float16 arrays; with ``bf16=True``, bfloat16 device arrays (PyTorch bf16 CUDA tensors)
@@ -367,7 +359,7 @@ def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
     lse = kind.empty((BH, n_q), np.float32)
     if BH and n_q:
         Br, Bc, D = tc_tiles(d)
-        qd, kd, vd = (_bits(x, n).reshape(BH, x.shape[2], d) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        qd, kd, vd = (device_bits16(x, n).reshape(BH, x.shape[2], d) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         aligned = int(d % 8 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
             if not on_simulator() else int(d % 8 == 0)
         kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16))

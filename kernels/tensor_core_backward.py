@@ -60,7 +60,7 @@ from numba import cuda, float32, int32, uint16, uint32
 from kernels.base.fused import FASTMATH, LOG2E, MAX_GRID_Y, make_row_reductions
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.runtime import ArrayKind, Bf16Bits, LaunchTemplate, cdiv, check_array, check_flag, \
-    check_scale, device_pointer, is_bf16_array, is_device_array, on_simulator, to_device
+    check_scale, device_bits16, device_pointer, is_bf16_array, is_device_array, on_simulator, to_device
 
 __all__ = ["flash_attention_backward_tc", "BackwardLaunches", "launch_backward", "make_backward_tc", "make_delta_tc",
            "rounded_backward_numpy", "tc_backward_tiles", "shared_halves", "ptx_targets"]
@@ -410,40 +410,42 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
 
 # --------------------------------------------------------------------------- the launcher
 
-def _bits(x, name):
-    """A device view of ``x`` as uint16 bits (float16 or uint16 arrays; uint16 holds bf16)."""
-    dev = to_device(x, name)
-    if dev.dtype == np.float16:
-        dev = dev.view(np.uint16)
-    return dev
-
-
-def launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, causal, bf16, tiles=None):
-    """The two kernels on device views: qd, dod (B*H, Nq, d), kd, vd (B*Hkv, Nk, d) uint16;
-    od (B*H, Nq, d) float32 or uint16; lsed (B*H, Nq) float32; into the buffers delta, l2
-    (B*H, Nq) and dq, dk, dv float32. ``tiles``: (Br, W) or (Br, W, CP), by default
-    ``tc_backward_tiles``."""
+def _two_launches(views: dict, delta, l2, scale, causal, bf16, aligned, tiles=None):
+    """The two launches on these views, as (kernel, grid, threads, args, dynamic shared bytes)
+    each: the pre-pass, then the dK/dV/dQ kernel (its shared-memory limit raised where it
+    needs more than 48 KB). ``tiles``: (Br, W) or (Br, W, CP), by default ``tc_backward_tiles``."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
 
-    bh, n_q, d = qd.shape
-    bkv, n_k = kd.shape[0], kd.shape[1]
+    bh, n_q, d = views["q"].shape
+    bkv, n_k = views["k"].shape[0], views["k"].shape[1]
     Br, W, D = tc_backward_tiles(d)
     CP = 0
     if tiles is not None:
         Br, W, *rest = tiles
         CP = rest[0] if rest else 0
-    delta_kernel = make_delta_tc(bool(bf16), od.dtype == np.uint16)
-    delta_kernel[(cdiv(n_q, 4), bh), 128](od, dod, lsed, delta, l2, dq)
+    delta_kernel = make_delta_tc(bool(bf16), views["o"].dtype == np.uint16)
+    pre = (delta_kernel, (cdiv(n_q, 4), bh), 128, (views["o"], views["do"], views["lse"], delta, l2, views["dq"]), 0)
     nbytes = 2 * shared_halves(Br, W, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make_backward_tc(Br, W, D, bool(bf16), dynamic, CP)
-    aligned = int(d % 8 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd, dod, dq))) \
-        if not on_simulator() else int(d % 8 == 0)
-    args = (qd, kd, vd, dod, l2, delta, dq, dk, dv, np.float32(scale), np.int32(causal), np.int32(bh // bkv),
-            np.int32(aligned))
+    args = (views["q"], views["k"], views["v"], views["do"], l2, delta, views["dq"], views["dk"], views["dv"],
+            np.float32(scale), np.int32(causal), np.int32(bh // bkv), np.int32(aligned))
     if dynamic:
         allow_dynamic_shared_memory(kernel, args, nbytes)
-    kernel[(cdiv(n_k, 16 * W), bkv), kernel.threads, 0, nbytes if dynamic else 0](*args)
+    return pre, (kernel, (cdiv(n_k, 16 * W), bkv), kernel.threads, args, nbytes if dynamic else 0)
+
+
+def launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, causal, bf16, tiles=None):
+    """The two kernels on device views: qd, dod (B*H, Nq, d), kd, vd (B*Hkv, Nk, d) uint16;
+    od (B*H, Nq, d) float32 or uint16; lsed (B*H, Nq) float32; into the buffers delta, l2
+    (B*H, Nq) and dq, dk, dv float32, launched as Numba launches them (the bench's bare
+    launch). ``tiles``: (Br, W) or (Br, W, CP), by default ``tc_backward_tiles``."""
+    d = qd.shape[2]
+    aligned = int(d % 8 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd, dod, dq))) \
+        if not on_simulator() else int(d % 8 == 0)
+    views = dict(q=qd, k=kd, v=vd, o=od, lse=lsed, do=dod, dq=dq, dk=dk, dv=dv)
+    for kernel, grid, threads, args, nbytes in _two_launches(views, delta, l2, scale, causal, bf16, aligned, tiles):
+        kernel[grid, threads, 0, nbytes](*args)
 
 
 class BackwardLaunches:
@@ -456,31 +458,13 @@ class BackwardLaunches:
     MAIN_SLOTS = dict(q=0, k=1, v=2, do=3, dq=6, dk=7, dv=8)
 
     def __init__(self, views: dict, scale: float, causal: bool, bf16: bool, aligned: int, tiles=None):
-        from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
-
-        qd, kd = views["q"], views["k"]
-        bh, n_q, d = qd.shape
-        bkv, n_k = kd.shape[0], kd.shape[1]
-        Br, W, D = tc_backward_tiles(d)
-        CP = 0
-        if tiles is not None:
-            Br, W, *rest = tiles
-            CP = rest[0] if rest else 0
+        bh, n_q = views["q"].shape[:2]
         self.delta = cuda.device_array((bh, n_q), np.float32)
         self.l2 = cuda.device_array((bh, n_q), np.float32)
-        delta_kernel = make_delta_tc(bool(bf16), views["o"].dtype == np.uint16)
-        self.templates = [LaunchTemplate(delta_kernel, (cdiv(n_q, 4), bh), 128,
-                                         (views["o"], views["do"], views["lse"], self.delta, self.l2, views["dq"]),
-                                         self.DELTA_SLOTS)]
-        nbytes = 2 * shared_halves(Br, W, D)
-        dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-        kernel = make_backward_tc(Br, W, D, bool(bf16), dynamic, CP)
-        args = (qd, kd, views["v"], views["do"], self.l2, self.delta, views["dq"], views["dk"], views["dv"],
-                np.float32(scale), np.int32(causal), np.int32(bh // bkv), np.int32(aligned))
-        if dynamic:
-            allow_dynamic_shared_memory(kernel, args, nbytes)
-        self.templates.append(LaunchTemplate(kernel, (cdiv(n_k, 16 * W), bkv), kernel.threads, args,
-                                             self.MAIN_SLOTS, nbytes if dynamic else 0))
+        pre, main = _two_launches(views, self.delta, self.l2, scale, causal, bf16, aligned, tiles)
+        self.templates = [LaunchTemplate(kernel, grid, threads, args, slots, nbytes)
+                          for (kernel, grid, threads, args, nbytes), slots in ((pre, self.DELTA_SLOTS),
+                                                                               (main, self.MAIN_SLOTS))]
 
     def __call__(self, **arrays):
         for launch in self.templates:
@@ -501,7 +485,7 @@ def _views(arrays: dict, bh: int, bkv: int, n_q: int, n_k: int, d: int) -> dict:
     inputs as their bits (uint16)."""
     shapes = dict(q=(bh, n_q, d), do=(bh, n_q, d), o=(bh, n_q, d), lse=(bh, n_q), k=(bkv, n_k, d),
                   v=(bkv, n_k, d), dq=(bh, n_q, d), dk=(bkv, n_k, d), dv=(bkv, n_k, d))
-    return {name: _bits(x, name).reshape(*shapes[name]) for name, x in arrays.items()}
+    return {name: device_bits16(x, name).reshape(*shapes[name]) for name, x in arrays.items()}
 
 
 def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None, bf16=False):

@@ -219,6 +219,15 @@ def to_device(x, name: str):
 
 
 
+def device_bits16(x, name: str):
+    """``to_device(x, name)``, with float16 arrays seen as their 16-bit patterns (uint16),
+    as the tensor-core kernels read fp16 and bf16 alike (other dtypes as they are)."""
+    dev = to_device(x, name)
+    if dev.dtype == np.float16:
+        dev = dev.view(np.uint16)
+    return dev
+
+
 def is_bf16_array(x) -> bool:
     """A bfloat16 device array, such as a PyTorch bf16 CUDA tensor. NumPy has no bf16: the
     array interface spells it ``<V2`` (two bytes of "void", the ml_dtypes spelling that
