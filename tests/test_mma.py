@@ -166,35 +166,34 @@ def test_packing_rounds_like_numpy(values):
 
 @cuda.jit
 def _unpack_kernel(words, out):
+    """out[i] = unpack_f16(words[i]), then unpack_bf16(words[i])."""
     i = cuda.threadIdx.x
     lo, hi = mma.unpack_f16(words[i])
     out[i, 0] = lo
     out[i, 1] = hi
+    lo, hi = mma.unpack_bf16(words[i])
+    out[i, 2] = lo
+    out[i, 3] = hi
 
 
-@given(st.lists(st.integers(0, 2**32 - 1), min_size=32, max_size=32))
+words_32 = st.lists(st.integers(0, 2**32 - 1), min_size=32, max_size=32)
+
+
+@given(words_32)
 def test_unpack_gives_both_halves(words):
     w = np.asarray(words, np.uint32)
-    out = np.zeros((32, 2), np.float32)
+    out = np.zeros((32, 4), np.float32)
     _unpack_kernel[1, 32](w, out)
-    np.testing.assert_array_equal(out, mma.words_to_halves(w).astype(np.float32))
+    np.testing.assert_array_equal(out[:, :2], mma.words_to_halves(w).astype(np.float32))
 
 
-@cuda.jit
-def _unpack_bf16_kernel(words, out):
-    i = cuda.threadIdx.x
-    lo, hi = mma.unpack_bf16(words[i])
-    out[i, 0] = lo
-    out[i, 1] = hi
-
-
-@given(st.lists(st.integers(0, 2**32 - 1), min_size=32, max_size=32))
+@given(words_32)
 def test_unpack_bf16_gives_both_halves_bit_for_bit(words):
     w = np.asarray(words, np.uint32)
-    out = np.zeros((32, 2), np.float32)
-    _unpack_bf16_kernel[1, 32](w, out)
+    out = np.zeros((32, 4), np.float32)
+    _unpack_kernel[1, 32](w, out)
     want = np.stack([(w & 0xFFFF) << 16, w & 0xFFFF0000], axis=1).astype(np.uint32)
-    np.testing.assert_array_equal(out.view(np.uint32), want)
+    np.testing.assert_array_equal(out[:, 2:].view(np.uint32), want)
 
 
 def test_tf32_rounds_ties_away_from_zero():

@@ -24,27 +24,17 @@ import numpy as np
 import kernels  # noqa: F401  (GPU or simulator first)
 from kernels import reference as ref
 from kernels.base.runtime import cdiv
-from kernels.bench.harness import Result, torch_or_none
+from kernels.bench.harness import Result, token_sweep, torch_or_none
 from kernels.flash_tf32 import flash_attention_tf32, launch_forward, make_split, tf32_tiles
 
 CHAPTER = 11
 TITLE = "fp32 on tensor cores (3xTF32)"
 
-K = 1024
 BARE = "flash fwd 3xTF32 (bare)"
 BARE_1X = "flash fwd plain TF32, passes=1 (bare)"
 LAUNCHER_TORCH = "flash_attention_tf32() launcher, PyTorch tensors"
 FMA = "chapter 4 flash_attention (fp32 FMA), PyTorch tensors"
 CHECK_ROWS = 512
-
-
-def _sizes(ctx):
-    """(tokens B N, H, the sweep's N, the reference N, head dims)."""
-    if ctx.simulator:
-        return 16, 1, (8, 16), 16, (16,)
-    if ctx.quick:
-        return 16 * K, 16, (1 * K, 4 * K), 4 * K, (64,)
-    return 16 * K, 16, (1 * K, 2 * K, 4 * K, 8 * K, 16 * K), 4 * K, (64, 128)
 
 
 def bare_launch(b, h, n, d, passes, o, lse):
@@ -89,7 +79,7 @@ def run(ctx) -> list[Result]:
         torch.backends.cuda.matmul.allow_tf32 = False          # fp32 peers in fp32 (PyTorch's default)
         torch.backends.cudnn.allow_tf32 = False
     results: list[Result] = []
-    tokens, h, sweep, n_ref, dims = _sizes(ctx)
+    tokens, h, sweep, n_ref, dims = token_sweep(ctx)
     rng = np.random.default_rng(1100)
     for d in dims:
         size = tokens * h * d

@@ -95,6 +95,19 @@ class Context:
 
 # --------------------------------------------------------------------------- peers
 
+def token_sweep(ctx):
+    """The fixed-tokens sweep of the tensor-core benches (chapters 11 and 12), as (tokens B N,
+    H, the sweep's N, the reference N, head dims): B N = 16k and H = 16, N from 1k to 16k
+    (``--quick``: 1k and 4k, d = 64), d = 64 and 128; in the simulator 16 tokens, H = 1,
+    N = 8 and 16, d = 16."""
+    k = 1024
+    if ctx.simulator:
+        return 16, 1, (8, 16), 16, (16,)
+    if ctx.quick:
+        return 16 * k, 16, (1 * k, 4 * k), 4 * k, (64,)
+    return 16 * k, 16, (1 * k, 2 * k, 4 * k, 8 * k, 16 * k), 4 * k, (64, 128)
+
+
 def torch_or_none():
     """PyTorch (for peers) if it is importable and sees the GPU; None otherwise."""
     if on_simulator():

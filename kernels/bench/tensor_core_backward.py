@@ -39,7 +39,7 @@ import numpy as np
 
 import kernels  # noqa: F401  (GPU or simulator first)
 from kernels import reference as ref
-from kernels.bench.harness import Result, torch_or_none
+from kernels.bench.harness import Result, token_sweep, torch_or_none
 from kernels.flash_tensor_cores import flash_attention_tc
 from kernels.tensor_core_backward import (
     flash_attention_backward_tc,
@@ -59,15 +59,6 @@ FMA = "chapter 5 fp32 backward (FMA)"
 PEERS = ("SDPA flash", "SDPA memory-efficient", "SDPA cuDNN", "plain PyTorch")   # "peer: <name> bwd"
 REL_GUARD = {"fp16": 1e-2, "bf16": 3e-2}   # max |error| / max |exact|: ~2e-4 (fp16), ~2e-3 (bf16) expected
 NUMPY_CHECK_MAX_N = 4096                   # without PyTorch, head (0, 0) is checked on the CPU up to this N
-
-
-def _sizes(ctx):
-    """(tokens B N, H, the sweep's N, the reference N, head dims)."""
-    if ctx.simulator:
-        return 16, 1, (8, 16), 16, (16,)
-    if ctx.quick:
-        return 16 * K, 16, (1 * K, 4 * K), 4 * K, (64,)
-    return 16 * K, 16, (1 * K, 2 * K, 4 * K, 8 * K, 16 * K), 4 * K, (64, 128)
 
 
 def _inputs(size, count, bf16, seed=1200):
@@ -223,7 +214,7 @@ def run(ctx) -> list[Result]:
 
     torch = torch_or_none()
     results: list[Result] = []
-    tokens, h, sweep, n_ref, dims = _sizes(ctx)
+    tokens, h, sweep, n_ref, dims = token_sweep(ctx)
     once = dict(repeat=1, warmup=0) if ctx.simulator else {}      # a simulated backward takes seconds
     for d in dims:
         Br, W, _ = tc_backward_tiles(d)
