@@ -41,13 +41,11 @@ from numba import cuda, float32, int32, uint32
 
 from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
+from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_qkv, check_scale, on_simulator, to_device
 
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "make_split", "split_kv", "launch_forward",
            "tf32_tiles", "shared_words", "PASSES", "ptx_targets"]
-
-PASSES = (1, 3)                 # TF32 products a fp32 product: 1 (plain TF32) or 3 (3xTF32)
-
 
 def tf32_tiles(d: int) -> tuple[int, int, int]:
     """(Br, Bc, D), D = d rounded up to a multiple of 8 (an m16n8k8 k-step). On a GPU 128
@@ -95,8 +93,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     k_hi, k_lo, v_hi, v_lo (B*H, Nk, d) uint32, K and V split by ``make_split``; o (B*H, Nq,
     d) and lse (B*H, Nq) float32; scale (float32), causal (int32 0/1), aligned (int32: rows
     16-byte aligned and d % 4 == 0, so whole 16-byte chunks go by cp.async)."""
-    from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, mma_tf32, \
-        split_tf32
+    from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior
     from kernels.base.shared_memory import shared_view
 
     if passes not in PASSES:
@@ -111,6 +108,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     TILE = Bc * SD
     SHARED = 0 if dynamic else 4 * TILE
     THREE = passes == 3
+    split4, _, product = make_tf32_product(passes)      # 3xTF32 (or plain TF32) k-steps
     scale_and_mask, online_softmax, write_rows = make_fragment_softmax(NS, ND, THREADS)
 
     @cuda.jit(device=True, inline=True)
@@ -128,27 +126,6 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                     if row < rows and c + e < d:
                         x = src[row, c + e]
                     dst[r, c + e] = x
-
-    @cuda.jit(device=True, inline=True)
-    def split4(a0, a1, a2, a3):
-        """An A fragment's four floats -> (hi registers, lo registers)."""
-        h0, l0 = split_tf32(a0)
-        h1, l1 = split_tf32(a1)
-        h2, l2 = split_tf32(a2)
-        h3, l3 = split_tf32(a3)
-        return (h0, h1, h2, h3), (l0, l1, l2, l3)
-
-    @cuda.jit(device=True, inline=True)
-    def product(a_hi, a_lo, b_hi, b_lo):
-        """One k-step's 16 x 8 tile of A B, from zero: the small terms first, the large last
-        (or the hi-hi product alone). Each k-step starts a fresh accumulator, which the caller
-        adds in fp32: the tensor core's fp32 sums may round toward zero, and a chain of them
-        across all of N would add up a bias (measured on the H100: O's error grew with N)."""
-        c = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
-        if THREE:
-            c = mma_tf32(a_lo, b_hi, c)
-            c = mma_tf32(a_hi, b_lo, c)
-        return mma_tf32(a_hi, b_hi, c)
 
     caps = {"max_registers": max_registers} if max_registers and not on_simulator() else {}
 

@@ -1,0 +1,62 @@
+"""One fp32 product on tensor cores as three TF32 products (3xTF32), or as one (plain TF32).
+
+A float32 x splits into two TF32 parts, x = hi + lo (``split_tf32`` in ``kernels.base.mma``:
+hi = x rounded to 10 mantissa bits, lo = the rest rounded again), and
+
+    a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi          (the dropped a_lo b_lo: ~2^-22 |a||b|)
+
+Chapter 11's forward and its backward both take their products so, on m16n8k8 fragments:
+an A fragment is 4 floats, a B fragment 2, and a k-step's 16 x 8 result starts from zero
+(the caller adds it into its fp32 accumulator: see ``product``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, float32
+
+__all__ = ["make_tf32_product", "PASSES"]
+
+PASSES = (1, 3)                 # TF32 products a fp32 product: 1 (plain TF32) or 3 (3xTF32)
+
+
+@functools.lru_cache(maxsize=None)
+def make_tf32_product(passes: int = 3):
+    """Device functions (split4, split2, product) for ``passes`` TF32 products a product:
+    split4(a0, a1, a2, a3) -> (hi registers, lo registers) of an A fragment; split2(b0, b1)
+    the same for a B fragment; product(a_hi, a_lo, b_hi, b_lo) -> one k-step's 16 x 8 tile
+    of A B from zero, 4 floats."""
+    from kernels.base.mma import mma_tf32, split_tf32
+
+    if passes not in PASSES:
+        raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
+    THREE = passes == 3
+
+    @cuda.jit(device=True, inline=True)
+    def split4(a0, a1, a2, a3):
+        h0, l0 = split_tf32(a0)
+        h1, l1 = split_tf32(a1)
+        h2, l2 = split_tf32(a2)
+        h3, l3 = split_tf32(a3)
+        return (h0, h1, h2, h3), (l0, l1, l2, l3)
+
+    @cuda.jit(device=True, inline=True)
+    def split2(b0, b1):
+        h0, l0 = split_tf32(b0)
+        h1, l1 = split_tf32(b1)
+        return (h0, h1), (l0, l1)
+
+    @cuda.jit(device=True, inline=True)
+    def product(a_hi, a_lo, b_hi, b_lo):
+        """One k-step's 16 x 8 tile of A B, from zero: the small terms first, the large last
+        (or the hi-hi product alone). Each k-step starts a fresh accumulator, which the caller
+        adds in fp32: the tensor core's fp32 sums may round toward zero, and a chain of them
+        across all of N would add up a bias (measured on the H100: O's error grew with N)."""
+        c = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+        if THREE:
+            c = mma_tf32(a_lo, b_hi, c)
+            c = mma_tf32(a_hi, b_lo, c)
+        return mma_tf32(a_hi, b_hi, c)
+
+    return split4, split2, product
