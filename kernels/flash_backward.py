@@ -59,7 +59,8 @@ from kernels.base.backward_tiles import (GPU_TILES, BackwardTiles, Grid, check_t
 from kernels.base import io_model as io
 from kernels.base.fused import ALIGN, FASTMATH, MINUS_INF, make_kv_tile_copy, make_row_reductions, padded_head_dim, \
     run_length
-from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_out, check_scale, device_empty, on_simulator
+from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_out, check_products, check_scale, device_empty, \
+    on_simulator
 from kernels.base.shared_memory import STATIC_LIMIT_BYTES, launch_with_shared
 from kernels.flash_forward import every_tile
 
@@ -628,7 +629,8 @@ def make_dq(Br: int, Bc: int, Dh: int, NT: int, dynamic: bool = False):
 
 # --------------------------------------------------------------------------- the launcher
 
-def flash_attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, tiles=None, dq_mode="atomic"):
+def flash_attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, tiles=None, dq_mode="atomic",
+                             products="auto"):
     """Gradients (dq, dk, dv) of attention for the upstream gradient ``do``.
 
     q: (B, H, Nq, d), k and v: (B, H, Nk, d), o and do: (B, H, Nq, d), lse: (B, H, Nq)
@@ -638,9 +640,19 @@ def flash_attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, t
     "atomic" (the default: float32 atomic adds from the dK/dV kernel; dQ's last bits vary
     from run to run) or "separate" (a second kernel recomputes S and dP: bitwise
     deterministic, slower). NumPy in, NumPy out; device arrays in, device arrays out.
+
+    ``products``: "fma" runs this chapter's kernels (fp32 math on the FMA units); "3xtf32"
+    runs chapter 11's backward (tensor cores, three TF32 products a product, about fp32's
+    accuracy, faster; dQ by atomic adds); "auto", the default, takes "3xtf32" on a GPU
+    with TF32 tensor cores when neither ``tiles`` nor dq_mode="separate" is given, else "fma".
     """
     B, H, nq, nk, d = check_backward_args(q, k, v, o, lse, do, dq_mode)
     causal, scale = check_flag(causal, "causal"), check_scale(scale, d)
+    fma_only = "tiles" if tiles is not None else "dq_mode" if dq_mode != "atomic" else None
+    if check_products(products, float32=True, fma_only=fma_only) == "3xtf32":
+        from kernels.tf32_backward import flash_attention_backward_tf32
+
+        return flash_attention_backward_tf32(q, k, v, o, lse, do, causal=causal, scale=scale)
     Dh = head_dim_bucket(d)
     tiles = check_tiles(default_tiles(d) if tiles is None else tiles, Dh, dq_mode)
     kind = ArrayKind(q)

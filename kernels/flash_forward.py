@@ -111,6 +111,7 @@ from kernels.base.runtime import (
     ArrayKind,
     cdiv,
     check_flag,
+    check_products,
     check_qkv,
     check_out,
     check_scale,
@@ -540,16 +541,26 @@ def make_flash_forward(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch: boo
 
 # --------------------------------------------------------------------------- the launcher
 
-def flash_attention(q, k, v, *, causal=False, scale=None, tiles: Tiles | None = None):
+def flash_attention(q, k, v, *, causal=False, scale=None, tiles: Tiles | None = None, products="auto"):
     """Fused attention forward. q (B, H, Nq, d), k and v (B, H, Nk, d), float32 or float16.
 
     Returns (o, lse): o (B, H, Nq, d) float32 and the row logsumexp lse (B, H, Nq) float32
     (natural log; -inf for rows that see no key). NumPy in, NumPy out; device arrays in,
     device arrays out. ``tiles`` overrides the tile configuration (see ``Tiles``).
+
+    ``products``: "fma" runs this chapter's kernel (fp32 math on the FMA units); "3xtf32"
+    runs chapter 11's (float32 inputs on tensor cores, three TF32 products a product, about
+    fp32's accuracy, faster); "auto", the default, takes "3xtf32" for float32 inputs on a
+    GPU with TF32 tensor cores when no ``tiles`` are given, else "fma".
     """
     B, H, n_q, n_k, d, dtype = check_qkv(q, k, v, dtypes=(np.float32, np.float16), max_head_dim=128)
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
+    how = check_products(products, float32=dtype == np.float32, fma_only=None if tiles is None else "tiles")
+    if how == "3xtf32":
+        from kernels.flash_tf32 import flash_attention_tf32
+
+        return flash_attention_tf32(q, k, v, causal=causal, scale=scale)
     tiles = check_tiles_type(default_tiles(d) if tiles is None else tiles)
     D = padded_head_dim(d, tiles.TX)
     check_tiles(tiles, D)

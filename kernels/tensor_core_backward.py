@@ -52,14 +52,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict
 
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
-from kernels.base.fused import FASTMATH, LOG2E, MAX_GRID_Y, make_row_reductions
+from kernels.base.backward_args import check_grouped_args
+from kernels.base.fused import FASTMATH, LOG2E, make_row_reductions
 from kernels.base.tile_copy import make_async_tile_copy
-from kernels.base.runtime import ArrayKind, Bf16Bits, LaunchTemplate, cdiv, check_array, check_flag, \
+from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_flag, \
     check_scale, device_bits16, device_pointer, is_bf16_array, is_device_array, on_simulator, to_device
 
 __all__ = ["flash_attention_backward_tc", "BackwardLaunches", "launch_backward", "make_backward_tc", "make_delta_tc",
@@ -448,8 +448,8 @@ def launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, cau
         kernel[grid, threads, 0, nbytes](*args)
 
 
-class BackwardLaunches:
-    """The two launches of one call shape, bound once (``LaunchTemplate``): Numba's typing
+class BackwardLaunches(BoundLaunches):
+    """The two launches of one call shape, bound once (``BoundLaunches``): Numba's typing
     of a dozen arguments and its device views cost about 0.9 ms of Python a call, longer
     than the kernels take at N = 1024. D and L2 are the plan's own buffers; a call passes
     q, k, v, o, lse, do, dq, dk, dv: views in the simulator, data pointers on a GPU."""
@@ -461,18 +461,11 @@ class BackwardLaunches:
         bh, n_q = views["q"].shape[:2]
         self.delta = cuda.device_array((bh, n_q), np.float32)
         self.l2 = cuda.device_array((bh, n_q), np.float32)
-        pre, main = _two_launches(views, self.delta, self.l2, scale, causal, bf16, aligned, tiles)
-        self.templates = [LaunchTemplate(kernel, grid, threads, args, slots, nbytes)
-                          for (kernel, grid, threads, args, nbytes), slots in ((pre, self.DELTA_SLOTS),
-                                                                               (main, self.MAIN_SLOTS))]
-
-    def __call__(self, **arrays):
-        for launch in self.templates:
-            launch(**arrays)
+        super().__init__(_two_launches(views, self.delta, self.l2, scale, causal, bf16, aligned, tiles),
+                         (self.DELTA_SLOTS, self.MAIN_SLOTS))
 
 
-_launches: OrderedDict = OrderedDict()
-MAX_CACHED_CALLS = 64
+_launches = LaunchCache()
 
 
 def _dtype(x):
@@ -507,28 +500,9 @@ def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None
         if is_bf16_array(x) and not bf16:
             raise TypeError(f"{name}: a bfloat16 array: pass bf16=True (or fp16 inputs)")
     q, k, v, o, do = (Bf16Bits(x) if is_bf16_array(x) else x for x in named.values())
-    (B, H, n_q, d), _ = check_array(q, "q", ndim=4, dtypes=(want,))
-    ks, _ = check_array(k, "k", ndim=4, dtypes=(want,))
-    vs, _ = check_array(v, "v", ndim=4, dtypes=(want,))
-    if vs != ks:
-        raise ValueError(f"v: expected the shape of k {ks}, got {vs}")
-    if ks[0] != B or ks[3] != d:
-        raise ValueError(f"k: expected (B, Hkv, Nk, d) = ({B}, Hkv, Nk, {d}) like q, got {ks}")
-    hkv, n_k = ks[1], ks[2]
-    if hkv < 1 or H % hkv:
-        raise ValueError(f"k: expected a number of KV heads that divides q's H = {H}, got {hkv}")
-    if not 1 <= d <= 128:
-        raise ValueError(f"q: expected head dim d in 1..128, got {d}")
-    for x, name, shape, dtypes in ((o, "o", (B, H, n_q, d), (np.float32, want)),
-                                   (lse, "lse", (B, H, n_q), (np.float32,)),
-                                   (do, "do", (B, H, n_q, d), (want,))):
-        got, _ = check_array(x, name, ndim=len(shape), dtypes=dtypes)
-        if tuple(got) != shape:
-            raise ValueError(f"{name}: expected shape {shape} (like q), got {tuple(got)}")
+    B, H, hkv, n_q, n_k, d = check_grouped_args(q, k, v, o, lse, do, want, (np.float32, want))
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
-    if B * H > MAX_GRID_Y:
-        raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
     if not (B * H and n_q and n_k):                   # nothing attends to anything: zero gradients
         grads = [kind.empty(shape, np.float32) for shape in ((B, H, n_q, d), (B, hkv, n_k, d), (B, hkv, n_k, d))]
         for x in grads:
@@ -546,13 +520,8 @@ def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None
         aligned = int(d % 8 == 0 and all(pointers[n] % 16 == 0 for n in ("q", "k", "v", "do", "dq")))
         device = cuda.get_current_device().id
     key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) != np.float32, causal, scale, aligned, device)
-    launches = _launches.get(key)
-    views = _views(arrays, B * H, B * hkv, n_q, n_k, d) if launches is None or on_simulator() else None
-    if launches is None:
-        launches = _launches[key] = BackwardLaunches(views, scale, causal, bf16, aligned)
-        while len(_launches) > MAX_CACHED_CALLS:
-            _launches.popitem(last=False)
-    _launches.move_to_end(key)
+    views = _views(arrays, B * H, B * hkv, n_q, n_k, d) if key not in _launches or on_simulator() else None
+    launches = _launches.get(key, lambda: BackwardLaunches(views, scale, causal, bf16, aligned))
     launches(**(views if on_simulator() else pointers))
     return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))
 

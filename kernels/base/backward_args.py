@@ -2,6 +2,8 @@
 
     check_backward_args  q, k, v, o, lse, do and dq_mode checked before any launch (errors
                          name the argument); returns (B, H, Nq, Nk, d)
+    check_grouped_args   the same for the tensor-core backwards (grouped-query attention: k
+                         and v with Hkv heads); returns (B, H, Hkv, Nq, Nk, d)
     device_views         the six arrays on the device as (B*H, N, ...) views
     zero_gradients       (dq, dk, dv) of zeros, when nothing attends to anything
     allocate_outputs     the device buffers (D, dQ, dK, dV) the kernels write
@@ -34,6 +36,33 @@ def check_backward_args(q, k, v, o, lse, do, dq_mode):
     if B * H > MAX_GRID_Y:
         raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
     return B, H, nq, nk, d
+
+
+def check_grouped_args(q, k, v, o, lse, do, want, o_dtypes):
+    """(B, H, Hkv, Nq, Nk, d) after checking q, do (B, H, Nq, d) and k, v (B, Hkv, Nk, d) of
+    dtype ``want`` (H a multiple of Hkv, d <= 128), o (B, H, Nq, d) of one of ``o_dtypes``
+    and lse (B, H, Nq) float32 (errors name the argument)."""
+    (B, H, n_q, d), _ = check_array(q, "q", ndim=4, dtypes=(want,))
+    ks, _ = check_array(k, "k", ndim=4, dtypes=(want,))
+    vs, _ = check_array(v, "v", ndim=4, dtypes=(want,))
+    if vs != ks:
+        raise ValueError(f"v: expected the shape of k {ks}, got {vs}")
+    if ks[0] != B or ks[3] != d:
+        raise ValueError(f"k: expected (B, Hkv, Nk, d) = ({B}, Hkv, Nk, {d}) like q, got {ks}")
+    hkv, n_k = ks[1], ks[2]
+    if hkv < 1 or H % hkv:
+        raise ValueError(f"k: expected a number of KV heads that divides q's H = {H}, got {hkv}")
+    if not 1 <= d <= 128:
+        raise ValueError(f"q: expected head dim d in 1..128, got {d}")
+    for x, name, shape, dtypes in ((o, "o", (B, H, n_q, d), o_dtypes),
+                                   (lse, "lse", (B, H, n_q), (np.float32,)),
+                                   (do, "do", (B, H, n_q, d), (want,))):
+        got, _ = check_array(x, name, ndim=len(shape), dtypes=dtypes)
+        if tuple(got) != shape:
+            raise ValueError(f"{name}: expected shape {shape} (like q), got {tuple(got)}")
+    if B * H > MAX_GRID_Y:
+        raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
+    return B, H, hkv, n_q, n_k, d
 
 
 def device_views(*arrays):

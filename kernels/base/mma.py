@@ -29,6 +29,9 @@ so any PTX instruction: that is all this module does on the GPU. The device func
     to_tf32(x)                              float32 -> uint32 (tf32: 10 mantissa bits, rounded)
     split_tf32(x)                           float32 -> (hi, lo) uint32 tf32 patterns: hi = x rounded,
                                             lo = (x - hi) rounded (3xTF32: x = hi + lo to ~2^-22)
+    split_tf32_at(addr)                     split_tf32 of the float32 at a shared address (from
+                                            shared_address plus a byte offset): one ld.shared
+                                            (lo as split_tf32's wherever x is finite)
     load_words(a, row, col)                 16 bytes of a 2-D array from a[row, col] -> 4 uint32
     store_word(a, row, col, w)              one uint32 into a 2-D 16-bit array at a[row, col .. col + 1]
     red_add_pair(a, row, col, x, y)         a[row, col] += x, a[row, col + 1] += y (float32, one
@@ -60,7 +63,7 @@ from kernels.base.runtime import on_simulator
 
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
-           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32",
+           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_at",
            "load_words", "store_word", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
            "half_bits", "bf16_bits", "tf32_bits", "words_to_halves", "PTX"]
@@ -312,6 +315,11 @@ def _sim_split_tf32(x):
     return hi, np.uint32(int(tf32_bits(rest)))
 
 
+def _sim_split_tf32_at(addr):
+    array, row, col = addr.element()
+    return _sim_split_tf32(array[row, col])
+
+
 def _sim_load_words(a, row, col):
     raw = np.ascontiguousarray(a[row, col:col + 16 // a.itemsize]).view(np.uint32)
     return tuple(np.uint32(w) for w in raw)
@@ -544,6 +552,25 @@ def _gpu_functions():
 
         return types.uint32(array, row, col), codegen
 
+    @intrinsic
+    def split_tf32_at(typingctx, addr):
+        if not isinstance(addr, types.Integer):
+            raise TypeError(f"split_tf32_at(addr): expected a 32-bit shared address, got {addr}")
+        result = types.UniTuple(types.uint32, 2)
+
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[0], sig.args[0], types.uint32)
+            # lo is rounded by integer arithmetic (add half a tf32 ulp to the magnitude bits,
+            # clear the 13 low bits): cvt.rna's check for Inf and NaN costs two more instructions
+            # (its SASS on the H100), and lo is finite wherever x is (for x = Inf or NaN, hi
+            # carries it and lo is a finite leftover)
+            body = ("{ .reg .f32 x, r; .reg .b32 u; ld.shared.f32 x, [$2]; cvt.rna.tf32.f32 $0, x; "
+                    "sub.f32 r, x, $0; mov.b32 u, r; add.u32 u, u, 4096; and.b32 $1, u, -8192; }")
+            outs = asm(builder, [i32, i32], body, "=&r,=r,r,~{memory}", [a], side_effect=True)
+            return context.make_tuple(builder, result, outs)
+
+        return result(addr), codegen
+
     def make_ldmatrix_at(text):
         result = types.UniTuple(types.uint32, 4)
 
@@ -645,6 +672,7 @@ def _gpu_functions():
         unpack_bf16=unpack_bf16,
         to_tf32=to_tf32,
         split_tf32=split_tf32,
+        split_tf32_at=split_tf32_at,
         load_words=load_words,
         store_word=store_word,
         red_add_pair=red_add_pair,
@@ -672,6 +700,7 @@ def _sim_functions():
         unpack_bf16=_sim_unpack_bf16,
         to_tf32=_sim_to_tf32,
         split_tf32=_sim_split_tf32,
+        split_tf32_at=_sim_split_tf32_at,
         load_words=_sim_load_words,
         store_word=_sim_store_word,
         red_add_pair=_sim_red_add_pair,
@@ -698,6 +727,7 @@ unpack_f16 = _functions["unpack_f16"]
 unpack_bf16 = _functions["unpack_bf16"]
 to_tf32 = _functions["to_tf32"]
 split_tf32 = _functions["split_tf32"]
+split_tf32_at = _functions["split_tf32_at"]
 load_words = _functions["load_words"]
 store_word = _functions["store_word"]
 red_add_pair = _functions["red_add_pair"]

@@ -23,6 +23,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from collections import OrderedDict
 
 import numpy as np
 
@@ -346,6 +347,34 @@ def check_flag(value, name: str) -> bool:
     return bool(value)
 
 
+PRODUCTS = ("auto", "fma", "3xtf32")
+
+
+def has_tf32_tensor_cores() -> bool:
+    """A GPU whose tensor cores take TF32 (mma.sync m16n8k8: compute capability 8.0 on);
+    never the simulator."""
+    if on_simulator():
+        return False
+    return tuple(cuda.get_current_device().compute_capability) >= (8, 0)
+
+
+def check_products(products, *, float32: bool, fma_only: str | None = None) -> str:
+    """The products a launcher takes for its ``products`` argument: "fma" (fp32 on the FMA
+    units: the course's teaching kernels) or "3xtf32" (fp32 inputs on tensor cores, three
+    TF32 products a product: chapter 11). "auto" is "3xtf32" for float32 inputs on a GPU
+    with TF32 tensor cores, unless ``fma_only`` names an argument given that only the FMA
+    kernels take; else "fma"."""
+    if not isinstance(products, str) or products not in PRODUCTS:
+        raise ValueError(f"products: expected one of {PRODUCTS}, got {products!r}")
+    if products == "auto":
+        return "3xtf32" if float32 and fma_only is None and has_tf32_tensor_cores() else "fma"
+    if products == "3xtf32" and not float32:
+        raise TypeError("q: products='3xtf32' takes float32 inputs (fp16 and bf16 have chapter 8's kernels)")
+    if products == "3xtf32" and fma_only is not None:
+        raise ValueError(f"{fma_only}: an argument of the FMA kernels (products='fma'), not of products='3xtf32'")
+    return products
+
+
 class LaunchTemplate:
     """``kernel[grid, threads](*args)`` with everything but the launch itself done once.
 
@@ -408,6 +437,41 @@ class LaunchTemplate:
         for name, at in self._data_at.items():
             params[at] = arrays[name]
         launch(self._stream, self._config, self._function, *params)
+
+
+class BoundLaunches:
+    """Several launches of one call shape, bound once (a ``LaunchTemplate`` each) and made
+    in order at each call: ``launches`` as (kernel, grid, threads, args, dynamic shared
+    bytes), ``slots`` ({name: position in args}) for each. A call passes the slots' arrays
+    by name: views in the simulator, data pointers (``device_pointer``) on a GPU."""
+
+    def __init__(self, launches, slots):
+        self.templates = [LaunchTemplate(kernel, grid, threads, args, where, nbytes)
+                          for (kernel, grid, threads, args, nbytes), where in zip(launches, slots)]
+
+    def __call__(self, **arrays):
+        for launch in self.templates:
+            launch(**arrays)
+
+
+class LaunchCache:
+    """A launcher's bound launches by call shape, the ``size`` most recently used kept."""
+
+    def __init__(self, size: int = 64):
+        self.size, self._bound = size, OrderedDict()
+
+    def get(self, key, make):
+        """The launches bound for ``key``, made by ``make()`` the first time."""
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = make()
+            while len(self._bound) > self.size:
+                self._bound.popitem(last=False)
+        self._bound.move_to_end(key)
+        return bound
+
+    def __contains__(self, key):
+        return key in self._bound
 
 
 def bind_launch(kernel, grid, threads, args):

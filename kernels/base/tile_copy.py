@@ -1,7 +1,7 @@
 """Rows of a tile from global to shared memory by cp.async, as the tensor-core kernels stage them.
 
 Chapter 8's forward (K_j, V_j and Q_i) and chapter 12's backward (K_j, V_j, Q_i and dO_i)
-copy 16-bit tiles the same way: the block's threads take the tile's 16-byte chunks in
+copy 16-bit tiles the same way (chapter 11's fp32 backward, 32-bit ones): the block's threads take the tile's 16-byte chunks in
 turn; a chunk wholly inside the array goes by ``cp_async`` (``kernels.base.mma``: it lands
 later, after the kernel's commit and wait); a chunk that crosses the last row or the head
 dim d is copied element by element, zeros past them, so that padded rows and the columns
@@ -19,17 +19,18 @@ from numba import cuda, uint16, uint32
 __all__ = ["make_async_tile_copy"]
 
 
-def make_async_tile_copy(ROWS: int, D: int, THREADS: int, itemsize: int = 2):
+def make_async_tile_copy(ROWS: int, D: int, THREADS: int, itemsize: int = 2, dtype=None):
     """Device function ``stage_in(src, dst, rows, r0, d, tid, aligned)``: src[r0 + r, :d] ->
     dst[r, :D] for r < ROWS (zeros past ``rows`` and d), 16 bytes a step, by the block's
-    THREADS threads (``tid``: the caller's thread). ``aligned`` (0/1): the rows are 16-byte
+    THREADS threads (``tid``: the caller's thread); ``dtype``: the arrays' element type (by
+    default 16- or 32-bit unsigned words, as ``itemsize`` says). ``aligned`` (0/1): the rows are 16-byte
     aligned and d a multiple of 16 / itemsize, so that whole chunks may go by cp.async.
     (Written as the kernels first had it, ``D // E`` and all: a variant with the chunk
     count precomputed compiles chapter 8's kernel to 8% more PTX.)"""
     from kernels.base.mma import cp_async
 
     E = 16 // itemsize                   # elements a chunk
-    zero = uint16 if itemsize == 2 else uint32
+    zero = dtype if dtype is not None else uint16 if itemsize == 2 else uint32
     if D % E:
         raise ValueError(f"D: expected a multiple of {E} (16-byte chunks of {itemsize}-byte words), got {D}")
 

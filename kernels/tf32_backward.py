@@ -1,0 +1,459 @@
+"""fp32 attention's backward on tensor cores: chapter 12's kernel with 3xTF32 products.
+
+Chapter 5's algebra (P recomputed from Q, K and the saved L; D = rowsum(dO o O)) with its
+five products on ``mma.sync.m16n8k8.tf32``, each fp32 product as three TF32 products
+(``kernels.base.tf32_product``: a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi). The loops are
+chapter 12's, K/V tiles outer (FlashAttention-2's backward):
+
+    one block        key tile j: Bc = 16 W keys of one (batch, KV head), W warps; K_j, V_j
+                     in shared memory (fp32, rows padded by 4 words); dK_j, dV_j in the
+                     warps' accumulators
+    one warp         16 keys: its rows of K_j and V_j are A fragments, its 16 rows of dK_j
+                     and dV_j D/8 accumulator tiles each
+    for each query head of the KV head's group (GQA), each query tile i (Br rows: Q_i, dO_i,
+    L_i, D_i in shared memory, the next tile's copy flying during this one's work), each
+    chunk c of 8 queries (an m16n8k8 k-step of the products that sum over queries):
+        S^T   = K_w Q_c^T          16 keys x 8 queries: one accumulator tile, D/8 k-steps
+        P^T   = exp2(S^T scale log2 e - L log2 e)          0 where masked
+        dP^T  = V_w dO_c^T         the same shape
+        dS^T  = P^T o (dP^T - D)
+        dV_w += P^T dO_c           P^T's accumulator tile is the A fragment once its 8
+                                   queries are renumbered (chapter 11's P V: the lane
+                                   holding queries 2t and 2t + 1 takes them as k = t and
+                                   t + 4, and reads dO's rows 2t and 2t + 1)
+        dK_w += dS^T Q_c           the same, dS^T and Q_c
+        dS^T -> shared memory (fp32)
+    then dQ_i += scale dS K_j      dS read back from the stored dS^T as A fragments, K_j as
+                                   B, the keys renumbered as above (every fragment load in
+                                   32 distinct banks); the block's sums go to dQ by float32
+                                   atomic adds (dQ's last bits vary from run to run)
+    dK_j = scale dK_w and dV_j written once.
+
+Every operand is split into TF32 hi and lo parts where it is used (``split_tf32_at``: a
+load from a 32-bit shared address and the split): the fp32 tiles in shared memory are
+each read as A and as B in different layouts, and split copies would double the shared
+memory the tiles take. The price, measured with Nsight Compute on the H100 (d = 64): 15.7
+instructions issued per mma, most of them the splits' roundings; the kernel is bound by
+issuing them, not by the tensor cores (6% of its instructions). ``passes=1`` multiplies hi by
+hi alone (plain TF32), to show what that loses.
+
+Before it, chapter 5's pre-pass D = rowsum(dO o O) (zeroing dQ for the atomic adds).
+Inputs float32 (q, do (B, H, Nq, d); k, v (B, Hkv, Nk, d): grouped-query attention), o and
+lse as the forward returns them; gradients float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from kernels.base.backward_args import check_grouped_args
+from kernels.base.fused import FASTMATH, LOG2E
+from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, \
+    device_pointer, is_device_array, on_simulator, to_device
+from kernels.base.tf32_product import PASSES, make_tf32_product
+from kernels.base.tile_copy import make_async_tile_copy
+
+__all__ = ["flash_attention_backward_tf32", "launch_backward", "make_backward_tf32", "tf32_backward_tiles",
+           "shared_words", "ptx_targets"]
+
+# The base-2 logsumexp of a dead row (past Nq, or L = -inf): exp2(S - DEAD) = 0.
+DEAD = float32(1.0e30)
+
+
+def tf32_backward_tiles(d: int) -> tuple[int, int, int]:
+    """(Br, W, D): Br query rows a tile, W warps (Bc = 16 W keys a block), D = d rounded up
+    to a multiple of 8 (an m16n8k8 k-step). On a GPU 8 warps (128 keys: dQ's atomic adds,
+    Br D a block and query tile, come once per 128 keys of work) and 64 query rows at D <=
+    64, 32 at D = 128 (K_j, V_j, two buffers of Q_i and dO_i and dS^T in fp32: 174 KB and
+    221 KB of shared memory). Measured on the H100 at B=4 H=16 N=4096, bare launches: d =
+    64, 26.9 ms against 30.1 with 32 rows and 30.3 with (32 rows, 4 warps); d = 128, 51.5
+    against 58.1 with 16 rows and 77.2 with 4 warps. In the simulator 16 rows and one warp
+    (its Python threads are slow)."""
+    D = 8 * cdiv(max(int(d), 1), 8)
+    if on_simulator():
+        return 16, 1, D
+    return (64, 8, D) if D <= 64 else (32, 8, D)
+
+
+def shared_words(Br: int, W: int, D: int) -> int:
+    """32-bit words of shared memory a block: K_j and V_j (Bc rows), Q_i and dO_i twice (the
+    next tile's copy flies), dS^T (Bc x Br); rows padded by 4 words (fragment loads in 32
+    distinct banks)."""
+    Bc, SD = 16 * W, D + 4
+    return 2 * Bc * SD + 4 * Br * SD + Bc * (Br + 4)
+
+
+@functools.lru_cache(maxsize=None)
+def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool = False):
+    """The dK/dV/dQ kernel for Br query rows a tile, W warps (Bc = 16 W keys), head dim D (a
+    multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
+    memory (``shared_words``) is dynamic.
+
+    Launch: grid (ceil(Nk / Bc), B * Hkv), 32 W threads. Arguments: q, do (B*H, Nq, d) and
+    k, v (B*Hkv, Nk, d) float32; lse and delta (B*H, Nq) float32 (L, natural log, and D from
+    the pre-pass); dq (B*H, Nq, d) float32, zeroed; dk, dv (B*Hkv, Nk, d) float32; scale
+    (float32), causal (int32 0/1), group (int32: H / Hkv), aligned (int32: rows of q, k, v,
+    dO and dQ 16-byte aligned and d % 4 == 0: cp.async copies, and dQ's adds in pairs)."""
+    from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior, red_add_pair,
+                                  shared_address, split_tf32_at)
+    from kernels.base.shared_memory import shared_view
+
+    if passes not in PASSES:
+        raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
+    if D % 8 or Br % 16 or W < 1:
+        raise ValueError(f"tiles: expected D a multiple of 8, Br of 16 and W >= 1, got Br={Br}, W={W}, D={D}")
+    split4, split2, product = make_tf32_product(passes)
+    Bc = 16 * W
+    THREADS = 32 * W
+    KS, ND, QC, KC = D // 8, D // 8, Br // 8, Bc // 8    # k-steps over d; tiles of d; 8-query chunks; 8-key steps
+    RG = Br // 16                                 # dQ_i's row groups of 16 queries
+    # dQ_i's pieces: a row group and NC column tiles of 8 (the row group's dS fragments split
+    # once for the NC tiles); as few pieces as there are warps, where D allows
+    NC = ND
+    while NC > 1 and (RG * (ND // NC) < W or ND % NC):
+        NC -= 1
+    ITEMS = RG * (ND // NC)
+    SD, SB = D + 4, Br + 4                        # shared row strides (words)
+    TILE, QTILE = Bc * SD, Br * SD
+    QBASE = 2 * TILE + Bc * SB                    # Q_i and dO_i's two buffers start here
+    SHARED = 0 if dynamic else shared_words(Br, W, D)
+    # unsigned loop counters on the GPU (chapter 12: Numba's range() loop control and signed
+    # 64-bit index arithmetic cost instructions); plain ints in the simulator
+    U = int if on_simulator() else uint32
+
+    # byte offsets in shared memory: 8 rows of a K/Q tile, of dS^T; one row of each
+    ROWS8, SROWS8, ROW, SROW = 32 * SD, 32 * SB, 4 * SD, 4 * SB
+
+    @cuda.jit(device=True, inline=True)
+    def a_at(addr, o1, o2):
+        """An A fragment's hi and lo parts from shared memory: a0 at addr, a1 at addr + o1,
+        a2 at addr + o2, a3 at addr + o1 + o2 (byte offsets)."""
+        h0, l0 = split_tf32_at(addr)
+        h1, l1 = split_tf32_at(addr + o1)
+        h2, l2 = split_tf32_at(addr + o2)
+        h3, l3 = split_tf32_at(addr + o1 + o2)
+        return (h0, h1, h2, h3), (l0, l1, l2, l3)
+
+    @cuda.jit(device=True, inline=True)
+    def b_at(addr, o1):
+        """A B fragment's hi and lo parts: b0 at addr, b1 at addr + o1."""
+        h0, l0 = split_tf32_at(addr)
+        h1, l1 = split_tf32_at(addr + o1)
+        return (h0, h1), (l0, l1)
+
+    stage_keys = make_async_tile_copy(Bc, D, THREADS, 4, float32)      # K_j, V_j: Bc rows
+    stage_queries = make_async_tile_copy(Br, D, THREADS, 4, float32)   # Q_i, dO_i: Br rows
+
+    @cuda.jit(device=True, inline=True)
+    def stage_pair(q, do, lse, delta, smem, Ls, Ds, buf, bh, q0, n_q, d, tid, aligned):
+        """Query tile q0 of head bh (Q_i, dO_i, L_i in base 2, D_i) into buffer ``buf``."""
+        at = QBASE + 2 * buf * QTILE
+        stage_queries(q[bh], shared_view(smem, at, (Br, SD)), n_q, q0, d, tid, aligned)
+        stage_queries(do[bh], shared_view(smem, at + QTILE, (Br, SD)), n_q, q0, d, tid, aligned)
+        for r in range(tid, Br, THREADS):
+            row = q0 + r
+            L = lse[bh, row] if row < n_q else -math.inf
+            Ls[buf, r] = DEAD if L == -math.inf else L * float32(LOG2E)
+            Ds[buf, r] = delta[bh, row] if row < n_q else float32(0.0)
+
+    @cuda.jit(fastmath=FASTMATH)
+    def backward_tf32(q, k, v, do, lse, delta, dq, dk, dv, scale, causal, group, aligned):
+        bkv = int32(cuda.blockIdx.y)
+        tid = int32(cuda.threadIdx.x)
+        warp = tid // 32
+        lane = tid % 32
+        g = U(lane // 4)
+        t = U(lane % 4)
+        k0 = int32(cuda.blockIdx.x) * Bc
+        n_q, n_k, d = int32(q.shape[1]), int32(k.shape[1]), int32(q.shape[2])
+        smem = cuda.shared.array(SHARED, float32, alignment=16)
+        Ks = shared_view(smem, 0, (Bc, SD))
+        Vs = shared_view(smem, TILE, (Bc, SD))
+        dSs = shared_view(smem, 2 * TILE, (Bc, SB))   # dS^T: keys x queries
+        Ls = cuda.shared.array((2, Br), float32)       # L (base 2) and D of the staged rows
+        Ds = cuda.shared.array((2, Br), float32)
+        kw = U(warp * 16)                             # this warp's keys: k0 + kw .. + 15
+        diag = n_k - n_q
+
+        stage_keys(k[bkv], Ks, n_k, k0, d, tid, aligned)
+        stage_keys(v[bkv], Vs, n_k, k0, d, tid, aligned)
+        cp_async_commit()
+        # 32-bit shared addresses of each lane's first fragment element, made once: a k-step
+        # adds a constant (indexing an array costs 64-bit arithmetic at every load)
+        ka = shared_address(Ks, kw + g, t)            # K_w, V_w as A of S^T, dP^T
+        va = shared_address(Vs, kw + g, t)
+        kb = shared_address(Ks, U(2) * t, g)          # K_j as B of dQ (keys 2t, 2t + 1)
+        sa = shared_address(dSs, U(2) * t, g)         # dS as A of dQ, from dS^T
+
+        dka = cuda.local.array((ND, 4), float32)       # dK_w, dV_w: D/8 accumulator tiles each
+        dva = cuda.local.array((ND, 4), float32)
+        for j in range(ND):
+            for e in range(4):
+                dka[j, e] = float32(0.0)
+                dva[j, e] = float32(0.0)
+        scale2 = float32(scale * LOG2E)
+        # causal: query i sees key k0 when k0 <= i + diag; earlier query tiles see nothing here
+        first = max(k0 - diag, 0) // Br if causal != 0 else 0
+        n_tiles = max((n_q + Br - 1) // Br - first, 0)
+        steps = group * n_tiles                       # (query head, query tile) pairs, in order
+
+        if steps > 0:                                 # the first pair's copies
+            stage_pair(q, do, lse, delta, smem, Ls, Ds, 0, bkv * group, first * Br, n_q, d, tid, aligned)
+        cp_async_commit()
+        for step in range(steps):
+            buf = step % 2
+            bh = bkv * group + step // n_tiles
+            q0 = (first + step % n_tiles) * Br
+            cuda.syncthreads()                        # every warp is done with the other buffer and dS
+            if step + 1 < steps:                      # the next pair's copies fly during this one
+                stage_pair(q, do, lse, delta, smem, Ls, Ds, 1 - buf, bkv * group + (step + 1) // n_tiles,
+                           (first + (step + 1) % n_tiles) * Br, n_q, d, tid, aligned)
+            cp_async_commit()
+            cp_async_wait_prior()                     # this pair's Q_i and dO_i (and K_j, V_j) have landed
+            cuda.syncthreads()
+
+            ubuf = U(buf)
+            Qv = shared_view(smem, QBASE + 2 * buf * QTILE, (Br, SD))
+            dOv = shared_view(smem, QBASE + (2 * buf + 1) * QTILE, (Br, SD))
+            qb = shared_address(Qv, g, t)             # Q_c, dO_c as B of S^T, dP^T
+            ob = shared_address(dOv, g, t)
+            qt = shared_address(Qv, U(2) * t, g)      # Q_c, dO_c as B of dK, dV (queries 2t, 2t + 1)
+            ot = shared_address(dOv, U(2) * t, g)
+            c = U(0)
+            while c < U(QC):
+                qc = c * U(8)                         # the chunk's first row in the tile
+                cb = c * U(ROWS8)                     # ... in bytes
+                # ---- S^T = K_w Q_c^T, dP^T = V_w dO_c^T: A[g, t] = K[kw + g, 8 s + t], B[t, g] = Q[qc + g, 8 s + t]
+                s = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+                p = s
+                for s_ in range(KS):
+                    a_hi, a_lo = a_at(ka + U(32 * s_), U(ROWS8), U(16))
+                    b_hi, b_lo = b_at(qb + cb + U(32 * s_), U(16))
+                    x = product(a_hi, a_lo, b_hi, b_lo)
+                    a_hi, a_lo = a_at(va + U(32 * s_), U(ROWS8), U(16))
+                    b_hi, b_lo = b_at(ob + cb + U(32 * s_), U(16))
+                    y = product(a_hi, a_lo, b_hi, b_lo)
+                    s = (s[0] + x[0], s[1] + x[1], s[2] + x[2], s[3] + x[3])
+                    p = (p[0] + y[0], p[1] + y[1], p[2] + y[2], p[3] + y[3])
+                # ---- P^T and dS^T: element e is key kw + g + 8 (e // 2), query qc + 2 t + e % 2
+                pt = cuda.local.array(4, float32)
+                dst = cuda.local.array(4, float32)
+                for e in range(4):
+                    col = qc + U(2) * t + U(e % 2)
+                    pe = math.exp2(s[e] * scale2 - Ls[ubuf, col])
+                    pt[e] = pe
+                    dst[e] = pe * (p[e] - Ds[ubuf, col])
+                qa = q0 + int32(qc)                   # the chunk's first query
+                if k0 + int32(kw) + 15 >= n_k or (causal != 0 and k0 + int32(kw) + 15 > qa + diag):
+                    for e in range(4):                # only chunks that cross n_k or the diagonal
+                        key = k0 + int32(kw + g) + 8 * (e // 2)
+                        query = qa + int32(U(2) * t) + e % 2
+                        if key >= n_k or (causal != 0 and key > query + diag):
+                            pt[e] = float32(0.0)
+                            dst[e] = float32(0.0)
+                # ---- dV_w += P^T dO_c, dK_w += dS^T Q_c: the chunk is one k-step, queries 2t, 2t + 1 as k = t, t + 4
+                p_hi, p_lo = split4(pt[0], pt[2], pt[1], pt[3])
+                d_hi, d_lo = split4(dst[0], dst[2], dst[1], dst[3])
+                for dt in range(ND):                  # B[t, g] = dO[qc + 2t, 8 dt + g], B[t + 4, g] = dO[qc + 2t + 1, ..]
+                    b_hi, b_lo = b_at(ot + cb + U(32 * dt), U(ROW))
+                    x = product(p_hi, p_lo, b_hi, b_lo)
+                    b_hi, b_lo = b_at(qt + cb + U(32 * dt), U(ROW))
+                    y = product(d_hi, d_lo, b_hi, b_lo)
+                    for e in range(4):
+                        dva[dt, e] += x[e]
+                        dka[dt, e] += y[e]
+                # ---- dS^T to shared memory
+                for e in range(4):
+                    dSs[kw + g + U(8 * (e // 2)), qc + U(2) * t + U(e % 2)] = dst[e]
+                c += U(1)
+            cuda.syncthreads()                        # dS^T is whole
+
+            # ---- dQ_i += scale dS K_j: a warp takes row group rg (16 queries) and NC column
+            # tiles; keys 8 kk + 2t, 8 kk + 2t + 1 as k = t, t + 4:
+            # A[g, t] = dS[16 rg + g, key] = dS^T[key, 16 rg + g], B[t, g] = K[key, 8 n + g]
+            dqh = dq[bh]
+            item = U(warp)
+            while item < U(ITEMS):
+                rg = item // U(ND // NC)
+                n0 = (item % U(ND // NC)) * U(NC)
+                acc = cuda.local.array((NC, 4), float32)
+                for u in range(NC):
+                    for e in range(4):
+                        acc[u, e] = float32(0.0)
+                kk = U(0)
+                while kk < U(KC):
+                    a_hi, a_lo = a_at(sa + kk * U(SROWS8) + rg * U(64), U(32), U(SROW))
+                    for u in range(NC):
+                        b_hi, b_lo = b_at(kb + kk * U(ROWS8) + (n0 + U(u)) * U(32), U(ROW))
+                        x = product(a_hi, a_lo, b_hi, b_lo)
+                        for e in range(4):
+                            acc[u, e] += x[e]
+                    kk += U(1)
+                for u in range(NC):
+                    for h in range(2):
+                        row = q0 + int32(rg * U(16) + g) + 8 * h
+                        col = int32((n0 + U(u)) * U(8) + U(2) * t)
+                        x0 = acc[u, 2 * h] * scale
+                        x1 = acc[u, 2 * h + 1] * scale
+                        if row < n_q:
+                            if aligned != 0 and col + 2 <= d:
+                                red_add_pair(dqh, row, col, x0, x1)
+                            else:
+                                if col < d:
+                                    cuda.atomic.add(dqh, (row, col), x0)
+                                if col + 1 < d:
+                                    cuda.atomic.add(dqh, (row, col + 1), x1)
+                item += U(W)
+
+        cp_async_wait_all()                           # (the last, empty, group)
+
+        # ---- dK_j = scale dK_w, dV_j: the warp's 16 rows
+        for j in range(ND):
+            for e in range(4):
+                key = k0 + int32(kw + g) + 8 * (e // 2)
+                col = j * 8 + int32(U(2) * t) + e % 2
+                if key < n_k and col < d:
+                    dk[bkv, key, col] = dka[j, e] * scale
+                    dv[bkv, key, col] = dva[j, e]
+
+    backward_tf32.threads = THREADS
+    backward_tf32.keys = Bc
+    return backward_tf32
+
+
+# --------------------------------------------------------------------------- the launcher
+
+def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None):
+    """The two launches on these views, as (kernel, grid, threads, args, dynamic shared bytes)
+    each: chapter 5's pre-pass (D, and dQ = 0), then the dK/dV/dQ kernel (its shared-memory
+    limit raised where it needs more than 48 KB). ``tiles``: (Br, W), by default
+    ``tf32_backward_tiles``."""
+    from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
+    from kernels.flash_backward import make_delta
+
+    bh, n_q, d = views["q"].shape
+    bkv, n_k = views["k"].shape[0], views["k"].shape[1]
+    Br, W, D = tf32_backward_tiles(d)
+    if tiles is not None:
+        Br, W = tiles
+    delta_kernel, threads = make_delta(D, 4, True)
+    pre = (delta_kernel, (cdiv(n_q, threads // 32), bh), threads,
+           (views["o"], views["do"], delta, views["dq"], np.int32(n_q)), 0)
+    nbytes = 4 * shared_words(Br, W, D)
+    dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
+    kernel = make_backward_tf32(Br, W, D, int(passes), dynamic)
+    args = (views["q"], views["k"], views["v"], views["do"], views["lse"], delta, views["dq"], views["dk"],
+            views["dv"], np.float32(scale), np.int32(causal), np.int32(bh // bkv), np.int32(aligned))
+    if dynamic:
+        allow_dynamic_shared_memory(kernel, args, nbytes)
+    return pre, (kernel, (cdiv(n_k, 16 * W), bkv), kernel.threads, args, nbytes if dynamic else 0)
+
+
+def _aligned(d, arrays) -> int:
+    """1 where whole 16-byte chunks may go by cp.async and dQ's adds go in pairs."""
+    if on_simulator():
+        return int(d % 4 == 0)
+    return int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in arrays))
+
+
+def launch_backward(qd, kd, vd, od, lsed, dod, delta, dq, dk, dv, scale, causal, passes=3, tiles=None):
+    """The two kernels on device views: qd, od, dod (B*H, Nq, d), kd, vd (B*Hkv, Nk, d),
+    lsed (B*H, Nq), float32; into the buffers delta (B*H, Nq) and dq, dk, dv, launched as
+    Numba launches them (the bench's bare launch). ``tiles``: (Br, W)."""
+    views = dict(q=qd, k=kd, v=vd, o=od, lse=lsed, do=dod, dq=dq, dk=dk, dv=dv)
+    aligned = _aligned(qd.shape[2], (qd, kd, vd, dod, dq))
+    for kernel, grid, threads, args, nbytes in _two_launches(views, delta, scale, causal, passes, aligned, tiles):
+        kernel[grid, threads, 0, nbytes](*args)
+
+
+class BackwardLaunches(BoundLaunches):
+    """The two launches of one call shape, bound once (``BoundLaunches``); D is the plan's
+    own buffer."""
+
+    DELTA_SLOTS = dict(o=0, do=1, dq=3)
+    MAIN_SLOTS = dict(q=0, k=1, v=2, do=3, lse=4, dq=6, dk=7, dv=8)
+
+    def __init__(self, views: dict, scale: float, causal: bool, passes: int, aligned: int, tiles=None):
+        bh, n_q = views["q"].shape[:2]
+        self.delta = cuda.device_array((bh, n_q), np.float32)
+        super().__init__(_two_launches(views, self.delta, scale, causal, passes, aligned, tiles),
+                         (self.DELTA_SLOTS, self.MAIN_SLOTS))
+
+
+_launches = LaunchCache()
+
+
+def flash_attention_backward_tf32(q, k, v, o, lse, do, *, causal=False, scale=None, passes=3):
+    """Gradients (dq, dk, dv) of attention for float32 inputs, on tensor cores (3xTF32).
+
+    q, o and do (B, H, Nq, d), k and v (B, Hkv, Nk, d) with H a multiple of Hkv
+    (grouped-query attention: query head h reads KV head h // (H / Hkv)), d <= 128, lse
+    (B, H, Nq) (natural log, -inf on rows that see nothing): float32, the o and lse the
+    forward returned. ``causal`` masks bottom-right aligned; ``scale`` defaults to
+    1/sqrt(d); ``passes`` = 3 (3xTF32, about fp32's accuracy) or 1 (plain TF32). Returns
+    float32 dq (B, H, Nq, d), dk and dv (B, Hkv, Nk, d); dq's last bits vary from run to
+    run (atomic adds). NumPy in, NumPy out; device arrays in, device arrays out."""
+    if isinstance(passes, bool) or passes not in PASSES:
+        raise ValueError(f"passes: expected 3 (3xTF32) or 1 (plain TF32), got {passes!r}")
+    B, H, hkv, n_q, n_k, d = check_grouped_args(q, k, v, o, lse, do, np.float32, (np.float32,))
+    causal = check_flag(causal, "causal")
+    scale = check_scale(scale, d)
+    kind = ArrayKind(q)
+    grads = dict(dq=kind.new((B, H, n_q, d)), dk=kind.new((B, hkv, n_k, d)), dv=kind.new((B, hkv, n_k, d)))
+    if not (B * H and n_q and n_k):                   # nothing attends to anything: zero gradients
+        for x in grads.values():
+            _zero(x)
+        return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))
+    held = {name: x if is_device_array(x) else to_device(x, name)
+            for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do))}
+    arrays = {**held, **grads}
+    if on_simulator():
+        device, pointers = 0, None
+        aligned = int(d % 4 == 0)
+    else:
+        pointers = {name: device_pointer(x, name) for name, x in arrays.items()}
+        aligned = int(d % 4 == 0 and all(pointers[n] % 16 == 0 for n in ("q", "k", "v", "do", "dq")))
+        device = cuda.get_current_device().id
+    key = (B, H, hkv, n_q, n_k, d, causal, scale, int(passes), aligned, device)
+    views = _views(arrays, B * H, B * hkv, n_q, n_k, d) if key not in _launches or on_simulator() else None
+    launches = _launches.get(key, lambda: BackwardLaunches(views, scale, causal, passes, aligned))
+    launches(**(views if on_simulator() else pointers))
+    return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))
+
+
+def _views(arrays: dict, bh: int, bkv: int, n_q: int, n_k: int, d: int) -> dict:
+    """Numba device views of a call's arrays in the kernels' shapes ((B*H, Nq, d), ...)."""
+    shapes = dict(q=(bh, n_q, d), do=(bh, n_q, d), o=(bh, n_q, d), lse=(bh, n_q), k=(bkv, n_k, d),
+                  v=(bkv, n_k, d), dq=(bh, n_q, d), dk=(bkv, n_k, d), dv=(bkv, n_k, d))
+    return {name: to_device(x, name).reshape(*shapes[name]) for name, x in arrays.items()}
+
+
+def _zero(x):
+    """Zeros into a result array of the caller's kind (a PyTorch tensor, a CuPy or Numba array)."""
+    if hasattr(x, "zero_"):
+        x.zero_()
+    elif hasattr(x, "fill"):
+        x.fill(0)
+    elif x.size:
+        x.copy_to_device(np.zeros(x.shape, np.float32))
+
+
+# --------------------------------------------------------------------------- PTX check
+
+def ptx_targets(every_shape: bool = False):
+    """The kernel at the GPU tiles, d = 64 and 128, 3xTF32 (``every_shape``: plain TF32 too)."""
+    sig = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
+           "float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32, int32, int32, "
+           "int32)")
+    out = []
+    for D in (64, 128):
+        for passes in (3, 1) if every_shape else (3,):
+            Br, W = (64, 8) if D <= 64 else (32, 8)   # tf32_backward_tiles on a GPU
+            dynamic = 4 * shared_words(Br, W, D) > 48 * 1024
+            out.append((f"backward 3xTF32 passes={passes} Br={Br} Bc={16 * W} D={D}",
+                        make_backward_tf32(Br, W, D, passes, dynamic), sig))
+    return out
