@@ -314,9 +314,10 @@ def _chapter_5(ctx, measure, torch, full, causal):
         ctx.progress(f"  skipped chapter 5's backward: {type(exc).__name__}: {str(exc)[:160]}")
 
 
-def _torch_peers(ctx, measure, torch, tsets, causal):
-    """SDPA's flash, memory-efficient and cuDNN backends and plain PyTorch: one forward with
-    requires_grad outside the timed region, then the backward alone."""
+def _torch_peers(ctx, measure, torch, tsets, causal, peers=PEERS):
+    """SDPA's flash, memory-efficient and cuDNN backends and plain PyTorch (or those of them
+    in ``peers``): one forward with requires_grad outside the timed region, then the
+    backward alone."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -341,7 +342,7 @@ def _torch_peers(ctx, measure, torch, tsets, causal):
              "SDPA memory-efficient": "CUTLASS (xFormers) backward",
              "SDPA cuDNN": "cuDNN's fused backward",
              "plain PyTorch": "softmax(q k^T scale) v in the input type: P (N x N) saved by autograd"}
-    for label in PEERS:
+    for label in peers:
         graphs = []
         try:
             for q, k, v, _, _, do in tsets:

@@ -1,0 +1,166 @@
+"""Chapter 11's second bench: the fp32 backward on tensor cores (3xTF32) against PyTorch's.
+
+On a GPU (``--quick``: d = 64, N = 1k and 4k), H = 16, d = 64 and 128, causal and not, at
+a fixed number of tokens B N = 16k, N = 1024 .. 16384, float32 inputs; O and L from
+chapter 11's forward (``flash_attention_tf32``) on the same inputs; then, in one run:
+
+* our backward as a bare launch (``launch_backward``: chapter 5's D kernel and the dK/dV/dQ
+  kernel on preallocated D, dQ, dK, dV), and through chapter 5's launcher
+  (``flash_attention_backward``, whose default on a GPU with TF32 tensor cores is this
+  kernel) with PyTorch tensors, as a PyTorch user calls it;
+* peers on the same inputs, the backward alone, fp32 with TF32 off (PyTorch's default):
+  SDPA's memory-efficient backend (CUTLASS, 3xTF32 itself) and plain PyTorch
+  (``softmax(q k^T scale) v``: autograd saves P), each as ``torch.autograd.grad`` after one
+  forward built outside the timed region (chapter 12's ``_torch_peers``);
+* at N = 4096 chapter 5's FMA backward (``products="fma"``) and plain TF32 (``passes=1``).
+
+Each bare row carries the max error of head (0, 0)'s dQ, dK, dV against the exact
+gradients (float64, from the float64 forward), and as a multiple of a float32 backward's
+(from a float32 forward; the tests' yardstick is float32 NumPy, this is the same arithmetic
+in PyTorch on the GPU, TF32 off). FLOPs 10 B H N^2 d (halved for causal).
+In the simulator: 16 tokens, H = 1, N = 16, d = 16, 3xTF32 alone, one timed run a row, no
+PyTorch.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import numpy as np
+
+import kernels  # noqa: F401  (GPU or simulator first)
+from kernels.bench.harness import Result, token_sweep, torch_or_none
+from kernels.bench.tensor_core_backward import _torch_peers, config_name
+from kernels.flash_backward import flash_attention_backward
+from kernels.flash_tf32 import flash_attention_tf32
+from kernels.tf32_backward import launch_backward, tf32_backward_tiles
+
+CHAPTER = 11
+TITLE = "the fp32 backward on tensor cores (3xTF32)"
+
+BARE = "flash bwd 3xTF32 (bare)"
+BARE_1X = "flash bwd plain TF32, passes=1 (bare)"
+LAUNCHER_TORCH = "flash_attention_backward(), torch"
+FMA = "chapter 5 fp32 backward (FMA), torch"
+PEERS = ("SDPA memory-efficient", "plain PyTorch")
+REL_GUARD = 1e-4                      # max |error| / max |exact|: ~1e-6 expected; past it the run is broken
+
+
+def _model_bytes(b, h, n, d):
+    """Compulsory HBM traffic, float32: q, k, v, O, dO and L read once; dQ, dK, dV written once."""
+    return 4.0 * b * h * n * (5 * d + 1) + 4.0 * b * h * n * d * 3
+
+
+def _gradients(torch, q, k, v, do, causal, dtype):
+    """Head (0, 0)'s (dq, dk, dv) in closed form at ``dtype`` (its own forward), on the GPU."""
+    q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = scale * (q @ k.T)
+    if causal:
+        n_q, n_k = s.shape
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).tril(n_k - n_q)
+        s = s.masked_fill(~keep, -math.inf)
+    p = torch.softmax(s, dim=-1)
+    o = p @ v
+    dv = p.T @ do
+    dp = do @ v.T
+    ds = p * (dp - (do * o).sum(-1, keepdim=True))
+    return scale * (ds @ k), scale * (ds.T @ q), dv
+
+
+def _errors(torch, head, got, causal):
+    """{name: (max |error|, that over the float32 backward's)} for dQ, dK, dV of head (0, 0)."""
+    exact = _gradients(torch, *head, causal, torch.float64)
+    base = _gradients(torch, *head, causal, torch.float32)         # (run() turned TF32 off)
+    out = {}
+    for name, g, e, b in zip(("dQ", "dK", "dV"), got, exact, base):
+        err = float((g.double() - e).abs().max())
+        yard = float((b.double() - e).abs().max())
+        rel = err / max(float(e.abs().max()), 1e-30)
+        if rel > REL_GUARD:
+            raise RuntimeError(f"{name}: relative error {rel:.1e} past {REL_GUARD:.0e}: a broken run")
+        out[name] = (err, err / yard if yard > 0 else float("nan"))
+    return out
+
+
+def run(ctx) -> list[Result]:
+    from numba import cuda
+
+    torch = torch_or_none()
+    if torch is not None:
+        torch.backends.cuda.matmul.allow_tf32 = False          # fp32 peers in fp32 (PyTorch's default)
+        torch.backends.cudnn.allow_tf32 = False
+    once = dict(repeat=1, warmup=0) if ctx.simulator else {}
+    results: list[Result] = []
+    tokens, h, sweep, n_ref, dims = token_sweep(ctx)
+    if ctx.simulator:                                 # a simulated backward takes seconds: N = 16 alone
+        sweep = (n_ref,)
+    rng = np.random.default_rng(1150)
+    for d in dims:
+        Br, W, _ = tf32_backward_tiles(d)
+        scale = 1.0 / math.sqrt(d)
+        size = tokens * h * d
+        sets = [tuple(cuda.to_device(rng.standard_normal(size, dtype=np.float32)) for _ in range(4))
+                for _ in range(1 if ctx.simulator else 2)]
+        flat = [cuda.device_array(tokens * h, np.float32)] + [cuda.device_array(size, np.float32) for _ in range(3)]
+        for n in sweep:
+            b = tokens // n
+            at_ref = n == n_ref
+            shaped = [tuple(x.reshape(b, h, n, d) for x in s) for s in sets]
+            delta = flat[0].reshape(b * h, n)
+            dq, dk, dv = (x.reshape(b * h, n, d) for x in flat[1:])
+            for causal in (False, True):
+                config = config_name(tokens, h, n, d, "fp32", causal)
+                flops = 10.0 * b * h * n * n * d / (2 if causal else 1)
+                extra = {"N": n, "B": b, "H": h, "d": d, "causal": causal, "dtype": "fp32"}
+
+                def measure(kernel, fn, sets_, **kw):
+                    r = ctx.measure(CHAPTER, kernel, config, fn, sets_, flops=flops,
+                                    model_bytes=_model_bytes(b, h, n, d), extra=dict(extra), **once, **kw)
+                    results.append(r)
+                    return r
+
+                full = []                                 # O and L from chapter 11's forward
+                for q, k, v, do in shaped:
+                    o, lse = flash_attention_tf32(q, k, v, causal=causal)
+                    full.append((q, k, v, o, lse, do))
+                flat_sets = [tuple(x.reshape(b * h, n, -1) if x.ndim == 4 else x.reshape(b * h, n) for x in s)
+                             for s in full]
+                for passes, label in ((3, BARE), (1, BARE_1X)) if at_ref and not ctx.simulator else ((3, BARE),):
+                    def bare(q, k, v, o, lse, do, c=causal, p=passes, out=(delta, dq, dk, dv)):
+                        launch_backward(q, k, v, o, lse, do, *out, scale, c, p)
+
+                    r = measure(label, bare, flat_sets, peak_memory=False,
+                                note=f"bare launch_backward: the D kernel and the dK/dV/dQ kernel on preallocated "
+                                     f"buffers, Br={Br} Bc={16 * W}")
+                    if torch is not None:
+                        bare(*flat_sets[0])               # the gradients of set 0
+                        got = tuple(torch.as_tensor(x, device="cuda")[0] for x in (dq, dk, dv))
+                        head = tuple(torch.as_tensor(x, device="cuda")[0, 0] for x in
+                                     (shaped[0][0], shaped[0][1], shaped[0][2], shaped[0][3]))
+                        errors = _errors(torch, head, got, causal)
+                        r.note += "; head (0,0) max error " + ", ".join(
+                            f"{k_} {e:.1e} ({t:.2f}x fp32's)" for k_, (e, t) in errors.items())
+                        for k_, (e, t) in errors.items():
+                            r.extra.update({f"max_error_{k_}": e, f"error_vs_float32_{k_}": t})
+                if torch is not None:
+                    tsets = [tuple(torch.as_tensor(x, device="cuda") for x in s) for s in full]
+                    measure(LAUNCHER_TORCH,
+                            lambda q, k, v, o, lse, do, c=causal: flash_attention_backward(q, k, v, o, lse, do,
+                                                                                           causal=c), tsets,
+                            note="chapter 5's launcher, products='auto' (3xTF32 here), float32 tensors in: checks "
+                                 "arguments, allocates dQ, dK, dV each call")
+                    if at_ref:
+                        measure(FMA, lambda q, k, v, o, lse, do, c=causal: flash_attention_backward(
+                                    q, k, v, o, lse, do, causal=c, products="fma"), tsets,
+                                note="the course's fp32 backward on the FMA units, atomic dQ")
+                    _torch_peers(ctx, measure, torch, tsets, causal, peers=PEERS)
+                    del tsets
+                del full, flat_sets
+                gc.collect()
+                if torch is not None:
+                    torch.cuda.empty_cache()
+            del shaped
+        del sets, flat
+    return results
