@@ -243,7 +243,7 @@ def small_cache_rows(ctx, chapter: int = 10) -> list:
             t = flash_tiles(d)
             fused = io_model.fused_forward_elements(n, n, d, Br=t.Br, Bc=t.Bc)
             out.append(ctx.measure(chapter, "chapter 4 flash_attention (fused)", config,
-                                   lambda q, k, v: flash_attention(q, k, v), sets, flops=flops,
+                                   lambda q, k, v: flash_attention(q, k, v, products="fma"), sets, flops=flops,
                                    model_bytes=4.0 * heads * fused, peak_memory=False,
                                    note=f"FlashAttention-2 order, Br={t.Br} Bc={t.Bc}: 2Nd + N + 2Nd Tr a head",
                                    extra={"N": n, "d": d, "M": M, "regime": io_theory.regime(d, M),

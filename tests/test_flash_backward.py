@@ -18,8 +18,9 @@ from kernels.base.runtime import on_simulator
 from kernels.base.testing import assert_close, attention_cases, case_with, gradient_floor_scales, random_array
 from kernels.base.fused import padded_head_dim
 from kernels.flash_backward import (ACC_ROWS, DQ_MODES, ROW_THREADS, BackwardTiles, check_shared_tiles, default_tiles,
-                                    flash_attention_backward, flash_backward_numpy, head_dim_bucket, recompute_p,
+                                    flash_backward_numpy, head_dim_bucket, recompute_p,
                                     row_per_thread_backward, shared_tile_backward)
+from kernels.flash_backward import flash_attention_backward as _flash_attention_backward
 
 SIM = on_simulator()
 # Simulated threads are slow: small shapes and tiles there; larger ones on the GPU.
@@ -31,6 +32,12 @@ TILE_CHOICES = (
     [None, BackwardTiles(32, 64, 128, 64, 32, 128), BackwardTiles(16, 32, 128, 32, 16, 128, merged=True),
      BackwardTiles(16, 64, 128, 64, 16, 128, merged=False), BackwardTiles(8, 32, 128, 32, 8, 128)]
 )
+
+
+def flash_attention_backward(q, k, v, o, lse, do, **options):
+    """Chapter 5's launcher on chapter 5's kernels, the kernels these tests are for
+    (products="fma": on a GPU with TF32 tensor cores its default is chapter 11's 3xTF32)."""
+    return _flash_attention_backward(q, k, v, o, lse, do, products="fma", **options)
 
 
 def _forward_and_grad(case, seed=1):
@@ -265,7 +272,10 @@ def test_empty_sequences(nq, nk):
 
 
 def test_consumes_the_logsumexp_of_the_chapter_4_forward():
-    from kernels.flash_forward import flash_attention
+    from kernels.flash_forward import flash_attention as forward
+
+    def flash_attention(*args, **options):
+        return forward(*args, products="fma", **options)
 
     for causal, (nq, nk) in ((False, (11, 14)), (True, (14, 9))):
         case = case_with((1, 2, nq, 6), (1, 2, nk, 6), causal=causal, seed=nq)

@@ -702,7 +702,8 @@ if TIME is not None:
     od, lsed = flash_attention(qd, kd, vd)
     flops = 2.5 * 4 * b_ * h_ * n_ * n_ * d_
     for mode in ("atomic", "separate"):
-        t = time_fn(lambda: flash_attention_backward(qd, kd, vd, od, lsed, dod, dq_mode=mode), [()])
+        # products="fma": this chapter's kernels (on this GPU the default is chapter 11's 3xTF32 backward)
+        t = time_fn(lambda: flash_attention_backward(qd, kd, vd, od, lsed, dod, dq_mode=mode, products="fma"), [()])
         print(f"{mode:>9} dQ: {t.median_ms:.2f} ms, {flops / t.median_ms / 1e9:.1f} TFLOP/s")
 else:
     print("no timing in the simulator")

@@ -265,7 +265,7 @@ def _dense_chapter4(ctx, results, sets, config, flops, model, extra, causal):
         fn, _, _ = bare_launch(default_tiles(d), b, h, n, n, d, causal=causal)
         note = f"bare launch, {default_tiles(d)}, every tile"
     except Exception:  # its bench changed shape: time the launcher
-        fn = lambda q, k, v: flash_attention(q, k, v, causal=causal)  # noqa: E731
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=causal, products="fma")  # noqa: E731
         note = "flash_attention() launcher, every tile"
     results.append(ctx.measure(CHAPTER, "dense fused forward (chapter 4)", config, fn, sets,
                                flops=flops, model_bytes=model, peak_memory=False, note=note, extra=dict(extra)))
@@ -278,7 +278,7 @@ def _dense_chapter5(ctx, results, grads, config, flops, model, extra, causal):
         return
     results.append(ctx.measure(CHAPTER, "dense backward (chapter 5)", config,
                                lambda q, k, v, o, lse, do: flash_attention_backward(q, k, v, o, lse, do,
-                                                                                    causal=causal),
+                                                                                    causal=causal, products="fma"),
                                grads, flops=flops, model_bytes=model, peak_memory=False,
                                note="flash_attention_backward() launcher, every tile", extra=dict(extra)))
 

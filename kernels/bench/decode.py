@@ -159,7 +159,7 @@ def run(ctx) -> list[Result]:
                     and (b, n_max) in ((1, 4 * K), (1, 128 * K), (16, 64 * K)):
                 from kernels.flash_forward import flash_attention
                 results.append(ctx.measure(CHAPTER, "chapter 4: flash_attention", config,
-                                           lambda q, k, v: flash_attention(q, k, v), sets, flops=flops,
+                                           lambda q, k, v: flash_attention(q, k, v, products="fma"), sets, flops=flops,
                                            model_bytes=model, is_peer=True, extra=dict(extra), peak_memory=False,
                                            note="chapter 4's grid: one block a (query tile, head)"))
             del q, k, v, sets

@@ -39,7 +39,6 @@ from kernels.flash_backward import (
     BackwardTiles,
     allocate_outputs,
     default_tiles,
-    flash_attention_backward,
     io_model_bytes,
     launch,
     make_dkdv,
@@ -49,10 +48,26 @@ from kernels.flash_backward import (
     standard_backward_bytes,
 )
 
+from kernels.flash_backward import flash_attention_backward as _flash_attention_backward
+
 try:
-    from kernels.flash_forward import flash_attention
+    from kernels.flash_forward import flash_attention as _flash_attention
 except ImportError:  # chapter 4 not present: the forward + backward rows are skipped
-    flash_attention = None
+    _flash_attention = None
+
+
+def flash_attention_backward(q, k, v, o, lse, do, **options):
+    """Chapter 5's launcher on chapter 5's kernels (products="fma"): on a GPU with TF32
+    tensor cores, its default is chapter 11's 3xTF32 backward."""
+    return _flash_attention_backward(q, k, v, o, lse, do, products="fma", **options)
+
+
+def _fma_forward(q, k, v, **options):
+    """Chapter 4's launcher on chapter 4's kernel (products="fma")."""
+    return _flash_attention(q, k, v, products="fma", **options)
+
+
+flash_attention = None if _flash_attention is None else _fma_forward
 
 CHAPTER = 5
 TITLE = "recomputing backward"

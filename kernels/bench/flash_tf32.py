@@ -124,7 +124,7 @@ def run(ctx) -> list[Result]:
                 if at_ref:
                     from kernels.flash_forward import flash_attention
 
-                    measure(FMA, lambda q, k, v, c=causal: flash_attention(q, k, v, causal=c), tsets,
+                    measure(FMA, lambda q, k, v, c=causal: flash_attention(q, k, v, causal=c, products="fma"), tsets,
                             note="the course's fp32 kernel on the FMA units")
                 _torch_peers(ctx, measure, torch, tsets, causal, head, rows)
             del shaped, o, lse, tsets

@@ -307,7 +307,8 @@ def _chapter_5(ctx, measure, torch, full, causal):
             else:
                 q, k, v, do = (cuda.to_device(x.copy_to_host().astype(np.float32)) for x in (q, k, v, do))
             sets.append((q, k, v, o, lse, do))
-        measure(FMA, lambda q, k, v, o, lse, do: flash_attention_backward(q, k, v, o, lse, do, causal=causal),
+        measure(FMA, lambda q, k, v, o, lse, do: flash_attention_backward(q, k, v, o, lse, do, causal=causal,
+                                                                                    products="fma"),
                 sets, note="flash_attention_backward(): float32 copies of the inputs, fp32 math on the FMA units, "
                            "atomic dQ")
     except Exception as exc:          # never lose the chapter to its yardstick

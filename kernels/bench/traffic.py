@@ -68,8 +68,8 @@ def _case(name, build=True):
         if build:
             from kernels.flash_forward import flash_attention
 
-            o, lse = flash_attention(q, k, v)
-            fn = lambda: flash_attention_backward(q, k, v, o, lse, do, dq_mode=mode)  # noqa: E731
+            o, lse = flash_attention(q, k, v, products="fma")
+            fn = lambda: flash_attention_backward(q, k, v, o, lse, do, dq_mode=mode, products="fma")  # noqa: E731
         return fn, 5, f"backward, {mode} dQ", backward_model(b, h, n, n, d, dq_mode=mode)
     match = re.fullmatch(r"bs-(fwd|bwd)-([0-9.]+)", name)
     if not match:
