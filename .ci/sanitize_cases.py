@@ -132,6 +132,17 @@ def main(only):
                 m.flash_attention_backward_tc(*(bf16_bits(x).astype(np.uint16) for x in (q, k, v, o)), lse,
                                               bf16_bits(do).astype(np.uint16), causal=causal, bf16=True)
         ran.append("tensor_core_backward")
+    if want("tf32_backward") and (m := have("tf32_backward")):
+        # ragged tiles, d padded (13, 100; 13 and 30: d % 4 != 0, element-wise copies, scalar atomics), GQA
+        for b, h, hkv, nq, nk, d in [(1, 2, 1, 150, 133, 64), (1, 1, 1, 70, 200, 128), (1, 2, 2, 33, 20, 30),
+                                     (1, 4, 2, 129, 129, 100), (2, 1, 1, 1, 1, 13)]:
+            for causal in (False, True):
+                q, do, o = rand(rng, b, h, nq, d), rand(rng, b, h, nq, d), rand(rng, b, h, nq, d)
+                k, v = rand(rng, b, hkv, nk, d), rand(rng, b, hkv, nk, d)
+                lse = np.full((b, h, nq), 2.0, np.float32)
+                for passes in (3, 1):
+                    m.flash_attention_backward_tf32(q, k, v, o, lse, do, causal=causal, passes=passes)
+        ran.append("tf32_backward")
     if want("flash_tf32") and (m := have("flash_tf32")):
         for b, h, nq, nk, d in shapes + [(1, 1, 200, 130, 100)]:
             for causal in (False, True):
