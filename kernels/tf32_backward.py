@@ -33,8 +33,10 @@ Every operand is split into TF32 hi and lo parts where it is used (``split_tf32_
 load from a 32-bit shared address and the split): the fp32 tiles in shared memory are
 each read as A and as B in different layouts, and split copies would double the shared
 memory the tiles take. The price, measured with Nsight Compute on the H100 (d = 64): 15.7
-instructions issued per mma, most of them the splits' roundings; the kernel is bound by
-issuing them, not by the tensor cores (6% of its instructions). ``passes=1`` multiplies hi by
+instructions issued per mma, most of them the splits' roundings (cvt.rna is four SASS
+instructions); the tensor pipe is busy 24% of the time, the warps (two a scheduler) mostly
+wait on those dependent instructions. (Tiles stored as split pairs, read with one 64-bit
+load an element, measured no faster: 28.3 against 30.0 ms at the same tiles.) ``passes=1`` multiplies hi by
 hi alone (plain TF32), to show what that loses.
 
 Before it, chapter 5's pre-pass D = rowsum(dO o O) (zeroing dQ for the atomic adds).
