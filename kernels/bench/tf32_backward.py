@@ -44,7 +44,7 @@ BARE_1X = "flash bwd plain TF32, passes=1 (bare)"
 LAUNCHER_TORCH = "flash_attention_backward(), torch"
 FMA = "chapter 5 fp32 backward (FMA), torch"
 PEERS = ("SDPA memory-efficient", "plain PyTorch")
-REL_GUARD = 1e-4                      # max |error| / max |exact|: ~1e-6 expected; past it the run is broken
+REL_GUARD = {3: 1e-4, 1: 1e-2}        # max |error| / max |exact| a pass count: ~1e-6 and ~1e-3 expected
 
 
 def _model_bytes(b, h, n, d):
@@ -69,7 +69,7 @@ def _gradients(torch, q, k, v, do, causal, dtype):
     return scale * (ds @ k), scale * (ds.T @ q), dv
 
 
-def _errors(torch, head, got, causal):
+def _errors(torch, head, got, causal, passes):
     """{name: (max |error|, that over the float32 backward's)} for dQ, dK, dV of head (0, 0)."""
     exact = _gradients(torch, *head, causal, torch.float64)
     base = _gradients(torch, *head, causal, torch.float32)         # (run() turned TF32 off)
@@ -78,8 +78,8 @@ def _errors(torch, head, got, causal):
         err = float((g.double() - e).abs().max())
         yard = float((b.double() - e).abs().max())
         rel = err / max(float(e.abs().max()), 1e-30)
-        if rel > REL_GUARD:
-            raise RuntimeError(f"{name}: relative error {rel:.1e} past {REL_GUARD:.0e}: a broken run")
+        if rel > REL_GUARD[passes]:
+            raise RuntimeError(f"{name}: relative error {rel:.1e} past {REL_GUARD[passes]:.0e}: a broken run")
         out[name] = (err, err / yard if yard > 0 else float("nan"))
     return out
 
@@ -139,7 +139,7 @@ def run(ctx) -> list[Result]:
                         got = tuple(torch.as_tensor(x, device="cuda")[0] for x in (dq, dk, dv))
                         head = tuple(torch.as_tensor(x, device="cuda")[0, 0] for x in
                                      (shaped[0][0], shaped[0][1], shaped[0][2], shaped[0][3]))
-                        errors = _errors(torch, head, got, causal)
+                        errors = _errors(torch, head, got, causal, passes)
                         r.note += "; head (0,0) max error " + ", ".join(
                             f"{k_} {e:.1e} ({t:.2f}x fp32's)" for k_, (e, t) in errors.items())
                         for k_, (e, t) in errors.items():
