@@ -60,7 +60,7 @@ from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.tile_copy import make_async_tile_copy
 
 __all__ = ["flash_attention_backward_tf32", "launch_backward", "make_backward_tf32", "tf32_backward_tiles",
-           "shared_words", "ptx_targets"]
+           "shared_words", "ptx_targets", "accumulator_as_a", "check_accumulator_as_a", "check_accumulator_as_a_case"]
 
 # The base-2 logsumexp of a dead row (past Nq, or L = -inf): exp2(S - DEAD) = 0.
 DEAD = float32(1.0e30)
@@ -459,3 +459,66 @@ def ptx_targets(every_shape: bool = False):
             out.append((f"backward 3xTF32 passes={passes} Br={Br} Bc={16 * W} D={D}",
                         make_backward_tf32(Br, W, D, passes, dynamic), sig))
     return out
+
+
+# --------------------------------------------------------------------------- the exercise
+# dV_w += P^T dO_c takes P^T's accumulator tile (16 keys x 8 queries, fp32 in the lanes'
+# registers as the mma left it) as the A operand of the next m16n8k8 product, without a
+# shuffle or a trip through shared memory: the lane that holds queries 2t and 2t + 1 of a
+# key row passes them as k = t and k = t + 4, and reads dO_c's rows 2t and 2t + 1 for b0 and
+# b1. The exercise asks for that renumbering, checked on the host against the fragment
+# tables of kernels.base.mma (no GPU, no simulator).
+
+def accumulator_as_a(c):
+    """The course's answer. c (32, 4): lane l's four accumulator elements of a 16 x 8 tile T
+    (``c_position``). Returns (a, rows): a (32, 4), lane l's A fragment (``a_position_tf32``)
+    of T as the A operand of T @ X for an 8 x 8 X, the k index renumbered; rows (32, 2), the
+    rows of X that lane l passes as b0 and b1 (``b_position_tf32``'s k = t and t + 4)."""
+    c = np.asarray(c)
+    t = np.arange(32) % 4
+    return c[:, [0, 2, 1, 3]], np.stack([2 * t, 2 * t + 1], axis=1)
+
+
+def check_accumulator_as_a_case(fn, seed):
+    """The property: with a and rows from ``fn(c)``, the m16n8k8 product the tensor core
+    computes (A from a by ``a_position_tf32``, B's element (k, n) from X's row rows[lane, i]
+    by ``b_position_tf32``) is T @ X."""
+    from kernels.base.mma import a_position_tf32, b_position_tf32, c_position
+
+    rng = np.random.default_rng(seed)
+    tile, x = rng.standard_normal((16, 8)), rng.standard_normal((8, 8))
+    c = np.zeros((32, 4))
+    for lane in range(32):
+        for i in range(4):
+            c[lane, i] = tile[c_position(lane, i)]
+    out = fn(c.copy())
+    assert isinstance(out, tuple) and len(out) == 2, f"expected a pair (a, rows), got {type(out).__name__}"
+    a, rows = np.asarray(out[0], np.float64), np.asarray(out[1])
+    assert a.shape == (32, 4), f"a: shape {a.shape}, expected (32, 4)"
+    assert rows.shape == (32, 2), f"rows: shape {rows.shape}, expected (32, 2)"
+    assert np.issubdtype(rows.dtype, np.integer) and ((rows >= 0) & (rows < 8)).all(), \
+        f"rows: expected integers in 0..7, got {rows.tolist()}"
+    A = np.zeros((16, 8))
+    for lane in range(32):
+        for i in range(4):
+            A[a_position_tf32(lane, i)] = a[lane, i]
+    B = np.zeros((8, 8))
+    for lane in range(32):
+        for i in range(2):
+            k, n = b_position_tf32(lane, i)
+            B[k, n] = x[rows[lane, i], n]
+    got, want = A @ B, tile @ x
+    bad = np.argwhere(~np.isclose(got, want, rtol=1e-12, atol=1e-12))
+    assert not bad.size, (f"the tensor core's A B differs from T X at {len(bad)} of 128 elements, first at "
+                          f"row {bad[0][0]}, col {bad[0][1]}: {got[tuple(bad[0])]:.6g}, expected {want[tuple(bad[0])]:.6g}")
+
+
+def check_accumulator_as_a(fn, max_examples=None):
+    """Exercise: write ``fn(c) -> (a, rows)`` (see ``accumulator_as_a``). Prints "passed" or
+    the smallest failing case."""
+    from hypothesis import strategies as st
+
+    from kernels.base.testing import check_exercise
+
+    return check_exercise(lambda seed: check_accumulator_as_a_case(fn, seed), st.integers(0, 2**32 - 1), host=True,
+                          max_examples=max_examples)

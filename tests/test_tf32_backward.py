@@ -11,7 +11,8 @@ Plain TF32 (``passes=1``) must fail the rule where 3xTF32 meets it. Drawn: causa
 ragged Nq != Nk (N = 0 too), d not a multiple of 8 (padded to D; dQ then takes the scalar
 atomic adds), GQA groups of 1 and 2, logit spreads. Pinned: N = 1, rows that see no key,
 GQA with causal, big logits, one past a query tile and a key tile, empty sequences. Also
-the routing of chapters 4 and 5's ``products=`` to the tensor-core kernels.
+the routing of chapters 4 and 5's ``products=`` to the tensor-core kernels, and the
+chapter's exercise checker (P^T's accumulator tile as an A operand) against planted mistakes.
 """
 
 import numpy as np
@@ -26,7 +27,8 @@ from kernels.base.testing import AttentionCase, Floor, assert_close, gradient_fl
 from kernels.flash_backward import flash_attention_backward
 from kernels.flash_forward import flash_attention
 from kernels.flash_tf32 import flash_attention_tf32
-from kernels.tf32_backward import flash_attention_backward_tf32, tf32_backward_tiles
+from kernels.tf32_backward import (accumulator_as_a, check_accumulator_as_a, check_accumulator_as_a_case,
+                                   flash_attention_backward_tf32, tf32_backward_tiles)
 
 SIM = on_simulator()
 # The simulator runs each of a block's 32 W threads in Python: one or two tiles of queries
@@ -313,3 +315,26 @@ def test_long_sequence_meets_the_rule(d, causal, hkv):
     case = pinned((1, 2, 2048, d), (1, hkv, 2048, d), causal=causal, seed=d + causal)
     x = Inputs(case, seed=10)
     x.check(x.run())
+
+
+# --------------------------------------------------------------------------- the exercise
+
+def test_the_exercise_answer_passes_its_checker():
+    for seed in range(5):
+        check_accumulator_as_a_case(accumulator_as_a, seed)
+    assert check_accumulator_as_a(accumulator_as_a, max_examples=20)
+
+
+_T = np.arange(32) % 4
+PLANTED = {
+    "accumulator as it is": lambda c: (c, np.stack([2 * _T, 2 * _T + 1], axis=1)),
+    "keys 2t, 2t + 1 read as rows t, t + 4": lambda c: (c[:, [0, 2, 1, 3]], np.stack([_T, _T + 4], axis=1)),
+    "rows swapped": lambda c: (c[:, [0, 2, 1, 3]], np.stack([2 * _T + 1, 2 * _T], axis=1)),
+    "a2, a3 swapped with a1": lambda c: (c[:, [0, 1, 2, 3]], np.stack([2 * _T, 2 * _T + 1], axis=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_the_exercise_checker_catches_planted_mistakes(name):
+    with pytest.raises(AssertionError):
+        check_accumulator_as_a_case(PLANTED[name], 7)
