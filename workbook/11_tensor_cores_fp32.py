@@ -35,7 +35,8 @@
 # 4. the kernel: chapter 8's forward on `mma.sync.m16n8k8.tf32`, three products a step;
 # 5. the check against the oracle;
 # 6. the H100 results;
-# 7. exercises.
+# 7. the backward in 3xTF32, and the launchers' default;
+# 8. exercises.
 #
 # Sections 1 to 3 need no GPU: `kernels/tf32_error.py` models the tensor core's arithmetic
 # in NumPy (float64 standing for exact products).
@@ -270,13 +271,15 @@ _ = te.check_split_tf32(lambda x: (te.to_tf32(x), x - te.to_tf32(x)))
 # subtraction, and `cvt.rna.tf32.f32` again). Q's fragments are split in registers once a
 # K/V tile, and P's once a key step, because P only exists there.
 #
-# **2. Three products a k-step, the small ones first**, from a zero accumulator:
+# **2. Three products a k-step, the small ones first**, from a zero accumulator
+# (`kernels/base/tf32_product.py`, which section 7's backward shares):
 
 # %%
 from kernels import flash_tf32
 from kernels.base.notebook import show_source
+from kernels.base.tf32_product import make_tf32_product
 
-show_source(flash_tf32.make_flash_forward_tf32, "def product(a_hi, a_lo, b_hi, b_lo):", "return mma_tf32(a_hi, b_hi, c)")
+show_source(make_tf32_product, "def product(a_hi, a_lo, b_hi, b_lo):", "return mma_tf32(a_hi, b_hi, c)")
 
 # %% [markdown]
 # **3. Each k-step is added in fp32, not chained in the tensor core.** The first version passed
@@ -421,13 +424,216 @@ if rows:
 #   the kernel issues too many instructions for its mma (the splits, the fp32 additions,
 #   two shared loads a B fragment part) and has too few warps to hide their latency.
 #
-# So for now the course's fp32 launchers stay on the FMA kernels. 3xTF32 is the accurate
-# route to the tensor cores, but it is not the fast one yet. Still to do: fragments without
-# local memory (loops the compiler unrolls, or smaller ones), Q's fragments split once and
-# kept, and the backward on tensor cores.
+# 3xTF32 is the accurate route to the tensor cores, but not yet the fast one. Still to do:
+# fragments without local memory (loops the compiler unrolls, or smaller ones), and Q's
+# fragments split once and kept. Section 7 puts the backward on the same products.
 
 # %% [markdown]
-# ## 7. Exercises
+# ## 7. The backward in 3xTF32
+#
+# `kernels/tf32_backward.py` is chapter 12's backward with this chapter's products: chapter
+# 5's algebra (P recomputed from Q, K and the saved L; D = rowsum(dO ∘ O)), its five products
+# on `mma.sync.m16n8k8.tf32`, each as three TF32 products. The loops are FlashAttention-2's,
+# K/V tiles outer: a block owns Bc = 16 W keys of one KV head, a warp 16 of them, and walks
+# every query tile of every query head of its group (grouped-query attention), Q_i and dO_i
+# staged in shared memory with the next tile's copy in flight. The m16n8k8 shape sets the
+# step: **a chunk of 8 queries is one k-step** of the two products that sum over queries.
+#
+# | per chunk c of 8 queries | fragments |
+# |---|---|
+# | $S^T = K_w Q_c^T$, $dP^T = V_w dO_c^T$ | 16 keys x 8 queries: one accumulator tile each, D/8 k-steps of 3 mma |
+# | $P^T = \exp_2(S^T \cdot scale \log_2 e - L \log_2 e)$, $dS^T = P^T \circ (dP^T - D)$ | on the accumulators, masked where needed |
+# | $dV_w \mathrel{+}= P^T dO_c$, $dK_w \mathrel{+}= dS^T Q_c$ | the accumulator tile **is** the A operand, renumbered (below) |
+# | $dS^T$ to shared memory | fp32, for dQ |
+# | then $dQ_i \mathrel{+}= scale\; dS K_j$ | dS read back as A, K_j as B; float32 atomic adds |
+#
+# The renumbering is the one of section 4's P V. The lane (g, t) holds queries 2t and 2t + 1
+# of key rows g and g + 8; the A operand wants k = t and k = t + 4. A sum over queries does
+# not care how they are numbered, so query 2t becomes k = t, query 2t + 1 becomes k = t + 4,
+# and the lane reads dO's rows 2t and 2t + 1 for its B fragment:
+
+# %%
+from kernels.base.mma import a_position_tf32, c_position
+
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+for ax, title, where in ((axes[0], "P^T's accumulator tile: lane (g=0, t) holds", c_position),
+                         (axes[1], "the same values as the A operand: k index", a_position_tf32)):
+    grid = np.full((16, 8), np.nan)
+    for t in range(4):                                # the lanes of key row group g = 0
+        for i in range(4):
+            r, col = where(t, i)
+            grid[r, col] = t
+    ax.imshow(grid, cmap="tab10", vmin=0, vmax=9, aspect="auto")
+    for t in range(4):
+        for i in range(4):
+            r, col = where(t, i)
+            label = f"q{c_position(t, [0, 2, 1, 3][i])[1]}" if where is a_position_tf32 else f"q{col}"
+            ax.text(col, r, label, ha="center", va="center", fontsize=7)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("column (accumulator: query; A: k)")
+    ax.set_ylabel("key row")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Left: lane t (colour) holds queries 2t and 2t + 1 (the labels) of key rows 0 and 8. Right:
+# passed as the A fragment `(c0, c2, c1, c3)`, the same values sit at k = t and t + 4; the
+# labels still name the query, which is the row of dO the lane must read for that k. Only
+# dQ, which sums over the block's keys across warps, needs dS in shared memory.
+#
+# Every operand is split into its hi and lo parts where it is used, by one load from a 32-bit
+# shared address and the split (`split_tf32_at`): the fp32 tiles are read as A and as B in
+# different layouts, and split copies would double the shared memory they take.
+#
+# **The launchers.** Chapter 4's `flash_attention` and chapter 5's `flash_attention_backward`
+# take `products=`: `"3xtf32"` runs this chapter's kernels, `"fma"` the course's FMA kernels,
+# and `"auto"`, the default, picks 3xTF32 for float32 inputs on a GPU with TF32 tensor cores
+# (compute capability 8.0 on) unless an FMA-only argument (`tiles=`, `dq_mode="separate"`)
+# is given. The simulator has no tensor cores, so there the default is the FMA kernels:
+
+# %%
+from kernels.base.runtime import check_products
+from kernels.flash_backward import flash_attention_backward
+from kernels.tf32_backward import flash_attention_backward_tf32
+
+print('products="auto" for float32 here:', check_products("auto", float32=True))
+
+# %% [markdown]
+# The check, under chapter 5's fp32 rule (each gradient within twice float32 NumPy's error of
+# the float64 oracle, plus the gradient floors), with two query heads sharing one KV head:
+
+# %%
+from kernels.base.testing import Floor, gradient_floor_scales
+
+if on_simulator():
+    BQ, HQ, NQB, NKB, DB = 1, 2, 17, 14, 8
+else:
+    BQ, HQ, NQB, NKB, DB = 2, 8, 1000, 1100, 64
+rng = np.random.default_rng(12)
+qb, dob = (rng.standard_normal((BQ, HQ, NQB, DB)).astype(np.float32) for _ in range(2))
+kb, vb = (rng.standard_normal((BQ, 1, NKB, DB)).astype(np.float32) for _ in range(2))
+kr, vr = np.repeat(kb, HQ, axis=1), np.repeat(vb, HQ, axis=1)          # the oracle sees K, V per query head
+ob, lb = (x.astype(np.float32) for x in ref.attention(qb, kr, vr, causal=True))
+exact = ref.attention_backward(qb, kr, vr, ob, lb, dob, causal=True)
+base = ref.attention_backward(qb, kr, vr, ob, lb, dob, causal=True, dtype=np.float32)
+floors = gradient_floor_scales(qb, kr, vr, ob, lb, dob, causal=True)
+summed = lambda x: x.sum(axis=1, keepdims=True)                          # noqa: E731  (over the group)
+for passes in (3, 1):
+    got = flash_attention_backward_tf32(qb, kb, vb, ob, lb, dob, causal=True, passes=passes)
+    for name, g, e, b, f in zip(("dQ", "dK", "dV"), got, exact, base, floors):
+        if name != "dQ":                                                 # dK, dV: the KV head's sums
+            e, b, f = summed(e), summed(b), Floor(summed(f.value), f.why)
+        try:
+            assert_close(g, e, b, name=name, floor_scale=f)
+            verdict = "meets the rule"
+        except AssertionError:
+            verdict = "fails the rule"
+        print(f"passes={passes} {name}: max error {np.abs(g - e).max():.1e} "
+              f"({np.abs(g - e).max() / np.abs(b - e).max():.2f}x float32 NumPy's): {verdict}")
+
+# %% [markdown]
+# `tests/test_tf32_backward.py` draws the shapes (GQA groups of 1 and 2, causal, ragged
+# Nq != Nk, d not a multiple of 8, logit spreads) and pins the edges (N = 1, rows that see no
+# key, big logits, one past a tile, empty sequences); on the H100 it adds N = 2048. Plain TF32
+# fails the rule on each gradient; compute-sanitizer (memcheck, racecheck, synccheck) reports
+# nothing (`workbook/results/GPU_CHECK.md`).
+#
+# **Exercise (no GPU).** Write the renumbering: given the 32 lanes' accumulator elements
+# `c` (32, 4) of a 16 x 8 tile T, return `(a, rows)`: each lane's A fragment of T for the
+# product T X, and the rows of X (0..7) each lane passes as b0 and b1. The checker builds
+# the m16n8k8 product from the fragment tables (`a_position_tf32`, `b_position_tf32` in
+# `kernels/base/mma.py`) and compares it with T X.
+
+# %%
+from kernels.tf32_backward import accumulator_as_a, check_accumulator_as_a
+
+
+def my_accumulator_as_a(c):
+    # your code: a (32, 4) from c (32, 4), and rows (32, 2) of X for b0, b1
+    t = np.arange(32) % 4
+    return c.copy(), np.stack([t, t + 4], axis=1)
+
+
+_ = check_accumulator_as_a(my_accumulator_as_a)
+
+# %% [markdown]
+# The checker bites: the course's answer passes, the accumulator passed as it is does not.
+
+# %%
+_ = check_accumulator_as_a(accumulator_as_a)
+_ = check_accumulator_as_a(lambda c: (c, np.stack([2 * (np.arange(32) % 4), 2 * (np.arange(32) % 4) + 1], axis=1)))
+
+# %% [markdown]
+# **Results on the H100.** `python -m kernels --chapters 11`, 2026-11-25
+# (`workbook/results/tf32_backward.csv`): fp32, H = 16, B N = 16k tokens, O and L from
+# section 4's forward; the peers in the same run on the same inputs, each timed as its
+# backward alone, TF32 off (PyTorch's default). "Launcher" is chapter 5's
+# `flash_attention_backward` with PyTorch tensors, whose default here is 3xTF32:
+
+# %%
+try:
+    _, brows = read_csv(RESULTS_DIR / "tf32_backward.csv")
+except FileNotFoundError:
+    brows = []
+    print("workbook/results/tf32_backward.csv is not committed: run `python -m kernels --chapters 11` on a GPU")
+bnames = {"flash bwd 3xTF32 (bare)": "3xTF32, bare", "flash_attention_backward(), torch": "3xTF32, launcher",
+          "flash bwd plain TF32, passes=1 (bare)": "plain TF32, bare",
+          "chapter 5 fp32 backward (FMA), torch": "chapter 5, FMA",
+          "peer: SDPA memory-efficient bwd": "SDPA memory-efficient", "peer: plain PyTorch bwd": "plain PyTorch"}
+for r in brows:
+    if "N=4096" in r["config"] and r["kernel"] in bnames:
+        print(f"{r['config'].split(' ', 3)[3]:24s} {bnames[r['kernel']]:22s} {r['median_ms']:7.2f} ms "
+              f"{r['tflops']:6.1f} TFLOP/s")
+
+# %%
+if brows:
+    bms = {(r["kernel"], r["config"]): r["median_ms"] for r in brows}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, d in zip(axes, (64, 128)):
+        for causal, style in ((False, "-"), (True, "--")):
+            cfgs = [c for (k, c) in bms if k == "flash_attention_backward(), torch" and f"d={d} " in c
+                    and f"causal={causal}" in c]
+            cfgs.sort(key=lambda c: int(c.split(" N=")[1].split()[0]))
+            for peer, colour in (("peer: SDPA memory-efficient bwd", "C1"), ("peer: plain PyTorch bwd", "C2")):
+                pts = [(int(c.split(" N=")[1].split()[0]), bms[(peer, c)] / bms[("flash_attention_backward(), torch", c)])
+                       for c in cfgs if (peer, c) in bms]
+                ax.plot(*zip(*pts), style, color=colour, marker="o",
+                        label=f"vs {peer[6:-4]}{', causal' if causal else ''}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(1.5, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"d = {d}: the backward's speed-up (peer time / ours)")
+        ax.set_xlabel("N (B N = 16k tokens)")
+    axes[0].set_ylabel("speed-up")
+    axes[0].legend(fontsize=8)
+    plt.show()
+
+# %% [markdown]
+# **What the H100 says**:
+#
+# * **Accuracy: as fp32.** On head (0, 0) the 3xTF32 gradients' max error is 0.4-2.8x a
+#   float32 backward's (mostly 0.6-1.4x); plain TF32's is 400-1,800x. The tests hold 3xTF32 to
+#   the rule element by element.
+# * **Speed: behind SDPA.** At N = 4096 the launcher takes 27.9 ms at d = 64 (15.3 causal) and
+#   52.1 ms at d = 128 (28.3 causal); SDPA memory-efficient, itself 3xTF32, takes 20.4 (11.1)
+#   and 38.7 (20.2). Over N = 1k-16k the launcher is **0.69-0.77x** SDPA memory-efficient.
+#   Against plain PyTorch it wins with the causal mask (1.33-2.14x) and loses without it
+#   (0.65-0.91x). Against chapter 5's FMA backward: 0.95x at d = 64, 1.25x at d = 128.
+# * **Where the time goes** (Nsight Compute, d = 64, N = 4096): 15.7 instructions issued per
+#   mma, most of them the splits' roundings (`cvt.rna.tf32.f32` is four SASS instructions on
+#   the H100); the tensor pipe is busy 24% of the time, and the warps (two a scheduler: one
+#   block of 8 warps an SM, 174 KB of shared memory) mostly wait on those dependent
+#   instructions. Plain TF32 takes 15.7 ms, so the three products cost 1.75x one.
+# * **Tried, measured, no gain**: keeping K_j, V_j, Q_i and dO_i in shared memory as split
+#   (hi, lo) pairs, read with one 64-bit load an element (28.3 against 30.0 ms at the same
+#   tiles); other tiles (`tf32_backward_tiles`).
+#
+# The launchers now take 3xTF32 by default on such a GPU anyway: it is as accurate as the FMA
+# kernels, faster than them at d = 128 and within 5% at d = 64, and the FMA kernels remain a
+# keyword away (`products="fma"`), as the course's teaching rung.
+
+# %% [markdown]
+# ## 8. Exercises
 #
 # 1. (On paper.) A TF32 value has 11 significant bits. Why is the product of two of them
 #    exact in float32, and why would the product of two *bf16* values (8 significant bits)
