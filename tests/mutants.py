@@ -397,7 +397,7 @@ MUTANTS += [
 TF32 = "kernels.flash_tf32"
 T11 = ("tests/test_flash_tf32.py",)
 MUTANTS += [
-    Mutant("tf32-no-hi-lo-term", 11, TF32,
+    Mutant("tf32-no-hi-lo-term", 11, "kernels.base.tf32_product",
            (("            c = mma_tf32(a_hi, b_lo, c)\n", ""),),
            T11, "test_matches_oracle", "3xTF32 without a_hi b_lo: two products, about 2^-11 of |a||b| lost"),
     Mutant("tf32-p-keys-not-renumbered", 11, TF32,
@@ -405,11 +405,22 @@ MUTANTS += [
            T11, "test_matches_oracle", "P's accumulator tile used as P V's A operand as it lies: keys 2t + 1 and t + 4 "
                                        "mixed up, rows g and g + 8 too"),
     Mutant("tf32-chained-accumulator", 11, TF32,
-           (("    def product(a_hi, a_lo, b_hi, b_lo):", "    def product(a_hi, a_lo, b_hi, b_lo, c):"),
-            ("        c = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))\n", ""),
-            ("(Kl[r, c0], Kl[r, c0 + 4]))", "(Kl[r, c0], Kl[r, c0 + 4]), (sc[nt, 0], sc[nt, 1], sc[nt, 2], sc[nt, 3]))"),
+           (("from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior\n",
+             "from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, mma_tf32\n"),
+            ("    split4, _, product = make_tf32_product(passes)      # 3xTF32 (or plain TF32) k-steps\n",
+             "    split4, _, product = make_tf32_product(passes)      # 3xTF32 (or plain TF32) k-steps\n\n"
+             "    @cuda.jit(device=True, inline=True)\n"
+             "    def chained(a_hi, a_lo, b_hi, b_lo, c):   # PLANTED: the k-steps chained in the tensor core\n"
+             "        c = mma_tf32(a_lo, b_hi, c)\n"
+             "        c = mma_tf32(a_hi, b_lo, c)\n"
+             "        return mma_tf32(a_hi, b_hi, c)\n"),
+            ("c = product(a_hi, a_lo, (Kh[r, c0], Kh[r, c0 + 4]), (Kl[r, c0], Kl[r, c0 + 4]))",
+             "c = chained(a_hi, a_lo, (Kh[r, c0], Kh[r, c0 + 4]), (Kl[r, c0], Kl[r, c0 + 4]), "
+             "(sc[nt, 0], sc[nt, 1], sc[nt, 2], sc[nt, 3]))"),
             ("sc[nt, e] += c[e]", "sc[nt, e] = c[e]"),
-            ("(Vl[r, c0], Vl[r + 1, c0]))", "(Vl[r, c0], Vl[r + 1, c0]), (acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3]))"),
+            ("c = product(a_hi, a_lo, (Vh[r, c0], Vh[r + 1, c0]), (Vl[r, c0], Vl[r + 1, c0]))",
+             "c = chained(a_hi, a_lo, (Vh[r, c0], Vh[r + 1, c0]), (Vl[r, c0], Vl[r + 1, c0]), "
+             "(acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3]))"),
             ("acc[dt, e] += c[e]", "acc[dt, e] = c[e]")),
            T11, "test_matches_oracle or test_long_sequence_meets_the_rule",
            "every k-step chained into S's and O's accumulators in the tensor core (chapter 8's way), as the kernel was "
@@ -443,6 +454,26 @@ MUTANTS += [
     Mutant("tcb-lse-not-base-2", 12, TCB,
            (("else L * float32(LOG2E)", "else L   # PLANTED: L left in natural log"),),
            T12, CH12, "make_delta_tc: L is not converted to base 2 for P = exp2(S scale log2 e - L log2 e)"),
+]
+
+# ---- the fp32 backward on tensor cores (chapter 11, part two)
+TFB = "kernels.tf32_backward"
+T11B = ("tests/test_tf32_backward.py",)
+CH11B = "test_gradients_match_the_oracle"
+MUTANTS += [
+    Mutant("tfb-p-keys-not-renumbered", 11, TFB,
+           (("p_hi, p_lo = split4(pt[0], pt[2], pt[1], pt[3])", "p_hi, p_lo = split4(pt[0], pt[1], pt[2], pt[3])"),),
+           T11B, CH11B, "dV = P^T dO: P^T's accumulator tile used as the A operand as it lies (queries 2t + 1 and "
+                        "t + 4 mixed up, key rows g and g + 8 too)"),
+    Mutant("tfb-dq-keys-not-renumbered", 11, TFB,
+           (("kb = shared_address(Ks, U(2) * t, g)", "kb = shared_address(Ks, t, g)   # PLANTED"),),
+           T11B, CH11B, "dQ = dS K: K_j's rows read as keys t, t + 1 where dS's A fragment holds keys 2t, 2t + 1"),
+    Mutant("tfb-dk-unscaled", 11, TFB,
+           (("dk[bkv, key, col] = dka[j, e] * scale", "dk[bkv, key, col] = dka[j, e]   # PLANTED: no scale"),),
+           T11B, CH11B, "dK = dS^T Q written without the softmax scale"),
+    Mutant("tfb-no-hi-lo-term", 11, "kernels.base.tf32_product",
+           (("            c = mma_tf32(a_hi, b_lo, c)\n", ""),),
+           T11B, CH11B, "the backward's products without a_hi b_lo: about 2^-11 of |a||b| lost"),
 ]
 
 BY_ID = {m.id: m for m in MUTANTS}
