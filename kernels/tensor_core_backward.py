@@ -57,6 +57,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from kernels.base.backward_args import check_grouped_args
+from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E, make_row_reductions
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_flag, \
@@ -149,7 +150,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     dQ's adds in pairs). ``CP``: dQ's 16-column pairs a warp takes at once (0: up to 2)."""
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
                                   ldmatrix_at, ldmatrix_trans_at, mma_bf16, mma_f16, pack_bf16, pack_f16,
-                                  red_add_pair, shared_address, store_word)
+                                  shared_address, store_word)
     from kernels.base.shared_memory import shared_view
 
     if D % 16 or Br % 16 or W < 1:
@@ -382,14 +383,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                             col = (cp0 + u) * 16 + n * 8 + 2 * t
                             x0 = acc[u, n, 2 * h] * scale
                             x1 = acc[u, n, 2 * h + 1] * scale
-                            if row < n_q:
-                                if aligned != 0 and col + 2 <= d:
-                                    red_add_pair(dqh, row, col, x0, x1)
-                                else:
-                                    if col < d:
-                                        cuda.atomic.add(dqh, (row, col), x0)
-                                    if col + 1 < d:
-                                        cuda.atomic.add(dqh, (row, col + 1), x1)
+                            add_pair_to_dq(dqh, row, col, x0, x1, n_q, d, aligned)
                 item += U(W)
 
         cp_async_wait_all()                           # (the last, empty, group)

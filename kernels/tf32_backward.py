@@ -53,6 +53,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from kernels.base.backward_args import check_grouped_args
+from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, \
     device_pointer, is_device_array, on_simulator, to_device
@@ -100,7 +101,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     the pre-pass); dq (B*H, Nq, d) float32, zeroed; dk, dv (B*Hkv, Nk, d) float32; scale
     (float32), causal (int32 0/1), group (int32: H / Hkv), aligned (int32: rows of q, k, v,
     dO and dQ 16-byte aligned and d % 4 == 0: cp.async copies, and dQ's adds in pairs)."""
-    from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior, red_add_pair,
+    from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
                                   shared_address, split_tf32_at)
     from kernels.base.shared_memory import shared_view
 
@@ -301,14 +302,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
                         col = int32((n0 + U(u)) * U(8) + U(2) * t)
                         x0 = acc[u, 2 * h] * scale
                         x1 = acc[u, 2 * h + 1] * scale
-                        if row < n_q:
-                            if aligned != 0 and col + 2 <= d:
-                                red_add_pair(dqh, row, col, x0, x1)
-                            else:
-                                if col < d:
-                                    cuda.atomic.add(dqh, (row, col), x0)
-                                if col + 1 < d:
-                                    cuda.atomic.add(dqh, (row, col + 1), x1)
+                        add_pair_to_dq(dqh, row, col, x0, x1, n_q, d, aligned)
                 item += U(W)
 
         cp_async_wait_all()                           # (the last, empty, group)
