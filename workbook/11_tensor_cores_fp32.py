@@ -613,7 +613,10 @@ if brows:
 #
 # * **Accuracy: as fp32.** On head (0, 0) the 3xTF32 gradients' max error is 0.4-2.8x a
 #   float32 backward's (mostly 0.6-1.4x); plain TF32's is 400-1,800x. The tests hold 3xTF32 to
-#   the rule element by element.
+#   the rule element by element. Against chapter 5's FMA kernels on the same inputs (N =
+#   4096, `workbook/results/tf32_backward_errors.csv`): 0.80-1.46x float32's for 3xTF32,
+#   0.50-1.49x for the FMA kernels; alike without the causal mask, and with it the FMA
+#   kernels' dK and dV err about half as much (0.5-0.6x against 1.0-1.5x).
 # * **Speed: behind SDPA.** At N = 4096 the launcher takes 27.9 ms at d = 64 (15.3 causal) and
 #   52.1 ms at d = 128 (28.3 causal); SDPA memory-efficient, itself 3xTF32, takes 20.4 (11.1)
 #   and 38.7 (20.2). Over N = 1k-16k the launcher is **0.69-0.77x** SDPA memory-efficient.
