@@ -12,7 +12,8 @@ chapter 11's forward (``flash_attention_tf32``) on the same inputs; then, in one
   SDPA's memory-efficient backend (CUTLASS, 3xTF32 itself) and plain PyTorch
   (``softmax(q k^T scale) v``: autograd saves P), each as ``torch.autograd.grad`` after one
   forward built outside the timed region (chapter 12's ``_torch_peers``);
-* at N = 4096 chapter 5's FMA backward (``products="fma"``) and plain TF32 (``passes=1``).
+* at N = 4096 chapter 5's FMA backward (``products="fma"``, with its errors on the same
+  inputs) and plain TF32 (``passes=1``).
 
 Each bare row carries the max error of head (0, 0)'s dQ, dK, dV against the exact
 gradients (float64, from the float64 forward), and as a multiple of a float32 backward's
@@ -152,9 +153,17 @@ def run(ctx) -> list[Result]:
                             note="chapter 5's launcher, products='auto' (3xTF32 here), float32 tensors in: checks "
                                  "arguments, allocates dQ, dK, dV each call")
                     if at_ref:
-                        measure(FMA, lambda q, k, v, o, lse, do, c=causal: flash_attention_backward(
-                                    q, k, v, o, lse, do, causal=c, products="fma"), tsets,
-                                note="the course's fp32 backward on the FMA units, atomic dQ")
+                        fma = measure(FMA, lambda q, k, v, o, lse, do, c=causal: flash_attention_backward(
+                                          q, k, v, o, lse, do, causal=c, products="fma"), tsets,
+                                      note="the course's fp32 backward on the FMA units, atomic dQ")
+                        got = flash_attention_backward(*tsets[0], causal=causal, products="fma")
+                        errors = _errors(torch, tuple(x[0, 0] for x in (tsets[0][0], tsets[0][1], tsets[0][2],
+                                                                        tsets[0][5])),
+                                         tuple(x[0, 0] for x in got), causal, 3)
+                        fma.note += "; head (0,0) max error " + ", ".join(
+                            f"{k_} {e:.1e} ({t:.2f}x fp32's)" for k_, (e, t) in errors.items())
+                        for k_, (e, t) in errors.items():
+                            fma.extra.update({f"max_error_{k_}": e, f"error_vs_float32_{k_}": t})
                     _torch_peers(ctx, measure, torch, tsets, causal, peers=PEERS)
                     del tsets
                 del full, flat_sets
