@@ -483,8 +483,15 @@ plt.show()
 #
 # Every operand is split into its hi and lo parts where it is used, by one load from a 32-bit
 # shared address and the split (`split_tf32_at`): the fp32 tiles are read as A and as B in
-# different layouts, and split copies would double the shared memory they take.
-#
+# different layouts, and split copies would double the shared memory they take. The chunk's
+# two products that sum over queries, in the kernel:
+
+# %%
+from kernels import tf32_backward
+
+show_source(tf32_backward.make_backward_tf32, "# ---- dV_w += P^T dO_c, dK_w += dS^T Q_c", "dka[dt, e] += y[e]")
+
+# %% [markdown]
 # **The launchers.** Chapter 4's `flash_attention` and chapter 5's `flash_attention_backward`
 # take `products=`: `"3xtf32"` runs this chapter's kernels, `"fma"` the course's FMA kernels,
 # and `"auto"`, the default, picks 3xTF32 for float32 inputs on a GPU with TF32 tensor cores
