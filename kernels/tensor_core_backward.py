@@ -56,12 +56,12 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
-from kernels.base.backward_args import check_grouped_args
+from kernels.base.backward_args import check_grouped_args, run_grouped_backward
 from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E, make_row_reductions
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_flag, \
-    check_scale, device_bits16, device_pointer, is_bf16_array, is_device_array, on_simulator, to_device
+    check_scale, is_bf16_array, on_simulator
 
 __all__ = ["flash_attention_backward_tc", "BackwardLaunches", "launch_backward", "make_backward_tc", "make_delta_tc",
            "rounded_backward_numpy", "tc_backward_tiles", "shared_halves", "ptx_targets"]
@@ -467,14 +467,6 @@ def _dtype(x):
     return np.dtype(cai["typestr"]) if cai is not None else np.dtype(x.dtype)
 
 
-def _views(arrays: dict, bh: int, bkv: int, n_q: int, n_k: int, d: int) -> dict:
-    """Numba device views of a call's arrays in the kernels' shapes ((B*H, Nq, d), ...), 16-bit
-    inputs as their bits (uint16)."""
-    shapes = dict(q=(bh, n_q, d), do=(bh, n_q, d), o=(bh, n_q, d), lse=(bh, n_q), k=(bkv, n_k, d),
-                  v=(bkv, n_k, d), dq=(bh, n_q, d), dk=(bkv, n_k, d), dv=(bkv, n_k, d))
-    return {name: device_bits16(x, name).reshape(*shapes[name]) for name, x in arrays.items()}
-
-
 def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None, bf16=False):
     """Gradients (dq, dk, dv) of attention on tensor cores, for the upstream gradient ``do``.
 
@@ -497,35 +489,10 @@ def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None
     B, H, hkv, n_q, n_k, d = check_grouped_args(q, k, v, o, lse, do, want, (np.float32, want))
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
-    if not (B * H and n_q and n_k):                   # nothing attends to anything: zero gradients
-        grads = [kind.empty(shape, np.float32) for shape in ((B, H, n_q, d), (B, hkv, n_k, d), (B, hkv, n_k, d))]
-        for x in grads:
-            if x.size:
-                _zero(x)
-        return tuple(kind.give_back(x) for x in grads)
-    held = {name: x if is_device_array(x) else to_device(x, name)
-            for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do))}
-    grads = dict(dq=kind.new((B, H, n_q, d)), dk=kind.new((B, hkv, n_k, d)), dv=kind.new((B, hkv, n_k, d)))
-    arrays = {**held, **grads}
-    if on_simulator():
-        aligned, device = int(d % 8 == 0), 0
-    else:
-        pointers = {name: device_pointer(x, name) for name, x in arrays.items()}
-        aligned = int(d % 8 == 0 and all(pointers[n] % 16 == 0 for n in ("q", "k", "v", "do", "dq")))
-        device = cuda.get_current_device().id
-    key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) != np.float32, causal, scale, aligned, device)
-    views = _views(arrays, B * H, B * hkv, n_q, n_k, d) if key not in _launches or on_simulator() else None
-    launches = _launches.get(key, lambda: BackwardLaunches(views, scale, causal, bf16, aligned))
-    launches(**(views if on_simulator() else pointers))
-    return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))
-
-
-def _zero(x):
-    zeros = np.zeros(x.shape, np.float32)
-    if isinstance(x, np.ndarray):
-        x[...] = zeros
-    else:
-        x.copy_to_device(zeros)
+    arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
+    key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) != np.float32, causal, scale)
+    return run_grouped_backward(kind, arrays, (B, H, hkv, n_q, n_k, d), key, _launches,
+                                lambda views, aligned: BackwardLaunches(views, scale, causal, bf16, aligned), words=8)
 
 
 # --------------------------------------------------------------------------- the float32 yardstick

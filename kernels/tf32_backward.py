@@ -52,11 +52,10 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from kernels.base.backward_args import check_grouped_args
+from kernels.base.backward_args import check_grouped_args, run_grouped_backward
 from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E
-from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, \
-    device_pointer, is_device_array, on_simulator, to_device
+from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, on_simulator
 from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.tile_copy import make_async_tile_copy
 
@@ -398,44 +397,10 @@ def flash_attention_backward_tf32(q, k, v, o, lse, do, *, causal=False, scale=No
     B, H, hkv, n_q, n_k, d = check_grouped_args(q, k, v, o, lse, do, np.float32, (np.float32,))
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
-    kind = ArrayKind(q)
-    grads = dict(dq=kind.new((B, H, n_q, d)), dk=kind.new((B, hkv, n_k, d)), dv=kind.new((B, hkv, n_k, d)))
-    if not (B * H and n_q and n_k):                   # nothing attends to anything: zero gradients
-        for x in grads.values():
-            _zero(x)
-        return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))
-    held = {name: x if is_device_array(x) else to_device(x, name)
-            for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("do", do))}
-    arrays = {**held, **grads}
-    if on_simulator():
-        device, pointers = 0, None
-        aligned = int(d % 4 == 0)
-    else:
-        pointers = {name: device_pointer(x, name) for name, x in arrays.items()}
-        aligned = int(d % 4 == 0 and all(pointers[n] % 16 == 0 for n in ("q", "k", "v", "do", "dq")))
-        device = cuda.get_current_device().id
-    key = (B, H, hkv, n_q, n_k, d, causal, scale, int(passes), aligned, device)
-    views = _views(arrays, B * H, B * hkv, n_q, n_k, d) if key not in _launches or on_simulator() else None
-    launches = _launches.get(key, lambda: BackwardLaunches(views, scale, causal, passes, aligned))
-    launches(**(views if on_simulator() else pointers))
-    return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))
-
-
-def _views(arrays: dict, bh: int, bkv: int, n_q: int, n_k: int, d: int) -> dict:
-    """Numba device views of a call's arrays in the kernels' shapes ((B*H, Nq, d), ...)."""
-    shapes = dict(q=(bh, n_q, d), do=(bh, n_q, d), o=(bh, n_q, d), lse=(bh, n_q), k=(bkv, n_k, d),
-                  v=(bkv, n_k, d), dq=(bh, n_q, d), dk=(bkv, n_k, d), dv=(bkv, n_k, d))
-    return {name: to_device(x, name).reshape(*shapes[name]) for name, x in arrays.items()}
-
-
-def _zero(x):
-    """Zeros into a result array of the caller's kind (a PyTorch tensor, a CuPy or Numba array)."""
-    if hasattr(x, "zero_"):
-        x.zero_()
-    elif hasattr(x, "fill"):
-        x.fill(0)
-    elif x.size:
-        x.copy_to_device(np.zeros(x.shape, np.float32))
+    arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
+    return run_grouped_backward(ArrayKind(q), arrays, (B, H, hkv, n_q, n_k, d), (B, H, hkv, n_q, n_k, d, causal, scale,
+                                int(passes)), _launches,
+                                lambda views, aligned: BackwardLaunches(views, scale, causal, passes, aligned), words=4)
 
 
 # --------------------------------------------------------------------------- PTX check

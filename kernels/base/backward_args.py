@@ -4,6 +4,8 @@
                          name the argument); returns (B, H, Nq, Nk, d)
     check_grouped_args   the same for the tensor-core backwards (grouped-query attention: k
                          and v with Hkv heads); returns (B, H, Hkv, Nq, Nk, d)
+    run_grouped_backward what the tensor-core backwards' launchers share after their checks:
+                         the gradients allocated, the launches bound once a call shape, run
     device_views         the six arrays on the device as (B*H, N, ...) views
     zero_gradients       (dq, dk, dv) of zeros, when nothing attends to anything
     allocate_outputs     the device buffers (D, dQ, dK, dV) the kernels write
@@ -15,7 +17,8 @@ import numpy as np
 from numba import cuda
 
 from kernels.base.fused import MAX_GRID_Y
-from kernels.base.runtime import check_array, check_qkv, device_empty, to_device
+from kernels.base.runtime import (check_array, check_qkv, device_bits16, device_empty, device_pointer,
+                                  is_device_array, on_simulator, to_device)
 
 # "atomic": the dK/dV kernel adds its pieces of dQ with float32 atomics (dQ's last bits vary
 # from run to run); "separate": a second kernel sums each dQ entry in a fixed order.
@@ -84,3 +87,40 @@ def allocate_outputs(bh: int, nq: int, nk: int, d: int):
     """Device buffers (delta, dq, dk, dv) for ``launch`` on (B*H, N, d) views."""
     return device_empty((bh, nq)), device_empty((bh, nq, d)), device_empty((bh, nk, d)), device_empty((bh, nk, d))
 
+
+
+def run_grouped_backward(kind, arrays: dict, dims, key, cache, make, words: int):
+    """The gradients (dq, dk, dv) of a tensor-core backward whose arguments are checked:
+    ``arrays`` q, k, v, o, lse, do as given, ``dims`` (B, H, Hkv, Nq, Nk, d). Allocates dq
+    (B, H, Nq, d), dk and dv (B, Hkv, Nk, d) float32 from the caller's allocator (zeros when
+    nothing attends to anything, without a launch), finds the call shape's launches in
+    ``cache`` (a ``LaunchCache``) under ``key`` + (aligned, device) or binds them by
+    ``make(views, aligned)``, and runs them: on the data pointers on a GPU, on device views
+    (16-bit inputs as their bits) in the simulator. ``words``: elements a 16-byte chunk, so
+    that aligned = d a multiple of it and the rows of q, k, v, dO and dQ 16-byte aligned."""
+    B, H, hkv, n_q, n_k, d = dims
+    if not (B * H and n_q and n_k):
+        return zero_gradients(kind, (B, H, n_q, d), (B, hkv, n_k, d))
+    held = {name: x if is_device_array(x) else to_device(x, name) for name, x in arrays.items()}
+    grads = dict(dq=kind.new((B, H, n_q, d)), dk=kind.new((B, hkv, n_k, d)), dv=kind.new((B, hkv, n_k, d)))
+    arrays = {**held, **grads}
+    if on_simulator():
+        pointers, device = None, 0
+        aligned = int(d % words == 0)
+    else:
+        pointers = {name: device_pointer(x, name) for name, x in arrays.items()}
+        aligned = int(d % words == 0 and all(pointers[n] % 16 == 0 for n in ("q", "k", "v", "do", "dq")))
+        device = cuda.get_current_device().id
+    key = (*key, aligned, device)
+    views = grouped_views(arrays, B * H, B * hkv, n_q, n_k, d) if key not in cache or on_simulator() else None
+    launches = cache.get(key, lambda: make(views, aligned))
+    launches(**(views if on_simulator() else pointers))
+    return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))
+
+
+def grouped_views(arrays: dict, bh: int, bkv: int, n_q: int, n_k: int, d: int) -> dict:
+    """Numba device views of a call's arrays in the kernels' shapes ((B*H, Nq, d), ...), 16-bit
+    inputs as their bits (uint16)."""
+    shapes = dict(q=(bh, n_q, d), do=(bh, n_q, d), o=(bh, n_q, d), lse=(bh, n_q), k=(bkv, n_k, d),
+                  v=(bkv, n_k, d), dq=(bh, n_q, d), dk=(bkv, n_k, d), dv=(bkv, n_k, d))
+    return {name: device_bits16(x, name).reshape(*shapes[name]) for name, x in arrays.items()}
