@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from kernels import reference as ref
 from kernels.base.runtime import on_simulator
-from kernels.base.testing import AttentionCase, Floor, assert_close, gradient_floor_scales, magnitude_for_logits
+from kernels.base.testing import (Floor, assert_close, case_with, gradient_floor_scales,
+                                  grouped_attention_cases, over_group)
 from kernels.tensor_core_backward import flash_attention_backward_tc, rounded_backward_numpy, tc_backward_tiles
 from test_flash_tensor_cores import _Bf16Interface, to_input   # chapter 8's inputs (fp16, bf16 bits) and values
 
@@ -36,37 +37,13 @@ WHERE = {"dQ": "(row [b, h, i]: the atomic adds of every key block)",
 WHERE["dV"] = WHERE["dK"]
 
 
-@st.composite
-def tc_backward_cases(draw):
-    """q (B, H, Nq, d), k and v (B, Hkv, Nk, d) with H = group Hkv."""
-    group = draw(st.sampled_from([1, 2]))
-    if SIM:                                                    # B * H <= 2
-        b, hkv = (1, 1) if group == 2 else draw(st.sampled_from([(1, 1), (1, 2), (2, 1)]))
-    else:
-        b, hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
-    nq, nk = draw(st.integers(0, MAX_N)), draw(st.integers(0, MAX_N))
-    d = draw(st.sampled_from(HEAD_DIMS))
-    causal = draw(st.booleans())
-    scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
-    magnitude = magnitude_for_logits(draw(st.sampled_from([0.3, 1.0, 3.0, 8.0])), d, scale)
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    q = rng.standard_normal((b, hkv * group, nq, d)) * magnitude
-    k = rng.standard_normal((b, hkv, nk, d)) * magnitude
-    v = rng.standard_normal((b, hkv, nk, d))
-    return AttentionCase(q, k, v, causal, scale)
+def tc_backward_cases():
+    """The drawn cases at this file's sizes (``kernels.base.testing.grouped_attention_cases``)."""
+    return grouped_attention_cases(max_n=MAX_N, head_dims=HEAD_DIMS, small=SIM, dtype=np.float64)
 
 
 def pinned(q_shape, k_shape, *, causal=False, scale=None, magnitude=1.0, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal(q_shape) * magnitude
-    k = rng.standard_normal(k_shape) * magnitude
-    return AttentionCase(q, k, rng.standard_normal(k_shape), causal, scale)
-
-
-def over_group(x, hkv):
-    """(B, H, Nk, d) per query head -> (B, Hkv, Nk, d): the sum over each group."""
-    b, h, n, d = x.shape
-    return x.reshape(b, hkv, h // hkv, n, d).sum(axis=2)
+    return case_with(q_shape, k_shape, causal=causal, scale=scale, magnitude=magnitude, seed=seed, dtype=np.float64)
 
 
 class Inputs:

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from kernels import reference as ref
 from kernels.base.backward_tiles import BackwardTiles
 from kernels.base.runtime import check_products, on_simulator
-from kernels.base.testing import AttentionCase, Floor, assert_close, gradient_floor_scales, magnitude_for_logits
+from kernels.base.testing import (Floor, assert_close, case_with, gradient_floor_scales,
+                                  grouped_attention_cases, magnitude_for_logits, over_group)
 from kernels.flash_backward import flash_attention_backward
 from kernels.flash_forward import flash_attention
 from kernels.flash_tf32 import flash_attention_tf32
@@ -42,37 +43,13 @@ WHERE = {"dQ": "(row [b, h, i]: the atomic adds of every key block)",
 WHERE["dV"] = WHERE["dK"]
 
 
-@st.composite
-def tf32_backward_cases(draw):
-    """q (B, H, Nq, d), k and v (B, Hkv, Nk, d) float32 with H = group Hkv."""
-    group = draw(st.sampled_from([1, 2]))
-    if SIM:                                                    # B * H <= 2
-        b, hkv = (1, 1) if group == 2 else draw(st.sampled_from([(1, 1), (1, 2), (2, 1)]))
-    else:
-        b, hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
-    nq, nk = draw(st.integers(0, MAX_N)), draw(st.integers(0, MAX_N))
-    d = draw(st.sampled_from(HEAD_DIMS))
-    causal = draw(st.booleans())
-    scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
-    magnitude = magnitude_for_logits(draw(st.sampled_from([0.3, 1.0, 3.0, 8.0])), d, scale)
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    q = (rng.standard_normal((b, hkv * group, nq, d)) * magnitude).astype(np.float32)
-    k = (rng.standard_normal((b, hkv, nk, d)) * magnitude).astype(np.float32)
-    v = rng.standard_normal((b, hkv, nk, d)).astype(np.float32)
-    return AttentionCase(q, k, v, causal, scale)
+def tf32_backward_cases():
+    """The drawn cases at this file's sizes (``kernels.base.testing.grouped_attention_cases``)."""
+    return grouped_attention_cases(max_n=MAX_N, head_dims=HEAD_DIMS, small=SIM, dtype=np.float32)
 
 
 def pinned(q_shape, k_shape, *, causal=False, scale=None, magnitude=1.0, seed=0):
-    rng = np.random.default_rng(seed)
-    q = (rng.standard_normal(q_shape) * magnitude).astype(np.float32)
-    k = (rng.standard_normal(k_shape) * magnitude).astype(np.float32)
-    return AttentionCase(q, k, rng.standard_normal(k_shape).astype(np.float32), causal, scale)
-
-
-def over_group(x, hkv):
-    """(B, H, Nk, d) per query head -> (B, Hkv, Nk, d): the sum over each group (in x's dtype)."""
-    b, h, n, d = x.shape
-    return x.reshape(b, hkv, h // hkv, n, d).sum(axis=2)
+    return case_with(q_shape, k_shape, causal=causal, scale=scale, magnitude=magnitude, seed=seed, dtype=np.float32)
 
 
 class Inputs:

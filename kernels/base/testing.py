@@ -585,6 +585,36 @@ def case_with(q_shape, k_shape, *, causal=False, scale=None, magnitude=1.0, seed
     return AttentionCase(q, k, v, causal, scale)
 
 
+@st.composite
+def grouped_attention_cases(draw, *, max_n, head_dims, small, dtype=np.float64):
+    """q (B, H, Nq, d), k and v (B, Hkv, Nk, d) with H = group Hkv (grouped-query attention,
+    groups of 1 and 2), ragged Nq and Nk from 0 to ``max_n``, d from ``head_dims``, causal,
+    scale, logit spreads; ``small``: B * H <= 2 (the simulator). The tensor-core backwards'
+    cases (chapters 11 and 12)."""
+    group = draw(st.sampled_from([1, 2]))
+    if small:
+        b, hkv = (1, 1) if group == 2 else draw(st.sampled_from([(1, 1), (1, 2), (2, 1)]))
+    else:
+        b, hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    nq, nk = draw(st.integers(0, max_n)), draw(st.integers(0, max_n))
+    d = draw(st.sampled_from(head_dims))
+    causal = draw(st.booleans())
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
+    magnitude = magnitude_for_logits(draw(st.sampled_from([0.3, 1.0, 3.0, 8.0])), d, scale)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = random_array(rng, (b, hkv * group, nq, d), magnitude, dtype)
+    k = random_array(rng, (b, hkv, nk, d), magnitude, dtype)
+    v = random_array(rng, (b, hkv, nk, d), 1.0, dtype)
+    return AttentionCase(q, k, v, causal, scale)
+
+
+def over_group(x, hkv):
+    """(B, H, Nk, d) per query head -> (B, Hkv, Nk, d): the sum over each group of H / Hkv
+    query heads (in x's dtype): a KV head's gradient under grouped-query attention."""
+    b, h, n, d = x.shape
+    return x.reshape(b, hkv, h // hkv, n, d).sum(axis=2)
+
+
 # --------------------------------------------------------------------------- counting memory traffic (simulator)
 
 class CountingArray:
