@@ -364,26 +364,32 @@ for r in rows:
         print(f"{r['config'].split(' ', 3)[3]:24s} {names[r['kernel']]:24s} {r['median_ms']:7.2f} ms {r['tflops']:6.1f} TFLOP/s  {err}")
 
 # %%
-if rows:
+def speedup_plot(rows, ours, peers, what):
+    """Peer time over ours against N (B N = 16k tokens), d = 64 and 128, causal dashed:
+    ``ours`` and each of ``peers`` (label: colour) are the CSV's kernel names."""
     ms = {(r["kernel"], r["config"]): r["median_ms"] for r in rows}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, d in zip(axes, (64, 128)):
         for causal, style in ((False, "-"), (True, "--")):
-            cfgs = [c for (k, c) in ms if k == "flash fwd 3xTF32 (bare)" and f"d={d} " in c and f"causal={causal}" in c]
-            cfgs.sort(key=lambda c: int(c.split("N=")[1].split()[0]))
-            n = [int(c.split("N=")[1].split()[0]) for c in cfgs]
-            for peer, colour in (("peer: SDPA memory-efficient fp32", "C1"), ("peer: plain PyTorch fp32", "C2")):
-                ratio = [ms[(peer, c)] / ms[("flash_attention_tf32() launcher, PyTorch tensors", c)] for c in cfgs]
-                ax.plot(n, ratio, style, color=colour, marker="o",
-                        label=f"vs {peer[6:-5]}{', causal' if causal else ''}")
+            cfgs = [c for (k, c) in ms if k == ours and f"d={d} " in c and f"causal={causal}" in c]
+            cfgs.sort(key=lambda c: int(c.split(" N=")[1].split()[0]))
+            for peer, (label, colour) in peers.items():
+                pts = [(int(c.split(" N=")[1].split()[0]), ms[(peer, c)] / ms[(ours, c)]) for c in cfgs if (peer, c) in ms]
+                ax.plot(*zip(*pts), style, color=colour, marker="o", label=f"vs {label}{', causal' if causal else ''}")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(1.5, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"d = {d}: the launcher's speed-up (peer time / ours)")
+        ax.set_title(f"d = {d}: {what}'s speed-up (peer time / ours)")
         ax.set_xlabel("N (B N = 16k tokens)")
     axes[0].set_ylabel("speed-up")
     axes[0].legend(fontsize=8)
     plt.show()
+
+
+if rows:
+    speedup_plot(rows, "flash_attention_tf32() launcher, PyTorch tensors",
+                 {"peer: SDPA memory-efficient fp32": ("SDPA memory-efficient", "C1"),
+                  "peer: plain PyTorch fp32": ("plain PyTorch", "C2")}, "the launcher")
 
 # %% [markdown]
 # **What the H100 says**:
@@ -594,26 +600,9 @@ for r in brows:
 
 # %%
 if brows:
-    bms = {(r["kernel"], r["config"]): r["median_ms"] for r in brows}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, d in zip(axes, (64, 128)):
-        for causal, style in ((False, "-"), (True, "--")):
-            cfgs = [c for (k, c) in bms if k == "flash_attention_backward(), torch" and f"d={d} " in c
-                    and f"causal={causal}" in c]
-            cfgs.sort(key=lambda c: int(c.split(" N=")[1].split()[0]))
-            for peer, colour in (("peer: SDPA memory-efficient bwd", "C1"), ("peer: plain PyTorch bwd", "C2")):
-                pts = [(int(c.split(" N=")[1].split()[0]), bms[(peer, c)] / bms[("flash_attention_backward(), torch", c)])
-                       for c in cfgs if (peer, c) in bms]
-                ax.plot(*zip(*pts), style, color=colour, marker="o",
-                        label=f"vs {peer[6:-4]}{', causal' if causal else ''}")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.axhline(1.5, color="grey", lw=0.8, ls=":")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"d = {d}: the backward's speed-up (peer time / ours)")
-        ax.set_xlabel("N (B N = 16k tokens)")
-    axes[0].set_ylabel("speed-up")
-    axes[0].legend(fontsize=8)
-    plt.show()
+    speedup_plot(brows, "flash_attention_backward(), torch",
+                 {"peer: SDPA memory-efficient bwd": ("SDPA memory-efficient", "C1"),
+                  "peer: plain PyTorch bwd": ("plain PyTorch", "C2")}, "the backward")
 
 # %% [markdown]
 # **What the H100 says**:
