@@ -47,7 +47,8 @@ from kernels.base.fused import FASTMATH, MAX_GRID_Y, Tiles, check_tiles_type, na
 from kernels.base.io_model import block_sparse_forward_bytes
 from kernels.base.masks import BlockMask
 from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_int, check_out, check_qkv,
-                                  check_scale, device_empty, is_device_array, on_simulator, to_device)
+                                  check_scale, device_empty, is_device_array, launch_stream, on_simulator,
+                                  to_device)
 from kernels.base.shared_memory import allow_dynamic_shared_memory
 from kernels.flash_forward import check_tiles, default_tiles, gpu_tiles, make_attend_query_tile, shared_bytes
 
@@ -275,8 +276,8 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, til
     if b * h > MAX_GRID_Y:
         raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={b}, H={h}")
     kind = ArrayKind(q)
-    o = device_empty((b, h, nq, d))
-    lse = device_empty((b, h, nq))
+    o = kind.empty((b, h, nq, d))                      # the caller's allocator where it has one
+    lse = kind.empty((b, h, nq))
     if b * h * nq == 0:
         return kind.give_back(o), kind.give_back(lse)
     qd, kd, vd = (to_device(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
@@ -287,7 +288,7 @@ def block_sparse_attention(q, k, v, block_mask, *, causal=False, scale=None, til
             o.reshape(b * h, nq, d), lse.reshape(b * h, nq), dev.row_ptr, dev.col_idx, dev.row_order,
             np.int32(tl.groups), np.int32(d), np.float32(scale), np.int32(causal))
     allow_dynamic_shared_memory(kernel, args, nbytes)
-    kernel[(cdiv(nq, tiles.Br), b * h), tiles.threads, 0, nbytes](*args)
+    kernel[(cdiv(nq, tiles.Br), b * h), tiles.threads, launch_stream(), nbytes](*args)
     return kind.give_back(o), kind.give_back(lse)
 
 

@@ -156,7 +156,7 @@ def block_sparse_attention_backward(q, k, v, o, lse, do, block_mask, *, causal=F
         return zero_gradients(kind, (b, h, nq, d), (b, h, nk, d))
     q3, k3, v3, o3, l2, do3 = device_views(q, k, v, o, lse, do)
     bh, Dh, atomic = b * h, head_dim_bucket(d), dq_mode == "atomic"
-    delta, dq, dk, dv = allocate_outputs(bh, nq, nk, d)
+    delta, dq, dk, dv = allocate_outputs(bh, nq, nk, d, kind)
     n_q, n_k, sc, ca = np.int32(nq), np.int32(nk), np.float32(scale), np.int32(1 if causal else 0)
     launch_delta(o3, do3, delta, dq, nq, Dh, atomic)
     dkdv_bytes, dq_bytes = shared_bytes(tiles, Dh)

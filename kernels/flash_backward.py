@@ -60,7 +60,7 @@ from kernels.base import io_model as io
 from kernels.base.fused import ALIGN, FASTMATH, MINUS_INF, make_kv_tile_copy, make_row_reductions, padded_head_dim, \
     run_length
 from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_out, check_products, check_scale, device_empty, \
-    on_simulator
+    launch_stream, on_simulator
 from kernels.base.shared_memory import STATIC_LIMIT_BYTES, launch_with_shared
 from kernels.flash_forward import every_tile
 
@@ -658,14 +658,15 @@ def flash_attention_backward(q, k, v, o, lse, do, *, causal=False, scale=None, t
     kind = ArrayKind(q)
     if B * H == 0 or nq == 0 or nk == 0:
         return zero_gradients(kind, (B, H, nq, d), (B, H, nk, d))
-    grads = launch(*device_views(q, k, v, o, lse, do), nq, nk, Dh, causal, scale, tiles, dq_mode)
+    grads = launch(*device_views(q, k, v, o, lse, do), nq, nk, Dh, causal, scale, tiles, dq_mode,
+                   out=allocate_outputs(B * H, nq, nk, d, kind))
     return tuple(kind.give_back(x.reshape(B, H, x.shape[1], d)) for x in grads)
 
 
 def launch_delta(o, do, delta, dq, nq, Dh, atomic):
     """The pre-pass D = rowsum(dO * O) (and dQ = 0 before atomic adds) on (B*H, Nq, d) views."""
     kernel, threads = make_delta(Dh, 4, atomic)
-    kernel[(cdiv(nq, threads // 32), o.shape[0]), threads](o, do, delta, dq, np.int32(nq))
+    kernel[(cdiv(nq, threads // 32), o.shape[0]), threads, launch_stream()](o, do, delta, dq, np.int32(nq))
 
 
 def launch(q, k, v, o, lse, do, nq, nk, Dh, causal, scale, tiles, dq_mode, out=None):

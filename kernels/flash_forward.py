@@ -109,6 +109,7 @@ from kernels.base.fused import (
 from kernels.base.io_model import fused_forward_bytes
 from kernels.base.runtime import (
     ArrayKind,
+    launch_stream,
     cdiv,
     check_flag,
     check_products,
@@ -569,8 +570,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, tiles: Tiles | None = 
         raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
     kind = ArrayKind(q)
 
-    o = device_empty((BH, n_q, d), np.float32)
-    lse = device_empty((BH, n_q), np.float32)
+    o = kind.empty((BH, n_q, d), np.float32)          # the caller's allocator where it has one
+    lse = kind.empty((BH, n_q), np.float32)
     if BH > 0 and n_q > 0:
         if n_k == 0:   # nothing to attend to: O = 0, L = -inf (no kernel needed)
             o = cuda.to_device(np.zeros((BH, n_q, d), np.float32))
@@ -583,7 +584,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, tiles: Tiles | None = 
             nbytes = shared_bytes(tiles, D)
             args = (qd, kd, vd, o, lse, np.int32(d), np.float32(scale), np.int32(causal))
             allow_dynamic_shared_memory(kernel, args, nbytes)
-            kernel[(cdiv(n_q, tiles.Br), BH), tiles.threads, 0, nbytes](*args)
+            kernel[(cdiv(n_q, tiles.Br), BH), tiles.threads, launch_stream(), nbytes](*args)
     return kind.give_back(o.reshape(B, H, n_q, d)), kind.give_back(lse.reshape(B, H, n_q))
 
 

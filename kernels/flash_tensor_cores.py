@@ -45,7 +45,7 @@ from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, device_bits16, \
-    is_bf16_array, on_simulator
+    is_bf16_array, launch_stream, on_simulator
 
 __all__ = ["flash_attention_tc", "make_flash_forward_mma", "make_flash_forward_mma_from", "make_load_a_fragment",
            "make_p_to_a", "a_fragment_registers", "p_to_a_registers", "tc_tiles", "ptx_targets", "EXERCISES"]
@@ -363,7 +363,7 @@ def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
         aligned = int(d % 8 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
             if not on_simulator() else int(d % 8 == 0)
         kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16))
-        kernel[(cdiv(n_q, Br), BH), kernel.threads](qd, kd, vd, o, lse, np.float32(scale), np.int32(causal),
+        kernel[(cdiv(n_q, Br), BH), kernel.threads, launch_stream()](qd, kd, vd, o, lse, np.float32(scale), np.int32(causal),
                                                      np.int32(aligned))
     return kind.give_back(o.reshape(B, H, n_q, d)), kind.give_back(lse.reshape(B, H, n_q))
 

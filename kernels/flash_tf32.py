@@ -42,7 +42,8 @@ from numba import cuda, float32, int32, uint32
 from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.tf32_product import PASSES, make_tf32_product
-from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_qkv, check_scale, on_simulator, to_device
+from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_qkv, check_scale, launch_stream, on_simulator, \
+    to_device
 
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "make_split", "split_kv", "launch_forward",
            "tf32_tiles", "shared_words", "PASSES", "ptx_targets"]
@@ -246,7 +247,7 @@ def split_kv(k, v, BH, n_k, d, kind):
         split = make_split()
         blocks = min(cdiv(n, 256), 4096)
         for x, hi, lo in ((k, parts[0], parts[1]), (v, parts[2], parts[3])):
-            split[blocks, 256](x.reshape(n), hi.reshape(n), lo.reshape(n))
+            split[blocks, 256, launch_stream()](x.reshape(n), hi.reshape(n), lo.reshape(n))
     return parts
 
 
@@ -267,7 +268,7 @@ def launch_forward(qd, parts, o, lse, scale, causal, passes, tiles=None, max_reg
     args = (qd, *parts, o, lse, np.float32(scale), np.int32(causal), np.int32(aligned))
     if dynamic:
         allow_dynamic_shared_memory(kernel, args, nbytes)
-    kernel[(cdiv(n_q, Br), BH), kernel.threads, 0, nbytes if dynamic else 0](*args)
+    kernel[(cdiv(n_q, Br), BH), kernel.threads, launch_stream(), nbytes if dynamic else 0](*args)
 
 
 def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):

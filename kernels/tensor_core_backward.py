@@ -61,7 +61,7 @@ from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E, make_row_reductions
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_flag, \
-    check_scale, is_bf16_array, on_simulator
+    check_scale, is_bf16_array, launch_stream, on_simulator
 
 __all__ = ["flash_attention_backward_tc", "BackwardLaunches", "launch_backward", "make_backward_tc", "make_delta_tc",
            "rounded_backward_numpy", "tc_backward_tiles", "shared_halves", "ptx_targets"]
@@ -439,7 +439,7 @@ def launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, cau
         if not on_simulator() else int(d % 8 == 0)
     views = dict(q=qd, k=kd, v=vd, o=od, lse=lsed, do=dod, dq=dq, dk=dk, dv=dv)
     for kernel, grid, threads, args, nbytes in _two_launches(views, delta, l2, scale, causal, bf16, aligned, tiles):
-        kernel[grid, threads, 0, nbytes](*args)
+        kernel[grid, threads, launch_stream(), nbytes](*args)
 
 
 class BackwardLaunches(BoundLaunches):

@@ -55,7 +55,8 @@ from numba import cuda, float32, int32, uint32
 from kernels.base.backward_args import check_grouped_args, run_grouped_backward
 from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E
-from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, on_simulator
+from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, \
+    launch_stream, on_simulator
 from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.tile_copy import make_async_tile_copy
 
@@ -362,7 +363,7 @@ def launch_backward(qd, kd, vd, od, lsed, dod, delta, dq, dk, dv, scale, causal,
     views = dict(q=qd, k=kd, v=vd, o=od, lse=lsed, do=dod, dq=dq, dk=dk, dv=dv)
     aligned = _aligned(qd.shape[2], (qd, kd, vd, dod, dq))
     for kernel, grid, threads, args, nbytes in _two_launches(views, delta, scale, causal, passes, aligned, tiles):
-        kernel[grid, threads, 0, nbytes](*args)
+        kernel[grid, threads, launch_stream(), nbytes](*args)
 
 
 class BackwardLaunches(BoundLaunches):

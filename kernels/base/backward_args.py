@@ -83,9 +83,11 @@ def zero_gradients(kind, q_shape, k_shape):
                  for s in shapes)
 
 
-def allocate_outputs(bh: int, nq: int, nk: int, d: int):
-    """Device buffers (delta, dq, dk, dv) for ``launch`` on (B*H, N, d) views."""
-    return device_empty((bh, nq)), device_empty((bh, nq, d)), device_empty((bh, nk, d)), device_empty((bh, nk, d))
+def allocate_outputs(bh: int, nq: int, nk: int, d: int, kind=None):
+    """Device buffers (delta, dq, dk, dv) for ``launch`` on (B*H, N, d) views, from the
+    caller's allocator when ``kind`` (an ``ArrayKind``) has one."""
+    empty = device_empty if kind is None else kind.empty
+    return empty((bh, nq)), empty((bh, nq, d)), empty((bh, nk, d)), empty((bh, nk, d))
 
 
 

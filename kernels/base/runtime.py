@@ -13,14 +13,22 @@ Arrays in and out
     ``__cuda_array_interface__`` in: the result stays on the device, as the same kind
     of array when that library is importable (CuPy in -> CuPy out), otherwise as a
     Numba device array.
+
+Streams
+    Launches go on the legacy default stream, or, inside ``with on_stream(handle):``, on
+    the caller's stream (a ``cudaStream_t`` as an int: PyTorch's
+    ``torch.cuda.current_stream().cuda_stream``), so that a framework's work queued on that
+    stream before and after the call stays in order without a host-side wait.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from collections import OrderedDict
@@ -195,6 +203,37 @@ class ArrayKind:
 _ORDERED_STREAMS = (None, 1, 2)
 
 
+# The stream our launches go on, per host thread: 0 (the legacy default stream) unless set.
+_launch_on = threading.local()
+_external_streams: dict = {}
+
+
+@contextlib.contextmanager
+def on_stream(handle: int):
+    """Launch on the stream ``handle`` (a ``cudaStream_t`` as an int; 0 = the legacy default
+    stream) inside the ``with`` block. Data the launches read is taken to be ready on that
+    stream (``cuda_view`` does not wait for it from the host)."""
+    handle = int(handle)
+    before = getattr(_launch_on, "handle", 0)
+    _launch_on.handle = handle
+    try:
+        yield
+    finally:
+        _launch_on.handle = before
+
+
+def launch_stream():
+    """What a launch takes as its stream: 0, or a Numba stream over the caller's handle
+    (``on_stream``), made once a handle. ``kernel[grid, threads, launch_stream(), shared]``."""
+    handle = getattr(_launch_on, "handle", 0)
+    if not handle or on_simulator():
+        return 0
+    stream = _external_streams.get(handle)
+    if stream is None:
+        stream = _external_streams[handle] = cuda.external_stream(handle)
+    return stream
+
+
 def cuda_view(x):
     """A Numba view of a framework's device array (``__cuda_array_interface__``), zero-copy.
 
@@ -205,7 +244,12 @@ def cuda_view(x):
     streams (PyTorch's and CuPy's default) the host-side wait is not needed, and would stall
     every call until the GPU is idle. Data from another stream keeps Numba's wait."""
     stream = x.__cuda_array_interface__.get("stream")
-    return cuda.as_cuda_array(x, sync=stream not in _ORDERED_STREAMS)
+    return cuda.as_cuda_array(x, sync=not _ordered(stream))
+
+
+def _ordered(stream) -> bool:
+    """Whether work on ``stream`` (an array's interface's) is already ordered before ours."""
+    return stream in _ORDERED_STREAMS or stream == getattr(_launch_on, "handle", 0)
 
 
 def to_device(x, name: str):
@@ -421,7 +465,7 @@ class LaunchTemplate:
         self._params, self._data_at = params, data_at
         self._config = LaunchConfig(grid=grid, block=threads, shmem_size=self._shared)
         self._function = compiled._codelibrary.get_cufunc().kernel
-        self._stream = driver._to_core_stream(0)
+        self._streams = {0: driver._to_core_stream(0)}
 
     def __call__(self, **arrays):
         """Launch, with ``arrays[name]`` in each slot (other names are ignored)."""
@@ -436,7 +480,17 @@ class LaunchTemplate:
         params = self._params.copy()
         for name, at in self._data_at.items():
             params[at] = arrays[name]
-        launch(self._stream, self._config, self._function, *params)
+        launch(self._core_stream(), self._config, self._function, *params)
+
+    def _core_stream(self):
+        """The launch stream (``launch_stream``) as the launch API takes it, made once a handle."""
+        handle = getattr(_launch_on, "handle", 0)
+        stream = self._streams.get(handle)
+        if stream is None:
+            from numba.cuda.cudadrv import driver
+
+            stream = self._streams[handle] = driver._to_core_stream(launch_stream())
+        return stream
 
 
 class BoundLaunches:
@@ -492,7 +546,7 @@ def device_pointer(x, name: str) -> int:
                 raise ValueError(f"{name}: expected a C-contiguous device array, got strides {tuple(strides)}")
             expected *= n
     stream = cai.get("stream")
-    if stream not in _ORDERED_STREAMS:
+    if not _ordered(stream):
         cuda.external_stream(stream).synchronize()
     return cai["data"][0]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from numba import cuda
 
-from kernels.base.runtime import on_simulator
+from kernels.base.runtime import launch_stream, on_simulator
 
 STATIC_LIMIT_BYTES = 48 * 1024
 
@@ -68,7 +68,7 @@ def launch_with_shared(make, nbytes, grid, threads, args):
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make(dynamic)
     allow_dynamic_shared_memory(kernel, args, nbytes)
-    kernel[grid, threads, 0, nbytes if dynamic else 0](*args)
+    kernel[grid, threads, launch_stream(), nbytes if dynamic else 0](*args)
 
 
 def _sim_shared_view(base, offset, shape):
