@@ -1,0 +1,260 @@
+"""The capstone: the course's kernels as a drop-in attention for PyTorch.
+
+A model calls attention as ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` and
+trusts autograd for the gradients. This module gives it the same thing built from the
+chapters' kernels:
+
+    FlashAttention.apply(q, k, v, causal, scale, block_mask)   the autograd function:
+        forward  = a fused forward (O and the row logsumexp L; nothing N x N is stored)
+        backward = the recomputing backward from Q, K, V, O, L and dO (chapter 5's algebra)
+    attention(q, k, v, causal=..., scale=..., block_mask=...)   the course's own call
+    scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False)   SDPA's
+
+Which kernels run (the dtype decides, as a library would):
+
+    float32            forward: chapter 4's launcher (3xTF32 tensor cores on a GPU, chapter
+                       11; the FMA kernel in the simulator); backward: chapter 5's launcher
+                       (chapter 11's 3xTF32 backward on a GPU, grouped-query heads native)
+    float16, bfloat16  forward: chapter 8 (mma.sync, fp32 accumulators; O cast to the input
+                       type); backward: chapter 12 (mma.sync, grouped-query heads native)
+    block_mask=        chapter 6's block-sparse forward and backward, in float32
+
+A library's manners:
+
+    * outputs come from the caller's allocator (PyTorch's caching allocator, no cudaMalloc a
+      call), and every launch goes on the caller's current stream (``on_stream``);
+    * the layout models have, (B, N, H, d) viewed as (B, H, N, d) by ``transpose(1, 2)``, is
+      not contiguous: the kernels read rows of d contiguous values at a fixed head stride,
+      so such a view is copied once (``contiguous``: one read and one write of the tensor,
+      3 * B*H*N*d * itemsize bytes each way for q, k, v) before the launch;
+    * grouped-query heads (k, v with Hkv < H heads) run natively in the backwards of
+      chapters 11 and 12; the forwards (and the simulator's float32 backward) read k and v
+      repeated to H heads (a copy of B*H*Nk*d elements each);
+    * CPU tensors run through NumPy (on the GPU, or on the simulator without one), so a
+      model trains on a laptop, slowly, with the same code.
+
+Causal masks here are bottom-right aligned (the course's convention, FlashAttention >= 2.1).
+PyTorch's ``is_causal`` is top-left aligned, which differs only when Nq != Nk: the SDPA-shaped
+function refuses that case instead of answering differently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.base.masks import BlockMask
+from kernels.base.runtime import has_tf32_tensor_cores, on_simulator, on_stream
+
+try:
+    import torch
+except ImportError as error:                       # pragma: no cover - torch is in requirements.txt
+    raise ImportError("kernels.torch_attention needs PyTorch (pip install -r requirements.txt)") from error
+
+__all__ = ["FlashAttention", "attention", "scaled_dot_product_attention", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- checks
+
+def _check_inputs(q, k, v, names=("q", "k", "v")):
+    """Shapes (B, H, Nq, d), (B, Hkv, Nk, d) with H a multiple of Hkv, one dtype and device."""
+    for x, name in zip((q, k, v), names):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dimensions (B, H, N, d), got shape {tuple(x.shape)}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {x.dtype}")
+    qn, kn, vn = names
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{qn}, {kn}, {vn}: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{qn}, {kn}, {vn}: expected one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"{vn}: expected the shape of {kn} {tuple(k.shape)}, got {tuple(v.shape)}")
+    B, H, _, d = q.shape
+    if k.shape[0] != B or k.shape[3] != d:
+        raise ValueError(f"{kn}: expected (B, Hkv, Nk, d) with B = {B} and d = {d} like {qn}, got {tuple(k.shape)}")
+    hkv = k.shape[1]
+    if hkv == 0 or H % hkv:
+        raise ValueError(f"{kn}: expected a number of heads dividing {qn}'s {H} (grouped-query), got {hkv}")
+    if not 1 <= d <= 128:
+        raise ValueError(f"{qn}: expected head dim d in 1..128, got {d}")
+    if q.is_cuda and on_simulator():
+        raise ValueError(f"{qn}: a CUDA tensor, but the kernels run on the simulator here (pass CPU tensors)")
+
+
+def _check_block_mask(block_mask):
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask: expected a kernels.base.masks.BlockMask, got {type(block_mask).__name__}")
+
+
+# --------------------------------------------------------------------------- arrays across the seam
+
+def _host_array(x):
+    """A CPU tensor as the NumPy array the launchers take (bfloat16 as its uint16 bits)."""
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(np.uint16)
+    return x.numpy()
+
+
+def _kernel_array(x):
+    """What a launcher takes: the tensor itself on the GPU (zero-copy, contiguous), NumPy on the CPU."""
+    return x.detach().contiguous() if x.is_cuda else _host_array(x)
+
+
+def _tensor(x, like):
+    """A launcher's result (a CUDA tensor, or NumPy for CPU callers) as a tensor on ``like``'s device."""
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.from_numpy(np.ascontiguousarray(x)).to(like.device)
+
+
+def _repeat_heads(x, group: int):
+    """k or v with each of its Hkv heads repeated ``group`` times (grouped-query attention)."""
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def _sum_groups(dx, group: int):
+    """The gradient of ``_repeat_heads``: each KV head's gradient summed over its group."""
+    if group == 1:
+        return dx
+    B, H, N, d = dx.shape
+    return dx.view(B, H // group, group, N, d).sum(dim=2)
+
+
+class _Launching:
+    """Launches on the caller's current CUDA stream (nothing to do for CPU tensors)."""
+
+    def __init__(self, x):
+        self.handle = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+
+    def __enter__(self):
+        self._ctx = on_stream(self.handle)
+        return self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+# --------------------------------------------------------------------------- the two passes
+
+def _forward(q, k, v, causal, scale, block_mask):
+    """(o in q's dtype, lse float32) for q (B, H, Nq, d), k, v (B, Hkv, Nk, d)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = _repeat_heads(k, group), _repeat_heads(v, group)
+    if block_mask is not None:
+        from kernels.block_sparse import block_sparse_attention
+
+        o, lse = block_sparse_attention(*(_kernel_array(x.float()) for x in (q, k, v)), block_mask,
+                                        causal=causal, scale=scale)
+    elif q.dtype == torch.float32:
+        from kernels.flash_forward import flash_attention
+
+        o, lse = flash_attention(*(_kernel_array(x) for x in (q, k, v)), causal=causal, scale=scale)
+    else:
+        from kernels.flash_tensor_cores import flash_attention_tc
+
+        o, lse = flash_attention_tc(*(_kernel_array(x) for x in (q, k, v)), causal=causal, scale=scale,
+                                    bf16=q.dtype == torch.bfloat16)
+    return _tensor(o, q).to(q.dtype), _tensor(lse, q)
+
+
+def _backward(q, k, v, o, lse, do, causal, scale, block_mask):
+    """(dq, dk, dv) in the inputs' dtype; dk, dv with k's Hkv heads."""
+    group = q.shape[1] // k.shape[1]
+    dtype = q.dtype
+    if block_mask is not None:
+        from kernels.block_sparse_backward import block_sparse_attention_backward
+
+        kk, vv = _repeat_heads(k, group), _repeat_heads(v, group)
+        args = (_kernel_array(x.float()) for x in (q, kk, vv, o, lse, do))
+        grads = block_sparse_attention_backward(*args, block_mask, causal=causal, scale=scale)
+    elif dtype == torch.float32 and group > 1 and has_tf32_tensor_cores():
+        from kernels.tf32_backward import flash_attention_backward_tf32     # grouped heads native
+
+        grads = flash_attention_backward_tf32(*(_kernel_array(x) for x in (q, k, v, o, lse, do)),
+                                              causal=causal, scale=scale)
+        group = 1
+    elif dtype == torch.float32:
+        from kernels.flash_backward import flash_attention_backward
+
+        kk, vv = _repeat_heads(k, group), _repeat_heads(v, group)
+        grads = flash_attention_backward(*(_kernel_array(x) for x in (q, kk, vv, o, lse, do)),
+                                         causal=causal, scale=scale)
+    else:
+        from kernels.tensor_core_backward import flash_attention_backward_tc   # grouped heads native
+
+        grads = flash_attention_backward_tc(*(_kernel_array(x) for x in (q, k, v, o, lse)),
+                                            _kernel_array(do.to(dtype)), causal=causal, scale=scale,
+                                            bf16=dtype == torch.bfloat16)
+        group = 1
+    dq, dk, dv = (_tensor(g, q) for g in grads)
+    return dq.to(dtype), _sum_groups(dk, group).to(dtype), _sum_groups(dv, group).to(dtype)
+
+
+class FlashAttention(torch.autograd.Function):
+    """O = softmax(scale * Q K^T + mask) V with the chapters' kernels, forward and backward.
+
+    ``FlashAttention.apply(q, k, v, causal, scale, block_mask)``: q (B, H, Nq, d), k and v
+    (B, Hkv, Nk, d), H a multiple of Hkv; float32, float16 or bfloat16, CUDA or CPU; causal
+    bottom-right aligned; scale None for 1/sqrt(d); block_mask a ``BlockMask`` or None.
+    Saves q, k, v, O and L (B*H*Nq floats) for the backward, never the N x N matrix P."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False, scale=None, block_mask=None):
+        _check_inputs(q, k, v)
+        _check_block_mask(block_mask)
+        with _Launching(q):
+            o, lse = _forward(q, k, v, bool(causal), scale, block_mask)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.options = (bool(causal), scale, block_mask)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        causal, scale, block_mask = ctx.options
+        with _Launching(q):
+            dq, dk, dv = _backward(q, k, v, o, lse, do, causal, scale, block_mask)
+        return dq, dk, dv, None, None, None
+
+
+def attention(q, k, v, *, causal=False, scale=None, block_mask=None):
+    """Attention with the course's kernels, differentiable: o (B, H, Nq, d) in q's dtype.
+
+    q (B, H, Nq, d), k and v (B, Hkv, Nk, d) with H a multiple of Hkv; ``causal``
+    bottom-right aligned (query i sees key j <= i + Nk - Nq); ``scale`` defaults to
+    1/sqrt(d); ``block_mask`` a ``BlockMask`` (chapter 6) or None."""
+    return FlashAttention.apply(q, k, v, causal, scale, block_mask)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, block_mask=None):
+    """``torch.nn.functional.scaled_dot_product_attention``'s call, on the course's kernels.
+
+    Takes what the kernels compute and refuses the rest by name: a dense ``attn_mask``
+    (use ``block_mask=``, a ``BlockMask``, or ``is_causal``), ``dropout_p`` > 0, and
+    ``is_causal`` with Nq != Nk (PyTorch aligns that mask top-left, the kernels bottom-right;
+    ``attention(..., causal=True)`` gives the bottom-right one). 3-D inputs (H, N, d) are
+    taken as B = 1."""
+    if attn_mask is not None:
+        raise ValueError("attn_mask: dense masks are not supported; pass is_causal=True or block_mask= "
+                         "(a kernels.base.masks.BlockMask)")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: expected 0.0 (no dropout), got {dropout_p!r}")
+    three_d = isinstance(query, torch.Tensor) and query.dim() == 3
+    if three_d:
+        query, key, value = (x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in (query, key, value))
+    _check_inputs(query, key, value, names=("query", "key", "value"))
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"key: {key.shape[1]} heads against query's {query.shape[1]}: pass enable_gqa=True "
+                         "for grouped-query attention")
+    if is_causal and query.shape[2] != key.shape[2]:
+        raise ValueError(f"is_causal: with Nq = {query.shape[2]} != Nk = {key.shape[2]} PyTorch aligns the mask "
+                         "top-left and the kernels bottom-right; use attention(..., causal=True) for bottom-right")
+    out = FlashAttention.apply(query, key, value, bool(is_causal), scale, block_mask)
+    return out.squeeze(0) if three_d else out
