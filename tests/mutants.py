@@ -476,6 +476,21 @@ MUTANTS += [
            T11B, CH11B, "the backward's products without a_hi b_lo: about 2^-11 of |a||b| lost"),
 ]
 
+# Chapter 13, the capstone's PyTorch attention: the plumbing around the chapters' kernels.
+TA = "kernels.torch_attention"
+T13 = ("tests/test_torch_attention.py",)
+CH13 = "test_fp32_gradients_match_the_oracle"
+MUTANTS += [
+    Mutant("ta-groups-averaged", 13, TA,
+           (("return dx.view(B, H // group, group, N, d).sum(dim=2)",
+             "return dx.view(B, H // group, group, N, d).mean(dim=2)   # PLANTED"),),
+           T13, CH13, "grouped-query attention: a KV head's gradient averaged over its group of query heads, "
+                      "not summed"),
+    Mutant("ta-backward-not-causal", 13, TA,
+           (("ctx.options = (bool(causal), scale, block_mask)", "ctx.options = (False, scale, block_mask)   # PLANTED"),),
+           T13, CH13, "the backward forgets the causal mask the forward used"),
+]
+
 BY_ID = {m.id: m for m in MUTANTS}
 assert len(BY_ID) == len(MUTANTS), "mutant ids must be unique"
 

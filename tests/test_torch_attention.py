@@ -1,0 +1,263 @@
+"""The capstone's PyTorch attention (kernels/torch_attention.py) against the float64 oracle,
+against the chapters' launchers it wraps, and against PyTorch's SDPA on a GPU.
+
+float32 is held to the fp32 rule (each of O, dQ, dK, dV within 2x the error of plain float32
+NumPy of the float64 oracle, plus the floors), with the model's layout: q, k, v made as
+(B, N, H, d) and viewed (B, H, N, d) by transpose (not contiguous), grouped-query heads,
+causal, ragged N. float16 and bfloat16 must give exactly what chapters 8 and 12 give for the
+same inputs (their own tests hold them to the oracle), cast to the input type. Also: the
+SDPA-shaped call's refusals, bad input named, the caller's stream and allocator on a GPU.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from kernels import reference as ref                                              # noqa: E402
+from kernels.base.masks import BlockMask                                          # noqa: E402
+from kernels.base.runtime import on_simulator                                     # noqa: E402
+from kernels.base.testing import (Floor, assert_close, attention_floors, case_with,  # noqa: E402
+                                  gradient_floor_scales, grouped_attention_cases, over_group)
+from kernels.torch_attention import FlashAttention, attention, scaled_dot_product_attention  # noqa: E402
+
+SIM = on_simulator()
+DEVICE = "cpu" if SIM or not torch.cuda.is_available() else "cuda"
+MAX_N = 17 if SIM else 300
+HEAD_DIMS = [4, 8] if SIM else [8, 20, 64, 128]
+
+
+def as_model_layout(x, requires_grad=True, dtype=torch.float32):
+    """A (B, H, N, d) array as a model makes it: a (B, N, H, d) tensor viewed by transpose."""
+    t = torch.from_numpy(np.ascontiguousarray(np.asarray(x).transpose(0, 2, 1, 3))).to(DEVICE, dtype)
+    t = t.transpose(1, 2)
+    return t.requires_grad_(requires_grad)
+
+
+def numpy64(t):
+    return t.detach().cpu().double().numpy()
+
+
+def run(case, seed=1, dtype=torch.float32, call=None):
+    """o and (dq, dk, dv) through the autograd function for a case, dO drawn."""
+    q, k, v = (as_model_layout(x, dtype=dtype) for x in (case.q, case.k, case.v))
+    assert not q.is_contiguous() or q.shape[1] == 1 or q.shape[2] <= 1, "the model's layout is a strided view"
+    do = torch.from_numpy(np.random.default_rng(seed).standard_normal(case.q.shape).astype(np.float32))
+    do = do.to(DEVICE, dtype)
+    call = call or (lambda q, k, v: attention(q, k, v, causal=case.causal, scale=case.scale))
+    o = call(q, k, v)
+    o.backward(do)
+    return o, (q.grad, k.grad, v.grad), (q, k, v, do)
+
+
+def check_fp32(case, o, grads, do):
+    """O and the gradients under the fp32 rule (GQA: K, V repeated for the oracle, dK, dV summed)."""
+    hkv, group = case.k.shape[1], case.q.shape[1] // case.k.shape[1]
+    q = case.q.astype(np.float32)
+    k, v = (np.repeat(x.astype(np.float32), group, axis=1) for x in (case.k, case.v))
+    kw = dict(causal=case.causal, scale=case.scale)
+    o64, l64 = ref.attention(q, k, v, **kw)
+    o32, _ = ref.attention(q, k, v, dtype=np.float32, **kw)
+    assert o.dtype == torch.float32 and tuple(o.shape) == case.q.shape
+    assert_close(numpy64(o), o64, o32, name="O", floor_scale=attention_floors(q, k, v, **kw).o)
+    o_, lse_, do_ = o64.astype(np.float32), l64.astype(np.float32), do.cpu().numpy()
+    args = (q, k, v, o_, lse_, do_)
+    exact = ref.attention_backward(*args, **kw)
+    baseline = ref.attention_backward(*args, dtype=np.float32, **kw)
+    floors = gradient_floor_scales(*args, **kw)
+    for i, name in enumerate(("dQ", "dK", "dV")):
+        e, b, f = exact[i], baseline[i], floors[i]
+        if i:
+            e, b, f = over_group(e, hkv), over_group(b, hkv), Floor(over_group(f.value, hkv), f.why)
+        g = grads[i]
+        assert g.dtype == torch.float32 and tuple(g.shape) == e.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
+        assert_close(numpy64(g), e, b, name=name, floor_scale=f)
+
+
+def cases():
+    return grouped_attention_cases(max_n=MAX_N, head_dims=HEAD_DIMS, small=SIM, dtype=np.float32)
+
+
+def pinned(q_shape, k_shape, **kw):
+    return case_with(q_shape, k_shape, dtype=np.float32, **kw)
+
+
+@given(case=cases(), seed=st.integers(0, 2**16))
+@settings(max_examples=2 if SIM else 60)
+@example(case=pinned((1, 2, 9, 8), (1, 1, 9, 8), causal=True), seed=0)        # GQA, causal, the model's layout
+@example(case=pinned((1, 1, 7, 4), (1, 1, 3, 4), causal=True), seed=1)        # Nq > Nk: rows that see no key
+@example(case=pinned((1, 1, 1, 8), (1, 1, 1, 8)), seed=2)                     # N = 1
+def test_fp32_gradients_match_the_oracle(case, seed):
+    """The autograd function end to end under the fp32 rule: forward (chapter 4's launcher),
+    backward (chapter 5's, or chapter 11's for grouped heads on a GPU), GQA's dK, dV summed
+    over each group, strided (B, N, H, d) inputs."""
+    o, grads, (_, _, _, do) = run(case, seed)
+    check_fp32(case, o, grads, do)
+    if case.causal and case.q.shape[2] > case.k.shape[2]:
+        dead = case.q.shape[2] - case.k.shape[2]
+        assert (o[..., :dead, :] == 0).all() and (grads[0][..., :dead, :] == 0).all(), "rows that see no key"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_16bit_is_what_chapters_8_and_12_compute(dtype, causal):
+    """fp16 and bf16: O from chapter 8's forward and the gradients from chapter 12's backward
+    (grouped heads native), cast to the input type: the wrapper adds nothing of its own."""
+    from kernels.flash_tensor_cores import flash_attention_tc
+    from kernels.tensor_core_backward import flash_attention_backward_tc
+
+    case = pinned((1, 2, 11, 8), (1, 1, 13, 8), causal=causal, seed=5)
+    o, grads, (q, k, v, do) = run(case, seed=6, dtype=dtype)
+    bf16 = dtype == torch.bfloat16
+    kw = dict(causal=causal, bf16=bf16)
+
+    def arrays(*ts):
+        if DEVICE == "cuda":
+            return [t.detach().contiguous() for t in ts]
+        return [t.detach().contiguous().view(torch.int16).numpy().view(np.uint16) if bf16
+                else t.detach().contiguous().numpy() for t in ts]
+
+    kr, vr = (x.detach().repeat_interleave(2, dim=1) for x in (k, v))
+    o_want, lse = flash_attention_tc(*arrays(q, kr, vr), **kw)
+    o_want = torch.as_tensor(o_want, device=DEVICE).to(dtype)
+    assert o.dtype == dtype and torch.equal(o.detach(), o_want), "O: chapter 8's, cast to the input type"
+    want = flash_attention_backward_tc(*arrays(q, k, v, o_want), torch.as_tensor(lse).numpy()
+                                       if DEVICE == "cpu" else lse, *arrays(do), **kw)
+    for name, g, w in zip(("dQ", "dK", "dV"), grads, want):
+        w = torch.as_tensor(w, device=DEVICE)
+        assert g.dtype == dtype and g.shape == w.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
+        # dQ's float32 atomic adds may land in another order on a GPU: a last-bit difference
+        # of float32 can round to the neighbouring 16-bit value.
+        one_ulp = (w.abs().max().item() or 1.0) * (2.0 ** -7 if bf16 else 2.0 ** -10)
+        assert (g.float() - w.to(dtype).float()).abs().max().item() <= (one_ulp if name == "dQ" else 0.0), name
+
+
+def test_block_mask_follows_chapter_6():
+    """A block mask: O and gradients under the fp32 rule against the masked oracle."""
+    case = pinned((1, 1, 12, 8), (1, 1, 12, 8), seed=7)
+    flags = np.array([[True, False, True], [False, True, False], [True, True, True]])
+    mask = BlockMask(flags, 4, 4)
+    q, k, v = (as_model_layout(x) for x in (case.q, case.k, case.v))
+    o = attention(q, k, v, block_mask=mask)
+    do = torch.ones_like(o)
+    o.backward(do)
+    q32, k32, v32 = case.q, case.k, case.v
+    o64, l64 = ref.attention(q32, k32, v32, block_mask=mask)
+    o32, _ = ref.attention(q32, k32, v32, block_mask=mask, dtype=np.float32)
+    assert_close(numpy64(o), o64, o32, name="O", floor_scale=attention_floors(q32, k32, v32, block_mask=mask).o)
+    args = (q32, k32, v32, o64.astype(np.float32), l64.astype(np.float32), np.ones_like(q32))
+    exact = ref.attention_backward(*args, block_mask=mask)
+    base = ref.attention_backward(*args, block_mask=mask, dtype=np.float32)
+    floors = gradient_floor_scales(*args, block_mask=mask)
+    for name, g, e, b, f in zip(("dQ", "dK", "dV"), (q.grad, k.grad, v.grad), exact, base, floors):
+        assert_close(numpy64(g), e, b, name=name, floor_scale=f)
+
+
+def test_sdpa_signature_matches_attention():
+    """The SDPA-shaped call (is_causal, scale, enable_gqa, 3-D inputs) gives what attention() does."""
+    case = pinned((1, 2, 6, 4), (1, 1, 6, 4), causal=True, seed=9)
+    q, k, v = (torch.from_numpy(x).to(DEVICE) for x in (case.q, case.k, case.v))
+    a = attention(q, k, v, causal=True, scale=0.3)
+    b = scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    assert torch.equal(a, b)
+    c = scaled_dot_product_attention(q[0], k[0], v[0], is_causal=True, scale=0.3, enable_gqa=True)
+    assert c.shape == q[0].shape and torch.equal(c, a[0])
+
+
+def test_empty_sequences_give_zeros():
+    q = torch.zeros(1, 1, 0, 4, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 1, 3, 4, device=DEVICE, requires_grad=True)
+    v = torch.randn(1, 1, 3, 4, device=DEVICE, requires_grad=True)
+    o = attention(q, k, v)
+    o.sum().backward()
+    assert o.shape == (1, 1, 0, 4) and (k.grad == 0).all() and (v.grad == 0).all()
+
+
+# --------------------------------------------------------------------------- refusals and bad input
+
+def _t(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(attn_mask=_t(4, 4)), ValueError, "attn_mask"),
+    (dict(dropout_p=0.1), ValueError, "dropout_p"),
+    (dict(is_causal=True, key=_t(1, 2, 5, 8), value=_t(1, 2, 5, 8)), ValueError, "is_causal"),
+    (dict(key=_t(1, 1, 4, 8), value=_t(1, 1, 4, 8)), ValueError, "enable_gqa"),
+    (dict(query=_t(1, 2, 4, 8, dtype=torch.float64)), TypeError, "query"),
+    (dict(query=_t(2, 4, 8, 1, 1)), ValueError, "query"),
+    (dict(key=_t(1, 2, 4, 8, dtype=torch.float16)), TypeError, "query, key, value"),
+    (dict(value=_t(1, 2, 5, 8)), ValueError, "value"),
+    (dict(key=_t(1, 3, 4, 8), value=_t(1, 3, 4, 8), enable_gqa=True), ValueError, "key"),
+    (dict(query=_t(1, 2, 4, 136), key=_t(1, 2, 4, 136), value=_t(1, 2, 4, 136)), ValueError, "query"),
+    (dict(query=np.zeros((1, 2, 4, 8), np.float32)), TypeError, "query"),
+    (dict(block_mask=np.ones((1, 1), bool)), TypeError, "block_mask"),
+])
+def test_bad_input_is_named(kwargs, error, words):
+    args = dict(query=_t(1, 2, 4, 8), key=_t(1, 2, 4, 8), value=_t(1, 2, 4, 8))
+    args.update(kwargs)
+    with pytest.raises(error, match=words):
+        scaled_dot_product_attention(**args)
+
+
+# --------------------------------------------------------------------------- a GPU: SDPA, streams, allocator
+
+gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU (PyTorch CUDA tensors)")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_against_pytorch_sdpa(dtype):
+    """Against SDPA on the same tensors: each of O, dQ, dK, dV within 2x SDPA's own error
+    against the float64 oracle (plus the floors), B=2 H=8 N=1000 d=64 causal, GQA 8:2."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    case = pinned((2, 8, 1000, 64), (2, 2, 1000, 64), causal=True, seed=11)
+    ours = run(case, seed=12, dtype=dtype)
+    sdpa = run(case, seed=12, dtype=dtype, call=lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True))
+    kr, vr = (np.repeat(x, 4, axis=1) for x in (case.k, case.v))
+    o64, l64 = ref.attention(case.q, kr, vr, causal=True)
+    do = ours[2][3].float().cpu().numpy()
+    exact = (o64, *ref.attention_backward(case.q, kr, vr, o64.astype(np.float32), l64.astype(np.float32), do,
+                                          causal=True))
+    exact = exact[:2] + tuple(over_group(e, 2) for e in exact[2:])
+    for i, name in enumerate(("O", "dQ", "dK", "dV")):
+        got = numpy64(ours[0] if i == 0 else ours[1][i - 1])
+        peer = numpy64(sdpa[0] if i == 0 else sdpa[1][i - 1])
+        assert_close(got, exact[i], peer, name=f"{name} vs SDPA's error")
+
+
+@gpu
+def test_launches_on_the_callers_stream():
+    """On a side stream (PyTorch's are non-blocking), inputs made there and results used
+    there: without the launch on that stream the kernels would race the side stream's
+    queued work. A long matmul chain queued first makes a race visible."""
+    case = pinned((4, 8, 512, 64), (4, 8, 512, 64), causal=True, seed=13)
+    want, _ = ref.attention(case.q, case.k, case.v, causal=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            big = big @ big / 64.0                      # ~50 ms of work ahead of q on this stream
+        q = torch.from_numpy(case.q).to("cuda", non_blocking=True) + 0.0 * big[0, 0]
+        k, v = (torch.from_numpy(x).to("cuda") for x in (case.k, case.v))
+        o = attention(q, k, v, causal=True)
+        o_host = o.to("cpu", non_blocking=False)
+    side.synchronize()
+    floors = attention_floors(case.q, case.k, case.v, causal=True).o
+    o32, _ = ref.attention(case.q, case.k, case.v, causal=True, dtype=np.float32)
+    assert_close(o_host.double().numpy(), want, o32, name="O on a side stream", floor_scale=floors)
+
+
+@gpu
+def test_results_come_from_pytorchs_allocator():
+    """O, dQ, dK, dV are PyTorch tensors from its caching allocator (counted by
+    torch.cuda.memory_allocated), not cudaMallocs of Numba's."""
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", requires_grad=True) for _ in range(3))
+    before = torch.cuda.memory_allocated()
+    o = FlashAttention.apply(q, k, v, True, None, None)
+    assert torch.cuda.memory_allocated() - before >= o.numel() * 4
+    o.sum().backward()
+    assert all(isinstance(g, torch.Tensor) and g.is_cuda for g in (q.grad, k.grad, v.grad))
