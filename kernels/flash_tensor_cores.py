@@ -44,8 +44,8 @@ from numba import cuda, float32, int32, uint16, uint32
 from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
-from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, check_array, check_flag, check_scale, device_bits16, \
-    is_bf16_array, launch_stream, on_simulator
+from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_array, check_flag, \
+    check_scale, device_bits16, is_bf16_array, is_device_array, on_simulator, run_bound, to_device
 
 __all__ = ["flash_attention_tc", "make_flash_forward_mma", "make_flash_forward_mma_from", "make_load_a_fragment",
            "make_p_to_a", "a_fragment_registers", "p_to_a_registers", "tc_tiles", "ptx_targets", "EXERCISES"]
@@ -355,17 +355,37 @@ def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
     BH = B * H
     if BH > MAX_GRID_Y:
         raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
-    o = kind.empty((BH, n_q, d), np.float32)           # the caller's allocator where it has one
-    lse = kind.empty((BH, n_q), np.float32)
+    o = kind.new((B, H, n_q, d), np.float32)           # the caller's allocator where it has one
+    lse = kind.new((B, H, n_q), np.float32)
     if BH and n_q:
-        Br, Bc, D = tc_tiles(d)
-        qd, kd, vd = (device_bits16(x, n).reshape(BH, x.shape[2], d) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        aligned = int(d % 8 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
-            if not on_simulator() else int(d % 8 == 0)
-        kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16))
-        kernel[(cdiv(n_q, Br), BH), kernel.threads, launch_stream()](qd, kd, vd, o, lse, np.float32(scale), np.int32(causal),
-                                                     np.int32(aligned))
-    return kind.give_back(o.reshape(B, H, n_q, d)), kind.give_back(lse.reshape(B, H, n_q))
+        inputs = {name: x if is_device_array(x) else to_device(x, name) for name, x in zip("qkv", (q, k, v))}
+        n_k = k.shape[2]
+        run_bound(_launches, (B, H, n_q, n_k, d, bf16, causal, scale), dict(inputs, o=o, lse=lse),
+                  lambda arrays: _views(arrays, BH, n_q, n_k, d),
+                  lambda views, aligned: _bind_forward(views, d, bf16, causal, scale, aligned),
+                  aligned_names="qkv", aligned_d=d % 8 == 0)
+    return kind.result(o), kind.result(lse)
+
+
+_launches = LaunchCache()          # the launcher's bound launch, by call shape
+
+
+def _views(arrays, BH, n_q, n_k, d):
+    """The kernel's views: q (B*H, Nq, d), k, v (B*H, Nk, d) as 16-bit patterns, o, lse."""
+    rows = dict(q=n_q, k=n_k, v=n_k, o=n_q)
+    views = {name: device_bits16(arrays[name], name).reshape(BH, rows[name], d) for name in rows}
+    views["lse"] = to_device(arrays["lse"], "lse").reshape(BH, n_q)
+    return views
+
+
+def _bind_forward(views, d, bf16, causal, scale, aligned):
+    """The forward's one launch, bound (``kernels.base.runtime.BoundLaunches``)."""
+    BH, n_q, _ = views["q"].shape
+    Br, Bc, D = tc_tiles(d)
+    kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16))
+    names = ("q", "k", "v", "o", "lse")
+    args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
+    return BoundLaunches([(kernel, (cdiv(n_q, Br), BH), kernel.threads, args, 0)], [{n: i for i, n in enumerate(names)}])
 
 
 # --------------------------------------------------------------------------- PTX check

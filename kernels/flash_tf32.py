@@ -42,8 +42,8 @@ from numba import cuda, float32, int32, uint32
 from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.tf32_product import PASSES, make_tf32_product
-from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_qkv, check_scale, launch_stream, on_simulator, \
-    to_device
+from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_qkv, check_scale, \
+    is_device_array, launch_stream, on_simulator, run_bound, to_device
 
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "make_split", "split_kv", "launch_forward",
            "tf32_tiles", "shared_words", "PASSES", "ptx_targets"]
@@ -286,13 +286,61 @@ def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
     if BH > MAX_GRID_Y:
         raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
     kind = ArrayKind(q)
-    o = kind.empty((BH, n_q, d), np.float32)
-    lse = kind.empty((BH, n_q), np.float32)
-    if BH and n_q:
-        qd, kd, vd = (to_device(x, n).reshape(BH, x.shape[2], d) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        parts = split_kv(kd, vd, BH, n_k, d, kind)
-        launch_forward(qd, parts, o, lse, scale, causal, passes)
-    return kind.give_back(o.reshape(B, H, n_q, d)), kind.give_back(lse.reshape(B, H, n_q))
+    o = kind.new((B, H, n_q, d), np.float32)           # the caller's allocator where it has one
+    lse = kind.new((B, H, n_q), np.float32)
+    if BH and n_q and n_k:
+        arrays = {name: x if is_device_array(x) else to_device(x, name) for name, x in zip("qkv", (q, k, v))}
+        arrays.update((name, kind.new((B, H, n_k, d), np.uint32)) for name in SPLIT)   # K, V split once a call
+        arrays.update((name + "_flat", arrays[name]) for name in ("k", "v", *SPLIT))    # the split's 1-D views
+        run_bound(_launches, (B, H, n_q, n_k, d, causal, scale, int(passes)), dict(arrays, o=o, lse=lse),
+                  lambda a: _views(a, BH, n_q, n_k, d),
+                  lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned),
+                  aligned_names=("q", *SPLIT), aligned_d=d % 4 == 0)
+    elif BH and n_q:             # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
+        o, lse = kind.result(o), kind.result(lse)
+        o[...] = 0
+        lse[...] = -np.inf
+        return o, lse
+    return kind.result(o), kind.result(lse)
+
+
+SPLIT = ("k_hi", "k_lo", "v_hi", "v_lo")
+_launches = LaunchCache()          # the launcher's bound launches, by call shape
+
+
+def _views(arrays, BH, n_q, n_k, d):
+    """The kernels' views: (B*H, N, d) for q, k, v, the split parts and o; (B*H, Nq) for
+    lse; 1-D for the split kernel's ``*_flat``."""
+    rows = dict(q=n_q, o=n_q, k=n_k, v=n_k, **{name: n_k for name in SPLIT})
+    views = {name: to_device(arrays[name], name).reshape(BH, rows[name], d) for name in rows}
+    views["lse"] = to_device(arrays["lse"], "lse").reshape(BH, n_q)
+    views.update((name + "_flat", views[name].reshape(BH * n_k * d)) for name in ("k", "v", *SPLIT))
+    return views
+
+
+def _bind_forward(views, causal, scale, passes, aligned):
+    """Three launches, bound: the split of K, of V (``make_split``), and the forward."""
+    from kernels.base.shared_memory import allow_dynamic_shared_memory, STATIC_LIMIT_BYTES
+
+    BH, n_q, d = views["q"].shape
+    Br, Bc, D = tf32_tiles(d)
+    nbytes = 4 * shared_words(Bc, D)
+    dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
+    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic)
+    names = ("q", *SPLIT, "o", "lse")
+    args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
+    if dynamic:
+        allow_dynamic_shared_memory(kernel, args, nbytes)
+    split, n = make_split(), views["k_flat"].shape[0]
+    blocks = min(cdiv(n, 256), 4096)
+    launches, slots = [], []
+    for x in ("k", "v"):
+        flat = tuple(f"{x}{part}_flat" for part in ("", "_hi", "_lo"))
+        launches.append((split, blocks, 256, tuple(views[f] for f in flat), 0))
+        slots.append({f: i for i, f in enumerate(flat)})
+    launches.append((kernel, (cdiv(n_q, Br), BH), kernel.threads, args, nbytes if dynamic else 0))
+    slots.append({name: i for i, name in enumerate(names)})
+    return BoundLaunches(launches, slots)
 
 
 def ptx_targets(every_shape: bool = False):

@@ -17,8 +17,8 @@ import numpy as np
 from numba import cuda
 
 from kernels.base.fused import MAX_GRID_Y
-from kernels.base.runtime import (check_array, check_qkv, device_bits16, device_empty, device_pointer,
-                                  is_device_array, on_simulator, to_device)
+from kernels.base.runtime import (check_array, check_qkv, device_bits16, device_empty, is_device_array, run_bound,
+                                  to_device)
 
 # "atomic": the dK/dV kernel adds its pieces of dQ with float32 atomics (dQ's last bits vary
 # from run to run); "separate": a second kernel sums each dQ entry in a fixed order.
@@ -105,18 +105,8 @@ def run_grouped_backward(kind, arrays: dict, dims, key, cache, make, words: int)
         return zero_gradients(kind, (B, H, n_q, d), (B, hkv, n_k, d))
     held = {name: x if is_device_array(x) else to_device(x, name) for name, x in arrays.items()}
     grads = dict(dq=kind.new((B, H, n_q, d)), dk=kind.new((B, hkv, n_k, d)), dv=kind.new((B, hkv, n_k, d)))
-    arrays = {**held, **grads}
-    if on_simulator():
-        pointers, device = None, 0
-        aligned = int(d % words == 0)
-    else:
-        pointers = {name: device_pointer(x, name) for name, x in arrays.items()}
-        aligned = int(d % words == 0 and all(pointers[n] % 16 == 0 for n in ("q", "k", "v", "do", "dq")))
-        device = cuda.get_current_device().id
-    key = (*key, aligned, device)
-    views = grouped_views(arrays, B * H, B * hkv, n_q, n_k, d) if key not in cache or on_simulator() else None
-    launches = cache.get(key, lambda: make(views, aligned))
-    launches(**(views if on_simulator() else pointers))
+    run_bound(cache, key, {**held, **grads}, lambda arrays: grouped_views(arrays, B * H, B * hkv, n_q, n_k, d), make,
+              aligned_names=("q", "k", "v", "do", "dq"), aligned_d=d % words == 0)
     return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))
 
 

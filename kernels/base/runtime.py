@@ -297,6 +297,16 @@ class Bf16Bits:
         self.__cuda_array_interface__ = cai
         self.shape = tuple(cai["shape"])
 
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def torch_dtype_as_numpy(dtype) -> np.dtype:
+    """A PyTorch dtype as the NumPy dtype its array interface names (bfloat16: ``V2``)."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    return np.dtype("V2") if name == "bfloat16" else np.dtype(name)
+
+
 def device_empty(shape, dtype=np.float32):
     return cuda.device_array(shape, dtype=dtype)
 
@@ -312,7 +322,9 @@ def check_array(x, name: str, *, ndim: int | None = None, dtypes=(np.float32,)):
         raise TypeError(
             f"{name}: expected a NumPy array or a device array (__cuda_array_interface__), got {type(x).__name__}"
         )
-    if on_device:
+    if on_device and _is_torch(x):                 # (the interface would be built anew: µs a call)
+        shape, dtype = tuple(x.shape), torch_dtype_as_numpy(x.dtype)
+    elif on_device:
         cai = getattr(x, "__cuda_array_interface__", None)
         if cai is not None:
             shape, dtype = tuple(cai["shape"]), np.dtype(cai["typestr"])
@@ -528,6 +540,26 @@ class LaunchCache:
         return key in self._bound
 
 
+def run_bound(cache: LaunchCache, key, arrays: dict, views_of, make, *, aligned_names=(), aligned_d=True):
+    """Run a launcher's bound launches on ``arrays`` ({name: device array}), binding them
+    the first time a call shape is seen: ``make(views, aligned)`` with ``views_of(arrays)``
+    (Numba views in the kernels' shapes) returns a ``BoundLaunches``. On a GPU a call then
+    passes data pointers only (``device_pointer``); ``aligned`` = ``aligned_d`` and the
+    arrays of ``aligned_names`` on 16-byte boundaries, part of the key with the device. In
+    the simulator every call passes fresh views (the plain launch)."""
+    if on_simulator():
+        views = views_of(arrays)
+        aligned = int(bool(aligned_d))
+        launches = cache.get((*key, aligned, 0), lambda: make(views, aligned))
+        launches(**views)
+        return
+    pointers = {name: device_pointer(x, name) for name, x in arrays.items()}
+    aligned = int(bool(aligned_d) and all(pointers[n] % 16 == 0 for n in aligned_names))
+    key = (*key, aligned, cuda.get_current_device().id)
+    launches = cache.get(key, lambda: make(views_of(arrays), aligned))
+    launches(**pointers)
+
+
 def bind_launch(kernel, grid, threads, args):
     """A launch of ``kernel[grid, threads](*args)`` as a function of no arguments
     (``LaunchTemplate`` with no slots: it holds all its arrays)."""
@@ -537,6 +569,11 @@ def bind_launch(kernel, grid, threads, args):
 def device_pointer(x, name: str) -> int:
     """The data pointer of a device array (anything with ``__cuda_array_interface__``),
     checked C-contiguous, after the wait ``cuda_view`` explains where one is needed."""
+    owner = x.owner if isinstance(x, Bf16Bits) else x
+    if _is_torch(owner):                          # PyTorch's interface names no stream: no wait
+        if not owner.is_contiguous():
+            raise ValueError(f"{name}: expected a C-contiguous device array, got strides {tuple(owner.stride())}")
+        return owner.data_ptr()
     cai = x.__cuda_array_interface__
     strides = cai.get("strides")
     if strides is not None:
