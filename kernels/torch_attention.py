@@ -51,7 +51,8 @@ try:
 except ImportError as error:                       # pragma: no cover - torch is in requirements.txt
     raise ImportError("kernels.torch_attention needs PyTorch (pip install -r requirements.txt)") from error
 
-__all__ = ["FlashAttention", "attention", "scaled_dot_product_attention", "SUPPORTED_DTYPES"]
+__all__ = ["FlashAttention", "attention", "scaled_dot_product_attention", "SUPPORTED_DTYPES", "assert_fp32_rule",
+           "check_attention_function", "check_attention_function_case", "kernel_array", "as_tensor_like"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -101,12 +102,12 @@ def _host_array(x):
     return x.numpy()
 
 
-def _kernel_array(x):
+def kernel_array(x):
     """What a launcher takes: the tensor itself on the GPU (zero-copy, contiguous), NumPy on the CPU."""
     return x.detach().contiguous() if x.is_cuda else _host_array(x)
 
 
-def _tensor(x, like):
+def as_tensor_like(x, like):
     """A launcher's result (a CUDA tensor, or NumPy for CPU callers) as a tensor on ``like``'s device."""
     if isinstance(x, torch.Tensor):
         return x
@@ -149,18 +150,18 @@ def _forward(q, k, v, causal, scale, block_mask):
     if block_mask is not None:
         from kernels.block_sparse import block_sparse_attention
 
-        o, lse = block_sparse_attention(*(_kernel_array(x.float()) for x in (q, k, v)), block_mask,
+        o, lse = block_sparse_attention(*(kernel_array(x.float()) for x in (q, k, v)), block_mask,
                                         causal=causal, scale=scale)
     elif q.dtype == torch.float32:
         from kernels.flash_forward import flash_attention
 
-        o, lse = flash_attention(*(_kernel_array(x) for x in (q, k, v)), causal=causal, scale=scale)
+        o, lse = flash_attention(*(kernel_array(x) for x in (q, k, v)), causal=causal, scale=scale)
     else:
         from kernels.flash_tensor_cores import flash_attention_tc
 
-        o, lse = flash_attention_tc(*(_kernel_array(x) for x in (q, k, v)), causal=causal, scale=scale,
+        o, lse = flash_attention_tc(*(kernel_array(x) for x in (q, k, v)), causal=causal, scale=scale,
                                     bf16=q.dtype == torch.bfloat16)
-    return _tensor(o, q).to(q.dtype), _tensor(lse, q)
+    return as_tensor_like(o, q).to(q.dtype), as_tensor_like(lse, q)
 
 
 def _backward(q, k, v, o, lse, do, causal, scale, block_mask):
@@ -171,28 +172,28 @@ def _backward(q, k, v, o, lse, do, causal, scale, block_mask):
         from kernels.block_sparse_backward import block_sparse_attention_backward
 
         kk, vv = _repeat_heads(k, group), _repeat_heads(v, group)
-        args = (_kernel_array(x.float()) for x in (q, kk, vv, o, lse, do))
+        args = (kernel_array(x.float()) for x in (q, kk, vv, o, lse, do))
         grads = block_sparse_attention_backward(*args, block_mask, causal=causal, scale=scale)
     elif dtype == torch.float32 and group > 1 and has_tf32_tensor_cores():
         from kernels.tf32_backward import flash_attention_backward_tf32     # grouped heads native
 
-        grads = flash_attention_backward_tf32(*(_kernel_array(x) for x in (q, k, v, o, lse, do)),
+        grads = flash_attention_backward_tf32(*(kernel_array(x) for x in (q, k, v, o, lse, do)),
                                               causal=causal, scale=scale)
         group = 1
     elif dtype == torch.float32:
         from kernels.flash_backward import flash_attention_backward
 
         kk, vv = _repeat_heads(k, group), _repeat_heads(v, group)
-        grads = flash_attention_backward(*(_kernel_array(x) for x in (q, kk, vv, o, lse, do)),
+        grads = flash_attention_backward(*(kernel_array(x) for x in (q, kk, vv, o, lse, do)),
                                          causal=causal, scale=scale)
     else:
         from kernels.tensor_core_backward import flash_attention_backward_tc   # grouped heads native
 
-        grads = flash_attention_backward_tc(*(_kernel_array(x) for x in (q, k, v, o, lse)),
-                                            _kernel_array(do.to(dtype)), causal=causal, scale=scale,
+        grads = flash_attention_backward_tc(*(kernel_array(x) for x in (q, k, v, o, lse)),
+                                            kernel_array(do.to(dtype)), causal=causal, scale=scale,
                                             bf16=dtype == torch.bfloat16)
         group = 1
-    dq, dk, dv = (_tensor(g, q) for g in grads)
+    dq, dk, dv = (as_tensor_like(g, q) for g in grads)
     return dq.to(dtype), _sum_groups(dk, group).to(dtype), _sum_groups(dv, group).to(dtype)
 
 
@@ -258,3 +259,67 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          "top-left and the kernels bottom-right; use attention(..., causal=True) for bottom-right")
     out = FlashAttention.apply(query, key, value, bool(is_causal), scale, block_mask)
     return out.squeeze(0) if three_d else out
+
+
+# --------------------------------------------------------------------------- the fp32 rule, and the exercise
+# The notebook's exercise: write the autograd function yourself (forward: chapter 4's launcher,
+# saving what the backward needs; backward: chapter 5's). ``check_attention_function`` grades
+# it on drawn cases under the fp32 rule, as tests/test_torch_attention.py grades ours.
+
+def assert_fp32_rule(case, o, grads, do):
+    """O and (dQ, dK, dV) of a ``kernels.base.testing.AttentionCase`` (k, v with Hkv heads)
+    under the fp32 rule: each within 2x the error of plain float32 NumPy of the float64
+    oracle, plus the floors; for grouped heads the oracle sees K and V repeated and dK, dV
+    (and their floors) are summed over each group. ``do``: the upstream gradient (a tensor)."""
+    from kernels import reference as ref
+    from kernels.base.testing import Floor, assert_close, attention_floors, gradient_floor_scales, over_group
+
+    def as64(t):
+        return t.detach().cpu().double().numpy()
+
+    hkv, group = case.k.shape[1], case.q.shape[1] // case.k.shape[1]
+    q = case.q.astype(np.float32)
+    k, v = (np.repeat(x.astype(np.float32), group, axis=1) for x in (case.k, case.v))
+    kw = dict(causal=case.causal, scale=case.scale)
+    o64, l64 = ref.attention(q, k, v, **kw)
+    o32, _ = ref.attention(q, k, v, dtype=np.float32, **kw)
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.float32, f"O: expected a float32 tensor, got {o!r:.80}"
+    assert tuple(o.shape) == case.q.shape, f"O: shape {tuple(o.shape)}, expected {case.q.shape}"
+    assert_close(as64(o), o64, o32, name="O", floor_scale=attention_floors(q, k, v, **kw).o)
+    args = (q, k, v, o64.astype(np.float32), l64.astype(np.float32), do.detach().cpu().float().numpy())
+    exact = ref.attention_backward(*args, **kw)
+    baseline = ref.attention_backward(*args, dtype=np.float32, **kw)
+    floors = gradient_floor_scales(*args, **kw)
+    for i, name in enumerate(("dQ", "dK", "dV")):
+        e, b, f = exact[i], baseline[i], floors[i]
+        if i:
+            e, b, f = over_group(e, hkv), over_group(b, hkv), Floor(over_group(f.value, hkv), f.why)
+        g = grads[i]
+        assert g is not None, f"{name}: no gradient (did backward return it in the input's place?)"
+        assert g.dtype == torch.float32 and tuple(g.shape) == e.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
+        assert_close(as64(g), e, b, name=name, floor_scale=f)
+
+
+def check_attention_function_case(apply, case, seed=0):
+    """The property: ``o = apply(q, k, v, causal, scale)`` and its gradients for a drawn dO
+    meet the fp32 rule (``assert_fp32_rule``), q, k, v float32 tensors (B, H, N, d)."""
+    device = "cuda" if torch.cuda.is_available() and not on_simulator() else "cpu"
+    q, k, v = (torch.from_numpy(x).to(device).requires_grad_(True) for x in (case.q, case.k, case.v))
+    o = apply(q, k, v, case.causal, case.scale)
+    do = torch.from_numpy(np.random.default_rng(seed).standard_normal(case.q.shape).astype(np.float32)).to(device)
+    o.backward(do)
+    assert_fp32_rule(case, o, (q.grad, k.grad, v.grad), do)
+
+
+def check_attention_function(apply, max_examples=None):
+    """Exercise: write an autograd function (``MyAttention.apply(q, k, v, causal, scale)``)
+    over chapter 4's forward and chapter 5's backward. Prints "passed" or the smallest
+    failing case."""
+    from hypothesis import strategies as st
+
+    from kernels.base.testing import attention_cases, check_exercise
+
+    sim = on_simulator()
+    cases = attention_cases(max_n=10 if sim else 200, head_dims=[4, 8] if sim else [16, 64], dtypes=(np.float32,))
+    return check_exercise(lambda drawn: check_attention_function_case(apply, *drawn),
+                          st.tuples(cases, st.integers(0, 2**16)), max_examples=max_examples)

@@ -19,9 +19,14 @@ torch = pytest.importorskip("torch")
 from kernels import reference as ref                                              # noqa: E402
 from kernels.base.masks import BlockMask                                          # noqa: E402
 from kernels.base.runtime import on_simulator                                     # noqa: E402
-from kernels.base.testing import (Floor, assert_close, attention_floors, case_with,  # noqa: E402
+from kernels.base.testing import (assert_close, attention_floors, case_with,  # noqa: E402
                                   gradient_floor_scales, grouped_attention_cases, over_group)
-from kernels.torch_attention import FlashAttention, attention, scaled_dot_product_attention  # noqa: E402
+from kernels.flash_backward import flash_attention_backward                       # noqa: E402
+from kernels.flash_forward import flash_attention                                 # noqa: E402
+from kernels.tiny_gpt import CharTokens, GPTConfig, corpus_text, train            # noqa: E402
+from kernels.torch_attention import (FlashAttention, as_tensor_like, assert_fp32_rule, attention,  # noqa: E402
+                                     check_attention_function, check_attention_function_case, kernel_array,
+                                     scaled_dot_product_attention)
 
 SIM = on_simulator()
 DEVICE = "cpu" if SIM or not torch.cuda.is_available() else "cuda"
@@ -52,30 +57,6 @@ def run(case, seed=1, dtype=torch.float32, call=None):
     return o, (q.grad, k.grad, v.grad), (q, k, v, do)
 
 
-def check_fp32(case, o, grads, do):
-    """O and the gradients under the fp32 rule (GQA: K, V repeated for the oracle, dK, dV summed)."""
-    hkv, group = case.k.shape[1], case.q.shape[1] // case.k.shape[1]
-    q = case.q.astype(np.float32)
-    k, v = (np.repeat(x.astype(np.float32), group, axis=1) for x in (case.k, case.v))
-    kw = dict(causal=case.causal, scale=case.scale)
-    o64, l64 = ref.attention(q, k, v, **kw)
-    o32, _ = ref.attention(q, k, v, dtype=np.float32, **kw)
-    assert o.dtype == torch.float32 and tuple(o.shape) == case.q.shape
-    assert_close(numpy64(o), o64, o32, name="O", floor_scale=attention_floors(q, k, v, **kw).o)
-    o_, lse_, do_ = o64.astype(np.float32), l64.astype(np.float32), do.cpu().numpy()
-    args = (q, k, v, o_, lse_, do_)
-    exact = ref.attention_backward(*args, **kw)
-    baseline = ref.attention_backward(*args, dtype=np.float32, **kw)
-    floors = gradient_floor_scales(*args, **kw)
-    for i, name in enumerate(("dQ", "dK", "dV")):
-        e, b, f = exact[i], baseline[i], floors[i]
-        if i:
-            e, b, f = over_group(e, hkv), over_group(b, hkv), Floor(over_group(f.value, hkv), f.why)
-        g = grads[i]
-        assert g.dtype == torch.float32 and tuple(g.shape) == e.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
-        assert_close(numpy64(g), e, b, name=name, floor_scale=f)
-
-
 def cases():
     return grouped_attention_cases(max_n=MAX_N, head_dims=HEAD_DIMS, small=SIM, dtype=np.float32)
 
@@ -94,7 +75,7 @@ def test_fp32_gradients_match_the_oracle(case, seed):
     backward (chapter 5's, or chapter 11's for grouped heads on a GPU), GQA's dK, dV summed
     over each group, strided (B, N, H, d) inputs."""
     o, grads, (_, _, _, do) = run(case, seed)
-    check_fp32(case, o, grads, do)
+    assert_fp32_rule(case, o, grads, do)
     if case.causal and case.q.shape[2] > case.k.shape[2]:
         dead = case.q.shape[2] - case.k.shape[2]
         assert (o[..., :dead, :] == 0).all() and (grads[0][..., :dead, :] == 0).all(), "rows that see no key"
@@ -173,6 +154,62 @@ def test_empty_sequences_give_zeros():
     o = attention(q, k, v)
     o.sum().backward()
     assert o.shape == (1, 1, 0, 4) and (k.grad == 0).all() and (v.grad == 0).all()
+
+
+# --------------------------------------------------------------------------- a model trains with it (CI: the simulator)
+
+def test_tiny_gpt_trains_with_the_kernels():
+    """Three steps of a one-layer TinyGPT with our attention and with SDPA from the same
+    seed: the same losses (float32, to a few ulps of the loss), then the trained models'
+    validation losses too. In the simulator this is the capstone's training loop, end to end."""
+    vocab = CharTokens(corpus_text()).vocab_size
+    config = GPTConfig(vocab, block_size=16, n_layer=1, n_head=2, n_embd=16, n_kv_head=1)
+    runs = [train(config, attn, steps=3, batch=2, seed=3, device=DEVICE, log_every=0, eval_batches=1)
+            for attn in (scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)]
+    ours, sdpa = runs
+    assert ours["losses"][0] > ours["losses"][-1] - 0.5, "three steps of training move the loss little"
+    np.testing.assert_allclose(ours["losses"], sdpa["losses"], rtol=2e-5)
+    np.testing.assert_allclose(ours["val_loss"], sdpa["val_loss"], rtol=2e-5)
+
+
+# --------------------------------------------------------------------------- the exercise
+
+def learners_function(backward_causal=True, backward_scale=True):
+    """An autograd function as the notebook's exercise asks for (chapter 4's forward, chapter
+    5's backward), or with a planted mistake: the backward's causal or scale forgotten."""
+    class MyAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, causal, scale):
+            o, lse = flash_attention(kernel_array(q), kernel_array(k), kernel_array(v), causal=causal, scale=scale)
+            o, lse = as_tensor_like(o, q), as_tensor_like(lse, q)
+            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.causal, ctx.scale = causal, scale
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, o, lse = ctx.saved_tensors
+            grads = flash_attention_backward(*(kernel_array(x) for x in (q, k, v, o, lse, do)),
+                                             causal=ctx.causal if backward_causal else False,
+                                             scale=ctx.scale if backward_scale else None)
+            return (*(as_tensor_like(g, q) for g in grads), None, None)
+
+    return MyAttention.apply
+
+
+def test_exercise_checker_passes_a_right_function(capsys):
+    assert check_attention_function(learners_function(), max_examples=2 if SIM else 20)
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", ["backward_causal", "backward_scale"])
+def test_exercise_checker_catches_mistakes(mistake):
+    """The checker's property fails on a causal case with scale 0.3 (not 1/sqrt(d)) when the backward forgets
+    either (and passes the right function on the same case)."""
+    case = pinned((1, 1, 9, 4), (1, 1, 9, 4), causal=True, scale=0.3, seed=4)
+    check_attention_function_case(learners_function(), case)
+    with pytest.raises(AssertionError, match="^d[QKV]"):
+        check_attention_function_case(learners_function(**{mistake: False}), case)
 
 
 # --------------------------------------------------------------------------- refusals and bad input
