@@ -1,0 +1,355 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 13. Capstone: the kernels as a PyTorch attention, and a small GPT trained with them
+#
+# Twelve chapters wrote attention as kernels and checked them against an oracle. A model
+# does not call kernels: it calls `F.scaled_dot_product_attention(q, k, v, is_causal=True)`
+# and trusts autograd for the gradients. This chapter closes the gap:
+#
+# 1. the autograd function: the forward saves O and the row logsumexp L, never P; the
+#    backward recomputes (chapter 5's algebra) — and which chapter's kernel runs for which dtype;
+# 2. the check: gradients against the float64 oracle in the layout a model really passes;
+# 3. a library's manners: the caller's allocator and stream, strided views, the host's cost a call;
+# 4. a character-level GPT trained on the course's own text, with our attention and with SDPA;
+# 5. a context where the unfused path runs out of memory and ours trains;
+# 6. the H100 results, and what is not done;
+# 7. the exercise: write the autograd function yourself.
+#
+# **Sources** (numbered as in the README's list): [1] FlashAttention, Section 3.1 and
+# Appendix B (save O and L, recompute S and P in the backward); [4] FlashAttention-2
+# (the causal mask aligned bottom-right); PyTorch's documentation of
+# `torch.autograd.Function` and `scaled_dot_product_attention`.
+
+# %%
+
+import numpy as np
+import torch
+
+import kernels  # noqa: F401  (GPU or simulator, chosen before Numba is imported)
+from kernels import torch_attention as ta
+from kernels.base.notebook import show_source
+from kernels.base.runtime import device_name, on_simulator
+from kernels.base.testing import case_with
+from kernels.tiny_gpt import CharTokens, GPTConfig, corpus_text, train
+from kernels.torch_attention import FlashAttention, assert_fp32_rule, attention, scaled_dot_product_attention
+
+print("running on:", device_name())
+
+# %% tags=["parameters"]
+# Tiny sizes in the simulator (every GPU thread is a Python thread there), real ones on a GPU.
+# DEVICE: where the tensors live (CPU tensors run the kernels through NumPy: the simulator here).
+if on_simulator():
+    DEVICE, B, H, HKV, N, D_HEAD = "cpu", 1, 2, 1, 12, 8
+    GPT = dict(block_size=16, n_layer=1, n_head=2, n_embd=16)
+    STEPS, BATCH, DTYPE = 3, 2, torch.float32
+    EXAMPLES = 3                # the exercise checker's drawn cases (each a simulated forward and backward)
+else:
+    DEVICE, B, H, HKV, N, D_HEAD = "cuda", 2, 8, 2, 1000, 64
+    GPT = dict(block_size=256, n_layer=4, n_head=8, n_embd=512)
+    STEPS, BATCH, DTYPE = 200, 32, torch.bfloat16
+    EXAMPLES = None             # the checker's default (100 on a GPU)
+
+# %% [markdown]
+# ## 1. The autograd function
+#
+# `torch.autograd.Function` asks for two static methods. `forward(ctx, q, k, v, ...)` computes
+# the output and keeps, in `ctx`, whatever `backward(ctx, dO)` will need; `backward` returns one
+# gradient per input (None for the flags). FlashAttention's bargain is what it keeps:
+#
+# | kept for the backward | size per head | |
+# |---|---|---|
+# | Q, K, V, O | 4 N d | the inputs and the output (the model keeps them anyway) |
+# | L = logsumexp of each score row | N | chapter 4's second output |
+# | P = softmax(S) (what plain PyTorch keeps) | **N²** | never: chapter 5 recomputes it |
+#
+# At N = 16384 and 8 heads, P in bf16 is 4 GiB a layer and a batch element: the difference
+# between training and running out of memory (section 5). The function itself is short:
+
+# %%
+show_source(FlashAttention, "def forward", "return dq, dk, dv, None, None, None")
+
+# %% [markdown]
+# Which kernels run is decided by the dtype, as a library would decide it:
+#
+# | inputs | forward | backward |
+# |---|---|---|
+# | float32 | chapter 4's launcher: 3xTF32 on tensor cores (chapter 11) on a GPU, the FMA kernel in the simulator | chapter 5's launcher: chapter 11's 3xTF32 backward on a GPU |
+# | float16, bfloat16 | chapter 8 (`mma.sync`, fp32 accumulators), O cast to the input type | chapter 12 (`mma.sync`) |
+# | `block_mask=` | chapter 6, in float32 | chapter 6's backward |
+#
+# Grouped-query attention (k and v with fewer heads than q) runs natively in the backwards of
+# chapters 11 and 12, which sum each KV head's dK and dV over its group inside the kernel; the
+# forwards read K and V repeated to H heads (a copy). `_forward` and `_backward` hold the routing:
+
+# %%
+show_source(ta._backward, "if block_mask is not None:", "group = 1", more=12)
+
+# %% [markdown]
+# `scaled_dot_product_attention` takes SDPA's arguments and refuses by name what the kernels do
+# not compute: a dense `attn_mask`, `dropout_p > 0`, and `is_causal` with Nq ≠ Nk. The last one
+# is a real trap: PyTorch aligns that mask top-left, FlashAttention ≥ 2.1 (and this course)
+# bottom-right, so a silent drop-in would give different answers; `attention(..., causal=True)`
+# gives the bottom-right mask.
+
+# %%
+for bad in (dict(attn_mask=torch.zeros(4, 4)), dict(dropout_p=0.1), dict(is_causal=True, n_k=5)):
+    n_k = bad.pop("n_k", 4)
+    try:
+        scaled_dot_product_attention(torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, n_k, 8), torch.zeros(1, 1, n_k, 8),
+                                     **bad)
+    except ValueError as err:
+        print(f"{list(bad)[0]}: {err}")
+
+# %% [markdown]
+# ## 2. The check, in the layout a model passes
+#
+# A model computes q, k, v as (B, N, H, d) and views them (B, H, N, d) with `transpose(1, 2)`:
+# not contiguous. Below: GQA (H query heads on HKV KV heads), causal, that layout, float32,
+# forward and backward through autograd, each of O, dQ, dK, dV held to the fp32 rule (within
+# 2x the error of plain float32 NumPy of the float64 oracle, plus the floors) by
+# `assert_fp32_rule`, the rule the tests use.
+
+# %%
+case = case_with((B, H, N, D_HEAD), (B, HKV, N, D_HEAD), causal=True, seed=13, dtype=np.float32)
+
+
+def model_layout(x):
+    """(B, H, N, d) -> a (B, N, H, d) tensor viewed by transpose, as a model makes it."""
+    t = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).to(DEVICE)
+    return t.transpose(1, 2).requires_grad_(True)
+
+
+q, k, v = (model_layout(x) for x in (case.q, case.k, case.v))
+print("q contiguous?", q.is_contiguous(), "| q", tuple(q.shape), "k", tuple(k.shape))
+o = attention(q, k, v, causal=True)
+do = torch.from_numpy(np.random.default_rng(14).standard_normal(case.q.shape).astype(np.float32)).to(DEVICE)
+o.backward(do)
+assert_fp32_rule(case, o, (q.grad, k.grad, v.grad), do)
+print("O, dQ, dK, dV meet the fp32 rule")
+
+# %% [markdown]
+# And against PyTorch's own SDPA on the same tensors (float32; on a GPU with TF32 off): the two
+# agree to float32's rounding. `tests/test_torch_attention.py` draws the shapes (GQA, causal,
+# ragged N, rows that see no key), checks fp16 and bf16 against chapters 8 and 12 bit for bit,
+# block masks, the refusals, and on a GPU SDPA, the caller's stream and allocator.
+
+# %%
+torch.backends.cuda.matmul.allow_tf32 = False
+qs, ks, vs = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+os_ = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+os_.backward(do)
+for name, a, b in (("O", o, os_), ("dQ", q.grad, qs.grad), ("dK", k.grad, ks.grad), ("dV", v.grad, vs.grad)):
+    print(f"{name}: max |ours - SDPA| = {(a - b).abs().max().item():.2e}  (max |SDPA| {b.abs().max().item():.2f})")
+
+# %% [markdown]
+# ## 3. A library's manners
+#
+# A kernel that is fast alone can still be slow, or wrong, inside a framework. Four things the
+# launchers now do:
+#
+# * **The caller's allocator.** Results are `torch.empty` tensors (CuPy arrays for CuPy
+#   callers): PyTorch's caching allocator hands back freed blocks, where a `cudaMalloc` a call
+#   would cost time and a later free would synchronise the device.
+# * **The caller's stream.** PyTorch's streams are non-blocking: work on a side stream is not
+#   ordered with the legacy default stream the kernels used to launch on, so a model on a side
+#   stream would race them. Inside `on_stream(handle)` (`kernels/base/runtime.py`) every launch
+#   goes on the caller's stream; the autograd function passes `torch.cuda.current_stream()`.
+# * **Strided views.** The kernels read each row of d values contiguously at a fixed head
+#   stride; a transposed view is copied once (`contiguous()`: one read and one write of q, k
+#   and v) before the launch. Kernels that take strides would save that copy; they are not written.
+# * **The host's cost a call.** At every `kernel[grid, threads](*args)` Numba types each
+#   argument and builds its launch parameters: tens of microseconds a launch. The launchers bind
+#   their launches once a call shape (`run_bound`: a `LaunchTemplate` a launch) and a call then
+#   passes data pointers only:
+
+# %%
+from kernels.base import runtime  # noqa: E402
+
+show_source(runtime.run_bound, "if on_simulator():", "launches(**pointers)")
+
+# %% [markdown]
+# ## 4. A small GPT, trained with our attention
+#
+# `kernels/tiny_gpt.py` is a character-level GPT (pre-LayerNorm blocks, learned positions, GELU
+# MLP) whose attention is a function with SDPA's signature; it trains on the course's own text
+# (the README and the slides: nothing is downloaded). The same seed gives the same initial
+# weights and the same batches, so two attentions can be compared step by step. Here: STEPS
+# steps with ours and with SDPA (on a GPU in bf16 autocast, as models train).
+
+# %%
+vocab = CharTokens(corpus_text()).vocab_size
+config = GPTConfig(vocab, **GPT)
+runs = {}
+for label, attn in (("ours", scaled_dot_product_attention), ("SDPA", torch.nn.functional.scaled_dot_product_attention)):
+    runs[label] = train(config, attn, steps=STEPS, batch=BATCH, seed=0, device=DEVICE, dtype=DTYPE, log_every=0,
+                        lr=1e-3)
+for label, r in runs.items():
+    tps = f"{r['tokens_per_s']:,.0f} tokens/s" if r["tokens_per_s"] else ""
+    print(f"{label:5s} first losses {[round(x, 4) for x in r['losses'][:3]]}  last {r['losses'][-1]:.4f}  "
+          f"val {r['val_loss']:.4f}  {tps}")
+
+# %% [markdown]
+# The first steps agree to four decimals; later the curves wander apart. Is that our kernels
+# being worse, or training amplifying rounding? The bench answers with a control: SDPA trained
+# **twice from the same seed** (its backward's atomic adds land in a different order each run)
+# and both attentions from a second seed. The committed H100 run (600 steps, 4 layers, 8 heads
+# of d = 64, context 256, batch 32, bf16):
+
+# %%
+from kernels.bench.capstone import read_losses  # noqa: E402
+from kernels.bench.harness import RESULTS_DIR  # noqa: E402
+
+try:
+    curves = read_losses(RESULTS_DIR)
+except FileNotFoundError:
+    curves = {}
+    print("workbook/results/capstone_losses.csv is not committed yet (`python -m kernels --chapters 13` on a GPU)")
+if curves:
+    ours, sdpa, again = curves["attention() (ours)"], curves["SDPA"], curves["SDPA again"]
+    gap = lambda a, b: float(np.mean(np.abs(np.array(a) - np.array(b))))  # noqa: E731
+    print(f"mean |ours - SDPA| over the steps:           {gap(ours, sdpa):.4f}")
+    print(f"mean |SDPA - SDPA again| (same seed, rerun): {gap(sdpa, again):.4f}")
+    for name, c in curves.items():
+        print(f"  {name:28s} mean of the last 100 steps {np.mean(c[-100:]):.4f}")
+    from IPython.display import Image, display
+
+    display(Image(str(RESULTS_DIR / "capstone_losses.png")))
+
+# %% [markdown]
+# From seed 0, ours differs from SDPA by less than SDPA differs from itself rerun: inside the
+# run-to-run noise. From seed 1 the picture is less clean: over the last 100 steps ours sits
+# about 0.10 above SDPA, where SDPA's same-seed rerun moved 0.05 (at seed 0). Five runs do not
+# settle it; what they do show is that the validation losses of ours (2.00 and 1.99) lie inside
+# SDPA's three (1.90 to 2.02), and section 2, the tests and a check of every parameter's
+# gradient on a trained model (ours 0.78 % from a float64-attention reference, SDPA 0.81 %)
+# find our gradients as accurate as SDPA's. More seeds would settle the curves.
+#
+# ## 5. A context the unfused path cannot train
+#
+# At context 16384 (batch 4, 8 heads, 4 layers) plain attention keeps P, N² a head, for the
+# backward; SDPA's math backend (the unfused path) asks for 32 GiB at once and runs out of the
+# H100's 80 GB. Ours keeps O and L and trains, in about the memory SDPA's flash backend takes:
+
+# %%
+from kernels.bench.harness import read_csv  # noqa: E402
+
+try:
+    env, rows = read_csv(RESULTS_DIR / "capstone.csv")
+except FileNotFoundError:
+    env, rows = {}, []
+for r in rows:
+    if r["kernel"].startswith("train:"):
+        what = "out of memory" if r["median_ms"] != r["median_ms"] else (
+            f"{r['median_ms']:7.1f} ms a step, peak {r['peak_mem_mb'] / 1024:5.2f} GiB")
+        print(f"{r['kernel'][7:]:32s} {r['config']:42s} {what}")
+
+# %% [markdown]
+# ## 6. The H100 results
+#
+# The call at the reference size (B = 4, H = 16, N = 4096, d = 64, causal): the forward kernel
+# bare (on preallocated outputs), the chapter's launcher with PyTorch tensors, the autograd
+# function; forward + backward against SDPA and plain PyTorch in the same precision; then a
+# small call (N = 128), where the host's time a call shows.
+
+# %%
+from kernels.bench.harness import show_results  # noqa: E402
+
+_ = show_results("capstone", columns=("kernel", "config", "median_ms", "tflops", "peak_mem_mb"))
+
+# %% [markdown]
+# What the numbers say:
+#
+# * The launcher is no slower than the bare kernel now (fp32 5.04 against 5.74 ms, bf16 1.005
+#   against 1.055; the bare rows launch through Numba's dispatcher each call, the launchers
+#   through their bound launches). The autograd function adds the cast of O to bf16.
+# * Forward + backward: bf16 3.70 ms against SDPA flash's 2.19 (0.59x), fp32 19.6 against SDPA
+#   memory-efficient's 14.9 (0.76x); against plain PyTorch 6.8x (bf16) and 2.6x (fp32) faster,
+#   in 0.3 GB where plain PyTorch takes 8.7 and 17.3 GB.
+# * A small call costs 0.28 ms forward (SDPA 0.03) and 1.37 ms forward + backward (SDPA 0.30):
+#   Python's validation and plumbing, not the GPU. Small models train at 0.7x SDPA's speed for it.
+# * Not done: the floor of "never slower than plain PyTorch" over B·H from 1 to 512, N from 64
+#   to 16384, d from 32 to 128 is not measured, and does not hold everywhere (small calls are
+#   host-bound; chapter 11's fp32 backward at d = 128 is slower than plain PyTorch's).
+#
+# ## 7. Exercise: write the autograd function
+#
+# Write `MyAttention`, an autograd function over chapter 4's `flash_attention` (forward) and
+# chapter 5's `flash_attention_backward`, called as `MyAttention.apply(q, k, v, causal, scale)`
+# with float32 tensors of one number of heads. `kernel_array(t)` gives a launcher what it takes
+# (the tensor on a GPU, NumPy on the CPU); `as_tensor_like(x, t)` turns a launcher's result back
+# into a tensor on `t`'s device. The checker draws cases (ragged N, causal, scale) and holds O and
+# the gradients to the fp32 rule.
+#
+# <details><summary>Hint 1</summary>
+#
+# `forward` returns O only, but saves q, k, v, O and L with `ctx.save_for_backward`, and keeps
+# `causal` and `scale` on `ctx` (they are not tensors).
+# </details>
+#
+# <details><summary>Hint 2</summary>
+#
+# `backward(ctx, do)` returns five values: dq, dk, dv and None for `causal` and `scale`. The
+# backward needs the same `causal` and `scale` as the forward: forgetting either still runs.
+# </details>
+
+# %%
+from kernels.flash_backward import flash_attention_backward  # noqa: E402,F401
+from kernels.flash_forward import flash_attention  # noqa: E402,F401
+from kernels.torch_attention import as_tensor_like, check_attention_function, kernel_array  # noqa: E402,F401
+
+
+class MyAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        # your code: O and L from flash_attention; save what the backward needs
+        return q * 0
+
+    @staticmethod
+    def backward(ctx, do):
+        # your code: dq, dk, dv from flash_attention_backward
+        return do * 0, None, None, None, None
+
+
+_ = check_attention_function(MyAttention.apply, max_examples=EXAMPLES)
+
+# %% [markdown]
+# The checker bites: the course's `FlashAttention` passes; a backward that forgets the
+# causal mask does not (shown on one causal case, `check_attention_function_case`, the
+# property the checker draws cases for).
+
+# %%
+from kernels.torch_attention import check_attention_function_case  # noqa: E402
+
+_ = check_attention_function(lambda q, k, v, causal, scale: FlashAttention.apply(q, k, v, causal, scale, None),
+                             max_examples=EXAMPLES)
+
+
+class ForgetsCausal(FlashAttention):
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False, scale=None, block_mask=None):
+        o = FlashAttention.forward(ctx, q, k, v, causal, scale, block_mask)
+        ctx.options = (False, scale, block_mask)          # the planted mistake
+        return o
+
+
+causal_case = case_with((1, 1, 9, 4), (1, 1, 9, 4), causal=True, scale=0.3, seed=4, dtype=np.float32)
+try:
+    check_attention_function_case(lambda q, k, v, causal, scale: ForgetsCausal.apply(q, k, v, causal, scale, None),
+                                  causal_case)
+    print("passed (the checker missed the planted mistake)")
+except AssertionError as err:
+    print("not yet:", str(err)[:160])
