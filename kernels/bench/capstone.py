@@ -8,10 +8,11 @@ On a GPU, in one run:
   function ``attention()`` (forward only, and forward + backward); peers forward + backward
   in the same precision: SDPA (flash for bf16, memory-efficient for fp32) and plain PyTorch;
 * training ``kernels.tiny_gpt`` (4 layers, 8 heads of d = 64, context 256, batch 32, bf16
-  autocast, 600 steps) with ``attention`` and with SDPA from the same seed, SDPA once more
-  from that seed, and both from a second seed (the run-to-run spread the curves are judged
+  autocast, 600 steps) from seeds 0, 1 and 2: with ``attention``, with SDPA, and with SDPA
+  once more from the same seed (its rerun is the run-to-run spread the curves are judged
   by): ms a step, tokens/s, peak memory, final and validation loss; the loss curves go to
-  ``capstone_losses.csv`` / ``.png`` beside the results;
+  ``capstone_losses.csv`` / ``.png`` beside the results; then every parameter's gradient of
+  the trained model with each attention against float64 attention;
 * a long context, N = 16384 (batch 4, 8 heads, 4 layers): a few steps with ``attention``, with
   SDPA's flash backend, and with SDPA's math backend (the unfused path, N x N scores saved
   for the backward), which runs out of memory there.
@@ -146,10 +147,27 @@ def _call_rows(ctx, torch, results):
                 ctx.progress(f"  skipped {name}: {type(exc).__name__}: {str(exc)[:160]}")
         del sets, grads
         gc.collect()
+    if not sim:                                      # a small call: the host's cost a call shows
+        config = "B=1 H=1 N=128 d=64 bf16 causal=True"
+        x = [tuple(torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3)) + (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16),)]
+        small = {"B": 1, "H": 1, "N": 128, "d": 64, "dtype": "bf16", "causal": True}
+        calls = ((f"{OURS} forward", lambda q, k, v, do: attention(q.detach(), k.detach(), v.detach(), causal=True),
+                  False),
+                 ("peer: SDPA forward", lambda q, k, v, do: sdpa(q.detach(), k.detach(), v.detach(), is_causal=True),
+                  True),
+                 (f"{OURS} fwd+bwd", lambda q, k, v, do: torch.autograd.grad(attention(q, k, v, causal=True),
+                                                                              (q, k, v), do), False),
+                 ("peer: SDPA fwd+bwd", lambda q, k, v, do: torch.autograd.grad(sdpa(q, k, v, is_causal=True),
+                                                                                (q, k, v), do), True))
+        for label, fn, peer in calls:
+            results.append(ctx.measure(CHAPTER, label, config, fn, x, flops=float("nan"), model_bytes=float("nan"),
+                                       is_peer=peer, peak_memory=False, extra=dict(small),
+                                       note="a small call: mostly the host's time a call"))
 
 
 def _train_row(ctx, torch, results, label, attn, config, *, steps, batch, seed, dtype, is_peer, note, curves=None,
-               text=None):
+               text=None, keep=False):
     """One training run as a Result: ms a step (median of the run's steps after the first,
     from tokens/s), tokens/s and peak memory in ``extra``; the losses into ``curves``."""
     from kernels.tiny_gpt import train
@@ -178,11 +196,53 @@ def _train_row(ctx, torch, results, label, attn, config, *, steps, batch, seed, 
                           extra))
     if curves is not None:
         curves[label] = run["losses"]
+    if keep:
+        return run
     del run
     gc.collect()
     if not ctx.simulator:
         torch.cuda.empty_cache()
     return True
+
+
+def _gradient_rows(ctx, torch, results, run, ours, sdpa):
+    """Every parameter's gradient of the trained model (SDPA's seed-0 run) on one batch, with
+    each attention under bf16 autocast, against the same model with float64 attention and
+    float32 elsewhere: ||g - g_ref|| / ||g_ref||, one row each."""
+    from kernels.tiny_gpt import batches, corpus_text
+
+    model, tokens = run["model"], run["tokens"]
+    data = tokens.encode(corpus_text())
+    x, y = next(batches(data, batch=32, block=model.config.block_size, generator=torch.Generator().manual_seed(5),
+                        device="cuda"))
+
+    def exact(q, k, v, is_causal=True, enable_gqa=False):
+        q, k, v = q.double(), k.double(), v.double()
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        n = s.shape[-1]
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=s.device).tril_(), -math.inf)
+        return (torch.softmax(s, -1) @ v).float()
+
+    def gradient(attn, autocast):
+        for m in model.modules():
+            if hasattr(m, "attention"):
+                m.attention = attn
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            _, loss = model(x, y)
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten().double() for p in model.parameters()])
+
+    _, g_ref = gradient(exact, False)
+    config = f"trained TinyGPT (600 steps), one batch of {x.shape[0]}x{x.shape[1]}, bf16 autocast"
+    for label, attn, peer in ((OURS, ours, False), ("SDPA", sdpa, True)):
+        loss, g = gradient(attn, True)
+        err = float((g - g_ref).norm() / g_ref.norm())
+        ctx.progress(f"  ch{CHAPTER} gradient {label}: relative error {err:.3e}")
+        results.append(Result(CHAPTER, f"gradients: {label}", config, float("nan"), float("nan"), float("nan"),
+                              float("nan"), float("nan"), float("nan"), float("nan"), float("nan"), float("nan"),
+                              peer, "||g - g_ref|| / ||g_ref|| over every parameter; g_ref: float64 attention, "
+                              "float32 elsewhere", {"grad_rel_err": round(err, 6), "loss": round(loss, 5)}))
 
 
 def _config_name(config, batch, dtype):
@@ -214,11 +274,18 @@ def _training_rows(ctx, torch, results):
     # Same seed, same batches: ours against SDPA; then what "run-to-run noise" is: SDPA again
     # from the same seed (its backward's atomic adds differ run to run, and training amplifies
     # any difference), and both from a second seed.
-    runs = ((OURS, ours, 0, False), ("SDPA", sdpa, 0, True), ("SDPA again", sdpa, 0, True),
-            (OURS + " seed 1", ours, 1, False), ("SDPA seed 1", sdpa, 1, True))
+    runs = [(OURS, ours, 0, False), ("SDPA", sdpa, 0, True), ("SDPA again", sdpa, 0, True)]
+    for seed in (1, 2):
+        runs += [(f"{OURS} seed {seed}", ours, seed, False), (f"SDPA seed {seed}", sdpa, seed, True),
+                 (f"SDPA again seed {seed}", sdpa, seed, True)]
+    trained = None
     for label, attn, seed, peer in runs:
-        _train_row(ctx, torch, results, label, attn, config, steps=steps, batch=32, seed=seed, dtype=bf16,
-                   is_peer=peer, note=note + ("" if not peer else " (SDPA's default backend: flash)"), curves=curves)
+        run = _train_row(ctx, torch, results, label, attn, config, steps=steps, batch=32, seed=seed, dtype=bf16,
+                         is_peer=peer, note=note + ("" if not peer else " (SDPA's default backend: flash)"),
+                         curves=curves, keep=label == "SDPA")
+        trained = run if label == "SDPA" else trained
+    _gradient_rows(ctx, torch, results, trained, ours, sdpa)
+    del trained
 
     def math_sdpa(*args, **kw):
         with sdpa_kernel(SDPBackend.MATH):
@@ -250,12 +317,18 @@ def write_losses(curves: dict, folder: Path):
         f.write("step," + ",".join(names) + "\n")
         for i in range(steps):
             f.write(f"{i}," + ",".join(f"{curves[n][i]:.5f}" if i < len(curves[n]) else "" for n in names) + "\n")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    window = 20
     for n in names:
-        ax.plot(curves[n], label=n, lw=0.9, ls="-" if "seed 1" not in n else ":")
+        seed = int(n.rsplit("seed ", 1)[1]) if "seed " in n else 0
+        style = "-" if n.startswith(OURS) else ":" if "again" in n else "--"
+        c = np.asarray(curves[n])
+        smooth = np.convolve(c, np.ones(window) / window, mode="valid") if len(c) >= window else c
+        ax.plot(np.arange(len(smooth)) + (len(c) - len(smooth)), smooth, style, color=f"C{seed}", lw=1.0, label=n)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats a character)")
-    ax.set_title("TinyGPT on the course's text: our attention vs SDPA (same seed)")
+    ax.set_ylabel(f"training loss (nats a character, mean of {window} steps)")
+    ax.set_title("TinyGPT on the course's text: ours (solid), SDPA (dashed), SDPA rerun (dotted); colour: seed",
+                 fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(folder / f"{LOSSES}.png", dpi=110)
