@@ -104,7 +104,8 @@ def test_empty_mask_gives_zero_gradients(dq_mode):
 def test_every_tile_kept_is_chapter_5(dq_mode):
     """Every tile kept, the same tiles: chapter 5's kernels walking the full lists, in chapter
     5's order, so dK and dV (and the separate dQ) are chapter 5's bit for bit; the atomic dQ
-    sums in an order the blocks decide, within the tolerance rule."""
+    sums in an order the blocks decide, within the tolerance rule. (Chapter 5's FMA kernels:
+    on a GPU its launcher's default is chapter 11's 3xTF32 backward.)"""
     rng = np.random.default_rng(8)
     b, h, nq, nk, d, block = (1, 2, 19, 23, 6, 8) if SIM else (2, 3, 300, 260, 64, 128)
     tiles = BackwardTiles(8, 8, 16, 8, 8, 16) if SIM else None
@@ -113,7 +114,7 @@ def test_every_tile_kept_is_chapter_5(dq_mode):
     mask = sp.dense(nq, nk, block=block)
     o, lse = (x.astype(np.float32) for x in ref.attention(q, k, v))
     got = block_sparse_attention_backward(q, k, v, o, lse, do, mask, tiles=tiles, dq_mode=dq_mode)
-    want = flash_attention_backward(q, k, v, o, lse, do, tiles=tiles, dq_mode=dq_mode)
+    want = flash_attention_backward(q, k, v, o, lse, do, tiles=tiles, dq_mode=dq_mode, products="fma")
     for g, w in zip(got[1:] if dq_mode == "atomic" else got, want[1:] if dq_mode == "atomic" else want):
         assert np.array_equal(g, w)
     _oracle_check(q, k, v, o, lse, do, mask, False, None, got)
