@@ -445,17 +445,14 @@ def launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, cau
 class BackwardLaunches(BoundLaunches):
     """The two launches of one call shape, bound once (``BoundLaunches``): Numba's typing
     of a dozen arguments and its device views cost about 0.9 ms of Python a call, longer
-    than the kernels take at N = 1024. D and L2 are the plan's own buffers; a call passes
-    q, k, v, o, lse, do, dq, dk, dv: views in the simulator, data pointers on a GPU."""
+    than the kernels take at N = 1024. A call passes q, k, v, o, lse, do, dq, dk, dv and the
+    row buffers D and L2 (allocated each call): views in the simulator, data pointers on a GPU."""
 
-    DELTA_SLOTS = dict(o=0, do=1, lse=2, dq=5)
-    MAIN_SLOTS = dict(q=0, k=1, v=2, do=3, dq=6, dk=7, dv=8)
+    DELTA_SLOTS = dict(o=0, do=1, lse=2, delta=3, l2=4, dq=5)
+    MAIN_SLOTS = dict(q=0, k=1, v=2, do=3, l2=4, delta=5, dq=6, dk=7, dv=8)
 
     def __init__(self, views: dict, scale: float, causal: bool, bf16: bool, aligned: int, tiles=None):
-        bh, n_q = views["q"].shape[:2]
-        self.delta = cuda.device_array((bh, n_q), np.float32)
-        self.l2 = cuda.device_array((bh, n_q), np.float32)
-        super().__init__(_two_launches(views, self.delta, self.l2, scale, causal, bf16, aligned, tiles),
+        super().__init__(_two_launches(views, views["delta"], views["l2"], scale, causal, bf16, aligned, tiles),
                          (self.DELTA_SLOTS, self.MAIN_SLOTS))
 
 
@@ -492,7 +489,8 @@ def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
     key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) != np.float32, causal, scale)
     return run_grouped_backward(kind, arrays, (B, H, hkv, n_q, n_k, d), key, _launches,
-                                lambda views, aligned: BackwardLaunches(views, scale, causal, bf16, aligned), words=8)
+                                lambda views, aligned: BackwardLaunches(views, scale, causal, bf16, aligned), words=8,
+                                scratch=("delta", "l2"))
 
 
 # --------------------------------------------------------------------------- the float32 yardstick

@@ -367,16 +367,14 @@ def launch_backward(qd, kd, vd, od, lsed, dod, delta, dq, dk, dv, scale, causal,
 
 
 class BackwardLaunches(BoundLaunches):
-    """The two launches of one call shape, bound once (``BoundLaunches``); D is the plan's
-    own buffer."""
+    """The two launches of one call shape, bound once (``BoundLaunches``); a call passes the
+    row buffer D (allocated each call) with the arrays."""
 
-    DELTA_SLOTS = dict(o=0, do=1, dq=3)
-    MAIN_SLOTS = dict(q=0, k=1, v=2, do=3, lse=4, dq=6, dk=7, dv=8)
+    DELTA_SLOTS = dict(o=0, do=1, delta=2, dq=3)
+    MAIN_SLOTS = dict(q=0, k=1, v=2, do=3, lse=4, delta=5, dq=6, dk=7, dv=8)
 
     def __init__(self, views: dict, scale: float, causal: bool, passes: int, aligned: int, tiles=None):
-        bh, n_q = views["q"].shape[:2]
-        self.delta = cuda.device_array((bh, n_q), np.float32)
-        super().__init__(_two_launches(views, self.delta, scale, causal, passes, aligned, tiles),
+        super().__init__(_two_launches(views, views["delta"], scale, causal, passes, aligned, tiles),
                          (self.DELTA_SLOTS, self.MAIN_SLOTS))
 
 

@@ -91,7 +91,7 @@ def allocate_outputs(bh: int, nq: int, nk: int, d: int, kind=None):
 
 
 
-def run_grouped_backward(kind, arrays: dict, dims, key, cache, make, words: int):
+def run_grouped_backward(kind, arrays: dict, dims, key, cache, make, words: int, scratch=("delta",)):
     """The gradients (dq, dk, dv) of a tensor-core backward whose arguments are checked:
     ``arrays`` q, k, v, o, lse, do as given, ``dims`` (B, H, Hkv, Nq, Nk, d). Allocates dq
     (B, H, Nq, d), dk and dv (B, Hkv, Nk, d) float32 from the caller's allocator (zeros when
@@ -99,13 +99,17 @@ def run_grouped_backward(kind, arrays: dict, dims, key, cache, make, words: int)
     ``cache`` (a ``LaunchCache``) under ``key`` + (aligned, device) or binds them by
     ``make(views, aligned)``, and runs them: on the data pointers on a GPU, on device views
     (16-bit inputs as their bits) in the simulator. ``words``: elements a 16-byte chunk, so
-    that aligned = d a multiple of it and the rows of q, k, v, dO and dQ 16-byte aligned."""
+    that aligned = d a multiple of it and the rows of q, k, v, dO and dQ 16-byte aligned.
+    ``scratch``: the kernels' per-row float32 buffers (B*H, Nq) (D = rowsum(dO o O), ...),
+    allocated each call like the gradients: a bound launch shared by calls on two streams
+    must not share them."""
     B, H, hkv, n_q, n_k, d = dims
     if not (B * H and n_q and n_k):
         return zero_gradients(kind, (B, H, n_q, d), (B, hkv, n_k, d))
     held = {name: x if is_device_array(x) else to_device(x, name) for name, x in arrays.items()}
     grads = dict(dq=kind.new((B, H, n_q, d)), dk=kind.new((B, hkv, n_k, d)), dv=kind.new((B, hkv, n_k, d)))
-    run_bound(cache, key, {**held, **grads}, lambda arrays: grouped_views(arrays, B * H, B * hkv, n_q, n_k, d), make,
+    rows = {name: kind.new((B * H, n_q)) for name in scratch}
+    run_bound(cache, key, {**held, **grads, **rows}, lambda arrays: grouped_views(arrays, B * H, B * hkv, n_q, n_k, d), make,
               aligned_names=("q", "k", "v", "do", "dq"), aligned_d=d % words == 0)
     return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))
 
@@ -114,5 +118,6 @@ def grouped_views(arrays: dict, bh: int, bkv: int, n_q: int, n_k: int, d: int) -
     """Numba device views of a call's arrays in the kernels' shapes ((B*H, Nq, d), ...), 16-bit
     inputs as their bits (uint16)."""
     shapes = dict(q=(bh, n_q, d), do=(bh, n_q, d), o=(bh, n_q, d), lse=(bh, n_q), k=(bkv, n_k, d),
-                  v=(bkv, n_k, d), dq=(bh, n_q, d), dk=(bkv, n_k, d), dv=(bkv, n_k, d))
+                  v=(bkv, n_k, d), dq=(bh, n_q, d), dk=(bkv, n_k, d), dv=(bkv, n_k, d), delta=(bh, n_q),
+                  l2=(bh, n_q))
     return {name: device_bits16(x, name).reshape(*shapes[name]) for name, x in arrays.items()}

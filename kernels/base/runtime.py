@@ -18,7 +18,9 @@ Streams
     Launches go on the legacy default stream, or, inside ``with on_stream(handle):``, on
     the caller's stream (a ``cudaStream_t`` as an int: PyTorch's
     ``torch.cuda.current_stream().cuda_stream``), so that a framework's work queued on that
-    stream before and after the call stays in order without a host-side wait.
+    stream before and after the call stays in order without a host-side wait. A caller on a
+    non-blocking stream (PyTorch's side streams) must say so with ``on_stream``: PyTorch's
+    array interface names no stream (``kernels.torch_attention`` does it for its callers).
 """
 
 from __future__ import annotations
@@ -242,14 +244,21 @@ def cuda_view(x):
     written. Our kernels launch on the legacy default stream, which starts nothing before
     the work already queued on the default streams has finished: for data from those
     streams (PyTorch's and CuPy's default) the host-side wait is not needed, and would stall
-    every call until the GPU is idle. Data from another stream keeps Numba's wait."""
+    every call until the GPU is idle; inside ``on_stream`` data from that stream needs none
+    either (``_ordered``). Data from any other stream keeps Numba's wait."""
     stream = x.__cuda_array_interface__.get("stream")
     return cuda.as_cuda_array(x, sync=not _ordered(stream))
 
 
 def _ordered(stream) -> bool:
-    """Whether work on ``stream`` (an array's interface's) is already ordered before ours."""
-    return stream in _ORDERED_STREAMS or stream == getattr(_launch_on, "handle", 0)
+    """Whether work on ``stream`` (an array's interface's) is already ordered before ours: no
+    stream named (PyTorch's interface names none: its caller orders it), the stream we launch
+    on, or, when we launch on the legacy default stream, the default streams (the legacy one
+    waits for them; a caller's non-blocking stream does not)."""
+    handle = getattr(_launch_on, "handle", 0)
+    if stream is None or stream == handle:
+        return True
+    return handle == 0 and stream in _ORDERED_STREAMS
 
 
 def to_device(x, name: str):
@@ -323,7 +332,10 @@ def check_array(x, name: str, *, ndim: int | None = None, dtypes=(np.float32,)):
             f"{name}: expected a NumPy array or a device array (__cuda_array_interface__), got {type(x).__name__}"
         )
     if on_device and _is_torch(x):                 # (the interface would be built anew: µs a call)
-        shape, dtype = tuple(x.shape), torch_dtype_as_numpy(x.dtype)
+        try:
+            shape, dtype = tuple(x.shape), torch_dtype_as_numpy(x.dtype)
+        except TypeError:
+            raise TypeError(f"{name}: a PyTorch tensor of dtype {x.dtype}, which NumPy has no name for") from None
     elif on_device:
         cai = getattr(x, "__cuda_array_interface__", None)
         if cai is not None:
@@ -438,7 +450,7 @@ class LaunchTemplate:
     code compiled for those types, and turns each array into the parameters the kernel takes
     (data pointer, size, shape, strides): tens of microseconds of Python for a kernel with a
     dozen arrays, longer than a whole decode step over 4k keys takes on the GPU. A template
-    does that work once; a call is then one driver launch (on the default stream).
+    does that work once; a call is then one driver launch (on ``launch_stream()``'s stream).
 
     ``slots`` ({name: position in args}): the arguments a call passes anew, by name, as
     arrays of the shape and dtype the template was made with (only the data pointer
@@ -521,20 +533,22 @@ class BoundLaunches:
 
 
 class LaunchCache:
-    """A launcher's bound launches by call shape, the ``size`` most recently used kept."""
+    """A launcher's bound launches by call shape, the ``size`` most recently used kept (one
+    host thread at a time changes it)."""
 
     def __init__(self, size: int = 64):
-        self.size, self._bound = size, OrderedDict()
+        self.size, self._bound, self._lock = size, OrderedDict(), threading.Lock()
 
     def get(self, key, make):
         """The launches bound for ``key``, made by ``make()`` the first time."""
-        bound = self._bound.get(key)
-        if bound is None:
-            bound = self._bound[key] = make()
-            while len(self._bound) > self.size:
-                self._bound.popitem(last=False)
-        self._bound.move_to_end(key)
-        return bound
+        with self._lock:
+            bound = self._bound.get(key)
+            if bound is None:
+                bound = self._bound[key] = make()
+                while len(self._bound) > self.size:
+                    self._bound.popitem(last=False)
+            self._bound.move_to_end(key)
+            return bound
 
     def __contains__(self, key):
         return key in self._bound
