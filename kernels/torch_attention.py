@@ -26,11 +26,13 @@ A library's manners:
       call), and every launch goes on the caller's current stream (``on_stream``);
     * the layout models have, (B, N, H, d) viewed as (B, H, N, d) by ``transpose(1, 2)``, is
       not contiguous: the kernels read rows of d contiguous values at a fixed head stride,
-      so such a view is copied once (``contiguous``: one read and one write of the tensor,
-      3 * B*H*N*d * itemsize bytes each way for q, k, v) before the launch;
+      so such a view is copied once, in the forward (``contiguous``: one read and one write
+      of q, k and v, (B*H*Nq + 2*B*Hkv*Nk) * d * itemsize bytes each way), and the copies
+      are what the backward reads (dO, if strided, is copied there too);
     * grouped-query heads (k, v with Hkv < H heads) run natively in the backwards of
-      chapters 11 and 12; the forwards (and the simulator's float32 backward) read k and v
-      repeated to H heads (a copy of B*H*Nk*d elements each);
+      chapters 11 and 12; the forwards (and the float32 backward without TF32 tensor cores:
+      the simulator, GPUs before sm_80) read k and v repeated to H heads (a copy of B*H*Nk*d
+      elements each);
     * CPU tensors run through NumPy (on the GPU, or on the simulator without one), so a
       model trains on a laptop, slowly, with the same code.
 
@@ -85,6 +87,13 @@ def _check_inputs(q, k, v, names=("q", "k", "v")):
         raise ValueError(f"{qn}: expected head dim d in 1..128, got {d}")
     if q.is_cuda and on_simulator():
         raise ValueError(f"{qn}: a CUDA tensor, but the kernels run on the simulator here (pass CPU tensors)")
+    if q.is_cuda:
+        from numba import cuda
+
+        current = (torch.cuda.current_device(), cuda.get_current_device().id)
+        if q.device.index not in (None, *current) or current[0] != current[1]:
+            raise ValueError(f"{qn}: on {q.device}, but the current device is cuda:{current[0]} for PyTorch and "
+                             f"cuda:{current[1]} for Numba: the kernels run on one device, the current one of both")
 
 
 def _check_block_mask(block_mask):
@@ -203,12 +212,14 @@ class FlashAttention(torch.autograd.Function):
     ``FlashAttention.apply(q, k, v, causal, scale, block_mask)``: q (B, H, Nq, d), k and v
     (B, Hkv, Nk, d), H a multiple of Hkv; float32, float16 or bfloat16, CUDA or CPU; causal
     bottom-right aligned; scale None for 1/sqrt(d); block_mask a ``BlockMask`` or None.
-    Saves q, k, v, O and L (B*H*Nq floats) for the backward, never the N x N matrix P."""
+    Saves q, k, v (contiguous: a strided view is copied once, in the forward), O and L (B*H*Nq
+    floats) for the backward, never the N x N matrix P. Not twice differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, scale=None, block_mask=None):
         _check_inputs(q, k, v)
         _check_block_mask(block_mask)
+        q, k, v = (x.detach().contiguous() for x in (q, k, v))    # a model's strided views: copied once, here
         with _Launching(q):
             o, lse = _forward(q, k, v, bool(causal), scale, block_mask)
         ctx.save_for_backward(q, k, v, o, lse)
@@ -217,6 +228,9 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        if torch.is_grad_enabled():      # create_graph=True: a second derivative would come out as zero
+            raise RuntimeError("FlashAttention: the kernels' gradients are not differentiable themselves "
+                               "(backward with create_graph=True)")
         q, k, v, o, lse = ctx.saved_tensors
         causal, scale, block_mask = ctx.options
         with _Launching(q):

@@ -147,6 +147,14 @@ def test_sdpa_signature_matches_attention():
     assert c.shape == q[0].shape and torch.equal(c, a[0])
 
 
+def test_not_twice_differentiable():
+    """The kernels' gradients are not differentiable themselves: a second derivative is
+    refused, not silently zero."""
+    q, k, v = (torch.randn(1, 1, 5, 4, device=DEVICE, requires_grad=True) for _ in range(3))
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(attention(q, k, v).sum(), (q,), create_graph=True)
+
+
 def test_empty_sequences_give_zeros():
     q = torch.zeros(1, 1, 0, 4, device=DEVICE, requires_grad=True)
     k = torch.randn(1, 1, 3, 4, device=DEVICE, requires_grad=True)
