@@ -65,7 +65,7 @@ def _call_rows(ctx, torch, results):
     from kernels.flash_forward import flash_attention
     from kernels.flash_tensor_cores import flash_attention_tc, make_flash_forward_mma, tc_tiles
     from kernels.flash_tf32 import launch_forward, split_kv
-    from kernels.base.runtime import ArrayKind, cdiv, cuda_view
+    from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, cuda_view
     from kernels.torch_attention import attention
 
     sim = ctx.simulator
@@ -98,7 +98,7 @@ def _call_rows(ctx, torch, results):
                     launch_forward(q, parts, o, lse, 1.0 / math.sqrt(d), causal, 3)
                 note = "chapter 11: split_kv + launch_forward on preallocated O, L"
             else:
-                views = [tuple(cuda_view(x.view(torch.int16)).reshape(b * h, n, d) for x in s[:3]) for s in sets]
+                views = [tuple(cuda_view(Bf16Bits(x)).reshape(b * h, n, d) for x in s[:3]) for s in sets]
                 Br, Bc, D = tc_tiles(d)
                 kernel = make_flash_forward_mma(Br, Bc, D, True)
 
@@ -168,8 +168,9 @@ def _call_rows(ctx, torch, results):
 
 def _train_row(ctx, torch, results, label, attn, config, *, steps, batch, seed, dtype, is_peer, note, curves=None,
                text=None, keep=False):
-    """One training run as a Result: ms a step (median of the run's steps after the first,
-    from tokens/s), tokens/s and peak memory in ``extra``; the losses into ``curves``."""
+    """One training run as a Result: ms a step (the mean over the run's steps after the
+    first, from tokens/s), tokens/s and peak memory in ``extra``; the losses into ``curves``;
+    ``keep``: return the run (its model) instead of True."""
     from kernels.tiny_gpt import train
 
     ctx.progress(f"  ch{CHAPTER} train {label:<30} T={config.block_size} steps={steps}")
@@ -278,14 +279,15 @@ def _training_rows(ctx, torch, results):
     for seed in (1, 2):
         runs += [(f"{OURS} seed {seed}", ours, seed, False), (f"SDPA seed {seed}", sdpa, seed, True),
                  (f"SDPA again seed {seed}", sdpa, seed, True)]
-    trained = None
     for label, attn, seed, peer in runs:
         run = _train_row(ctx, torch, results, label, attn, config, steps=steps, batch=32, seed=seed, dtype=bf16,
                          is_peer=peer, note=note + ("" if not peer else " (SDPA's default backend: flash)"),
                          curves=curves, keep=label == "SDPA")
-        trained = run if label == "SDPA" else trained
-    _gradient_rows(ctx, torch, results, trained, ours, sdpa)
-    del trained
+        if label == "SDPA":                  # its trained model, checked at once and let go (peak memory)
+            _gradient_rows(ctx, torch, results, run, ours, sdpa)
+            del run
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def math_sdpa(*args, **kw):
         with sdpa_kernel(SDPBackend.MATH):
