@@ -59,6 +59,7 @@ from numba import cuda, float32, int32, uint16, uint32
 from kernels.base.backward_args import check_grouped_args, run_grouped_backward
 from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E, make_row_reductions
+from kernels.base.key_block_walk import pair_at, query_pairs
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_flag, \
     check_scale, is_bf16_array, launch_stream, on_simulator
@@ -131,11 +132,6 @@ def make_delta_tc(bf16: bool, o_bits: bool):
 
 
 # --------------------------------------------------------------------------- the kernel
-
-@cuda.jit(device=True, inline=True)
-def cdiv_dev(a, b):
-    return (a + b - 1) // b
-
 
 @functools.lru_cache(maxsize=None)
 def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool = False, CP: int = 0):
@@ -232,10 +228,8 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                 dka[j, e] = float32(0.0)
                 dva[j, e] = float32(0.0)
         scale2 = float32(scale * LOG2E)
-        # causal: query i sees key k0 when k0 <= i + diag; earlier query tiles see nothing here
-        first = max(k0 - diag, 0) // Br if causal != 0 else 0
-        n_tiles = max(cdiv_dev(n_q, Br) - first, 0)
-        steps = group * n_tiles                       # (query head, query tile) pairs, in order
+        # (query head, query tile) pairs that see these keys, in order (causal: from `first` on)
+        first, n_tiles, steps = query_pairs(k0, diag, causal, n_q, Br, group)
 
         if steps > 0:                                 # the first pair's copies
             bh = bkv * group
@@ -250,12 +244,10 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
         cp_async_commit()
         for step in range(steps):
             buf = step % 2
-            bh = bkv * group + step // n_tiles
-            q0 = (first + step % n_tiles) * Br
+            bh, q0 = pair_at(step, bkv, group, first, n_tiles, Br)
             cuda.syncthreads()                        # every warp is done with the other buffer and dS
             if step + 1 < steps:                      # the next pair's copies fly during this one
-                nbh = bkv * group + (step + 1) // n_tiles
-                nq0 = (first + (step + 1) % n_tiles) * Br
+                nbh, nq0 = pair_at(step + 1, bkv, group, first, n_tiles, Br)
                 nb = 1 - buf
                 stage_queries(q[nbh], shared_view(smem, 2 * TILE + Bc * SB + 2 * nb * QTILE, (Br, SD)), n_q, nq0,
                               d, tid, aligned)

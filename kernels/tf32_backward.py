@@ -57,6 +57,7 @@ from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, \
     launch_stream, on_simulator
+from kernels.base.key_block_walk import pair_at, query_pairs
 from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.tile_copy import make_async_tile_copy
 
@@ -199,22 +200,20 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
                 dka[j, e] = float32(0.0)
                 dva[j, e] = float32(0.0)
         scale2 = float32(scale * LOG2E)
-        # causal: query i sees key k0 when k0 <= i + diag; earlier query tiles see nothing here
-        first = max(k0 - diag, 0) // Br if causal != 0 else 0
-        n_tiles = max((n_q + Br - 1) // Br - first, 0)
-        steps = group * n_tiles                       # (query head, query tile) pairs, in order
+        # (query head, query tile) pairs that see these keys, in order (causal: from `first` on)
+        first, n_tiles, steps = query_pairs(k0, diag, causal, n_q, Br, group)
 
         if steps > 0:                                 # the first pair's copies
             stage_pair(q, do, lse, delta, smem, Ls, Ds, 0, bkv * group, first * Br, n_q, d, tid, aligned)
         cp_async_commit()
         for step in range(steps):
             buf = step % 2
-            bh = bkv * group + step // n_tiles
-            q0 = (first + step % n_tiles) * Br
+            bh, q0 = pair_at(step, bkv, group, first, n_tiles, Br)
             cuda.syncthreads()                        # every warp is done with the other buffer and dS
             if step + 1 < steps:                      # the next pair's copies fly during this one
-                stage_pair(q, do, lse, delta, smem, Ls, Ds, 1 - buf, bkv * group + (step + 1) // n_tiles,
-                           (first + (step + 1) % n_tiles) * Br, n_q, d, tid, aligned)
+                nb = 1 - buf
+                nbh, nq0 = pair_at(step + 1, bkv, group, first, n_tiles, Br)
+                stage_pair(q, do, lse, delta, smem, Ls, Ds, nb, nbh, nq0, n_q, d, tid, aligned)
             cp_async_commit()
             cp_async_wait_prior()                     # this pair's Q_i and dO_i (and K_j, V_j) have landed
             cuda.syncthreads()

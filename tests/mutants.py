@@ -446,7 +446,7 @@ MUTANTS += [
              "ap = (pack(pt[1, 0], pt[1, 1]), pack(pt[1, 2], pt[1, 3]), pack(pt[0, 0], pt[0, 1]),\n"
              "                      pack(pt[0, 2], pt[0, 3]))   # PLANTED: P^T's two n8 tiles swapped"),),
            T12, CH12, "dV = P^T dO: P^T's two n8 tiles swapped in the A fragment (queries 0-7 weigh dO's rows 8-15)"),
-    Mutant("tcb-first-query-tile-rounded-up", 12, TCB,
+    Mutant("tcb-first-query-tile-rounded-up", 12, "kernels.base.key_block_walk",   # the walk chapters 11, 12 share
            (("first = max(k0 - diag, 0) // Br if causal != 0 else 0",
              "first = (max(k0 - diag, 0) + Br - 1) // Br if causal != 0 else 0   # PLANTED: rounded up"),),
            T12, CH12, "causal: a key tile skips the query tile whose last rows first see it (its first query "

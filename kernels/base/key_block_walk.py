@@ -1,0 +1,28 @@
+"""The walk of a key block in the tensor-core backwards (chapters 11 and 12).
+
+K/V tiles outer (FlashAttention-2's backward): a block holds the keys k0 .. k0 + Bc - 1 of
+one KV head and visits, in order, every (query head of its group, query tile) pair that can
+see them: with the causal mask (query i sees key j when j <= i + diag, diag = Nk - Nq) the
+query tiles before ``first`` see none of its keys and are skipped.
+"""
+
+from __future__ import annotations
+
+from numba import cuda
+
+__all__ = ["query_pairs", "pair_at"]
+
+
+@cuda.jit(device=True, inline=True)
+def query_pairs(k0, diag, causal, n_q, Br, group):
+    """(first, n_tiles, steps): the first query tile that sees key k0, the query tiles from
+    it on, and the pairs to visit (``group`` query heads, ``n_tiles`` tiles each)."""
+    first = max(k0 - diag, 0) // Br if causal != 0 else 0
+    n_tiles = max((n_q + Br - 1) // Br - first, 0)
+    return first, n_tiles, group * n_tiles
+
+
+@cuda.jit(device=True, inline=True)
+def pair_at(step, bkv, group, first, n_tiles, Br):
+    """(bh, q0): the query head (of B*H) and first query row of the walk's ``step``-th pair."""
+    return bkv * group + step // n_tiles, (first + step % n_tiles) * Br
