@@ -10,13 +10,12 @@ of 16 (padded), causal rows that see no key, large logits pinned.
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kernels import flash_tensor_cores as tensor_cores
 from kernels import reference as ref
 from kernels.base.mma import a_position, bf16_bits, c_position, words_to_halves
 from kernels.base.runtime import on_simulator
-from kernels.base.testing import AttentionCase, assert_close, forward_floor_scales, magnitude_for_logits
+from kernels.base.testing import AttentionCase, assert_close, forward_floor_scales, grouped_attention_cases
 from kernels.flash_tensor_cores import flash_attention_tc
 
 SIM = on_simulator()
@@ -58,19 +57,9 @@ def rounded_p_reference(q, k, v, causal, scale, bf16):
     return o, lse
 
 
-@st.composite
-def tc_cases(draw):
-    b, h = draw(st.integers(1, 2)), draw(st.integers(1, 2))
-    nq, nk = draw(st.integers(0, MAX_N)), draw(st.integers(0, MAX_N))
-    d = draw(st.sampled_from(HEAD_DIMS))
-    causal = draw(st.booleans())
-    scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
-    magnitude = magnitude_for_logits(draw(st.sampled_from([0.3, 1.0, 3.0, 8.0])), d, scale)
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    q = rng.standard_normal((b, h, nq, d)) * magnitude
-    k = rng.standard_normal((b, h, nk, d)) * magnitude
-    v = rng.standard_normal((b, h, nk, d))
-    return AttentionCase(q, k, v, causal, scale)
+def tc_cases():
+    """B and H of 1 or 2, ragged N to MAX_N, d from HEAD_DIMS (one KV head a query head)."""
+    return grouped_attention_cases(max_n=MAX_N, head_dims=HEAD_DIMS, small=False, groups=(1,))
 
 
 def pinned(q_shape, k_shape, *, causal=False, magnitude=1.0, seed=0):

@@ -586,12 +586,12 @@ def case_with(q_shape, k_shape, *, causal=False, scale=None, magnitude=1.0, seed
 
 
 @st.composite
-def grouped_attention_cases(draw, *, max_n, head_dims, small, dtype=np.float64):
+def grouped_attention_cases(draw, *, max_n, head_dims, small, dtype=np.float64, groups=(1, 2)):
     """q (B, H, Nq, d), k and v (B, Hkv, Nk, d) with H = group Hkv (grouped-query attention,
-    groups of 1 and 2), ragged Nq and Nk from 0 to ``max_n``, d from ``head_dims``, causal,
-    scale, logit spreads; ``small``: B * H <= 2 (the simulator). The tensor-core backwards'
-    cases (chapters 11 and 12)."""
-    group = draw(st.sampled_from([1, 2]))
+    a group from ``groups``), ragged Nq and Nk from 0 to ``max_n``, d from ``head_dims``,
+    causal, scale, logit spreads; ``small``: B * H <= 2 (the simulator). The tensor-core
+    chapters' cases (8: groups=(1,); 11 and 12's backwards: groups of 1 and 2)."""
+    group = draw(st.sampled_from(list(groups)))
     if small:
         b, hkv = (1, 1) if group == 2 else draw(st.sampled_from([(1, 1), (1, 2), (2, 1)]))
     else:
