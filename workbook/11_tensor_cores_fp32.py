@@ -345,14 +345,9 @@ for passes in (3, 1):
 # float64, over float32 NumPy's:
 
 # %%
-from kernels.bench.harness import read_csv
-from kernels.base.io_model import RESULTS_DIR
+from kernels.bench.harness import committed_results
 
-try:
-    _, rows = read_csv(RESULTS_DIR / "flash_tf32.csv")
-except FileNotFoundError:
-    rows = []
-    print("workbook/results/flash_tf32.csv is not committed: run `python -m kernels --chapters 11` on a GPU")
+_, rows = committed_results("flash_tf32", chapter=11)
 names = {"flash fwd 3xTF32 (bare)": "3xTF32, bare", "flash_attention_tf32() launcher, PyTorch tensors": "3xTF32, launcher",
          "flash fwd plain TF32, passes=1 (bare)": "plain TF32, bare",
          "chapter 4 flash_attention (fp32 FMA), PyTorch tensors": "chapter 4, FMA",
@@ -584,11 +579,7 @@ _ = check_accumulator_as_a(lambda c: (c, np.stack([2 * (np.arange(32) % 4), 2 * 
 # `flash_attention_backward` with PyTorch tensors, whose default here is 3xTF32:
 
 # %%
-try:
-    _, brows = read_csv(RESULTS_DIR / "tf32_backward.csv")
-except FileNotFoundError:
-    brows = []
-    print("workbook/results/tf32_backward.csv is not committed: run `python -m kernels --chapters 11` on a GPU")
+_, brows = committed_results("tf32_backward", chapter=11)
 bnames = {"flash bwd 3xTF32 (bare)": "3xTF32, bare", "flash_attention_backward(), torch": "3xTF32, launcher",
           "flash bwd plain TF32, passes=1 (bare)": "plain TF32, bare",
           "chapter 5 fp32 backward (FMA), torch": "chapter 5, FMA",

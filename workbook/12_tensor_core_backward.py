@@ -425,10 +425,7 @@ print(f"max |kernel dK - sum over the group| = {np.abs(got[1] - exact[1]).max():
 # 10 B H N² d (halved for causal), for every row.
 
 # %%
-from kernels.base.io_model import RESULTS_DIR
-from kernels.bench.harness import read_csv
-
-RESULTS_CSV = RESULTS_DIR / "tensor_core_backward.csv"
+from kernels.bench.harness import committed_results
 
 
 def row_label(r):
@@ -450,12 +447,7 @@ def row_extra(r):
     return dict(item.split("=", 1) for item in (r.get("extra") or "").split(";") if "=" in item)
 
 
-try:
-    env, rows = read_csv(RESULTS_CSV)
-except FileNotFoundError:
-    env, rows = {}, []
-    print("workbook/results/tensor_core_backward.csv is not committed yet: the bench has not been run on a GPU "
-          "(`python -m kernels --chapters 12`)")
+env, rows = committed_results("tensor_core_backward", chapter=12)
 for r in rows:
     r["label"], r["x"] = row_label(r), row_extra(r)
 if rows:

@@ -307,15 +307,24 @@ def format_table(results, simulator=None) -> str:
 RESULTS_DIR = __import__("pathlib").Path(__file__).resolve().parents[2] / "workbook" / "results"
 
 
+def committed_results(name, chapter=None):
+    """(env, rows) of the committed ``workbook/results/<name>.csv``, or ({}, []) and a line
+    saying it is not committed yet and which bench run makes it (``chapter``'s, if given)."""
+    csv_path = RESULTS_DIR / f"{name}.csv"
+    if not csv_path.exists():
+        how = "python -m kernels" + (f" --chapters {chapter}" if chapter is not None else "")
+        print(f"GPU results are not committed yet (workbook/results/{name}.csv): run `{how}` on a GPU.")
+        return {}, []
+    return read_csv(csv_path)
+
+
 def show_results(name, columns=("kernel", "config", "median_ms", "tflops", "gbps", "peak_mem_mb")):
     """What the notebooks show: the committed ``workbook/results/<name>.csv`` as a table (the
     device, driver and date first) and its plot, or a plain statement that there is none yet."""
-    csv_path, png_path = RESULTS_DIR / f"{name}.csv", RESULTS_DIR / f"{name}.png"
-    if not csv_path.exists():
-        print(f"GPU results are not committed yet (workbook/results/{name}.csv): "
-              f"run `python -m kernels` on a GPU.")
+    png_path = RESULTS_DIR / f"{name}.png"
+    env, rows = committed_results(name)
+    if not rows:
         return None
-    env, rows = read_csv(csv_path)
     print("device:", env.get("device"), "| driver:", env.get("driver"), "| date:", env.get("date (UTC)"))
     widths = {"kernel": 40, "config": 44}
     print("".join(f"{c:<{widths[c]}}" if c in widths else f"{c:>12}" for c in columns))
