@@ -45,7 +45,7 @@ from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_array, check_flag, \
-    check_scale, device_bits16, is_bf16_array, is_device_array, on_simulator, run_bound, to_device
+    check_scale, device_bits16, as_bits16, is_bf16_array, is_device_array, on_simulator, run_bound, to_device
 
 __all__ = ["flash_attention_tc", "make_flash_forward_mma", "make_flash_forward_mma_from", "make_load_a_fragment",
            "make_p_to_a", "a_fragment_registers", "p_to_a_registers", "tc_tiles", "ptx_targets", "EXERCISES"]
@@ -355,25 +355,36 @@ def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
     BH = B * H
     if BH > MAX_GRID_Y:
         raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
-    o = kind.new((B, H, n_q, d), np.float32)           # the caller's allocator where it has one
-    lse = kind.new((B, H, n_q), np.float32)
-    if BH and n_q:
-        inputs = {name: x if is_device_array(x) else to_device(x, name) for name, x in zip("qkv", (q, k, v))}
-        n_k = k.shape[2]
-        run_bound(_launches, (B, H, n_q, n_k, d, bf16, causal, scale), dict(inputs, o=o, lse=lse),
-                  lambda arrays: _views(arrays, BH, n_q, n_k, d),
-                  lambda views, aligned: _bind_forward(views, d, bf16, causal, scale, aligned),
-                  aligned_names="qkv", aligned_d=d % 8 == 0)
+    inputs = {name: x if is_device_array(x) or not (BH and n_q) else to_device(x, name)
+              for name, x in zip("qkv", (q, k, v))}
+    o, lse = forward_checked(kind, inputs["q"], inputs["k"], inputs["v"], causal=causal, scale=scale, bf16=bf16)
     return kind.result(o), kind.result(lse)
 
 
 _launches = LaunchCache()          # the launcher's bound launch, by call shape
 
 
+def forward_checked(kind, q, k, v, *, causal, scale, bf16):
+    """What ``flash_attention_tc`` runs once its checks pass, for callers that made them
+    (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, H, Nk, d)
+    C-contiguous 16-bit device arrays (PyTorch fp16/bf16 tensors as they are), ``scale`` a
+    float. (o, lse) float32 from ``kind``'s allocator (an ``ArrayKind``)."""
+    B, H, n_q, d = q.shape
+    n_k = k.shape[2]
+    o = kind.new((B, H, n_q, d), np.float32)           # the caller's allocator where it has one
+    lse = kind.new((B, H, n_q), np.float32)
+    if B * H and n_q:
+        run_bound(_launches, (B, H, n_q, n_k, d, bf16, causal, scale), dict(q=q, k=k, v=v, o=o, lse=lse),
+                  lambda arrays: _views(arrays, B * H, n_q, n_k, d),
+                  lambda views, aligned: _bind_forward(views, d, bf16, causal, scale, aligned),
+                  aligned_names="qkv", aligned_d=d % 8 == 0)
+    return o, lse
+
+
 def _views(arrays, BH, n_q, n_k, d):
     """The kernel's views: q (B*H, Nq, d), k, v (B*H, Nk, d) as 16-bit patterns, o, lse."""
     rows = dict(q=n_q, k=n_k, v=n_k, o=n_q)
-    views = {name: device_bits16(arrays[name], name).reshape(BH, rows[name], d) for name in rows}
+    views = {name: device_bits16(as_bits16(arrays[name]), name).reshape(BH, rows[name], d) for name in rows}
     views["lse"] = to_device(arrays["lse"], "lse").reshape(BH, n_q)
     return views
 

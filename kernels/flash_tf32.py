@@ -286,22 +286,33 @@ def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
     if BH > MAX_GRID_Y:
         raise ValueError(f"q: expected B*H <= {MAX_GRID_Y} (one grid row a head), got B={B}, H={H}")
     kind = ArrayKind(q)
+    inputs = {name: x if is_device_array(x) or not (BH and n_q and n_k) else to_device(x, name)
+              for name, x in zip("qkv", (q, k, v))}
+    o, lse = forward_checked(kind, inputs["q"], inputs["k"], inputs["v"], causal=causal, scale=scale, passes=passes)
+    return kind.result(o), kind.result(lse)
+
+
+def forward_checked(kind, q, k, v, *, causal, scale, passes=3):
+    """What ``flash_attention_tf32`` runs once its checks pass, for callers that made them
+    (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, H, Nk, d)
+    C-contiguous float32 device arrays, ``scale`` a float. (o, lse) from ``kind``'s
+    allocator (an ``ArrayKind``); K and V are split into their TF32 parts each call."""
+    B, H, n_q, d = q.shape
+    n_k = k.shape[2]
     o = kind.new((B, H, n_q, d), np.float32)           # the caller's allocator where it has one
     lse = kind.new((B, H, n_q), np.float32)
-    if BH and n_q and n_k:
-        arrays = {name: x if is_device_array(x) else to_device(x, name) for name, x in zip("qkv", (q, k, v))}
+    if B * H and n_q and n_k:
+        arrays = dict(q=q, k=k, v=v)
         arrays.update((name, kind.new((B, H, n_k, d), np.uint32)) for name in SPLIT)   # K, V split once a call
         arrays.update((name + "_flat", arrays[name]) for name in ("k", "v", *SPLIT))    # the split's 1-D views
         run_bound(_launches, (B, H, n_q, n_k, d, causal, scale, int(passes)), dict(arrays, o=o, lse=lse),
-                  lambda a: _views(a, BH, n_q, n_k, d),
+                  lambda a: _views(a, B * H, n_q, n_k, d),
                   lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned),
                   aligned_names=("q", *SPLIT), aligned_d=d % 4 == 0)
-    elif BH and n_q:             # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
-        o, lse = kind.result(o), kind.result(lse)
+    elif B * H and n_q:          # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
         o[...] = 0
         lse[...] = -np.inf
-        return o, lse
-    return kind.result(o), kind.result(lse)
+    return o, lse
 
 
 SPLIT = ("k_hi", "k_lo", "v_hi", "v_lo")

@@ -452,6 +452,10 @@ _launches = LaunchCache()
 
 
 def _dtype(x):
+    """An array's dtype: NumPy's, or a PyTorch tensor's name ("float32", ...) read without
+    building its array interface (microseconds a call)."""
+    if type(x).__module__.startswith("torch"):
+        return str(x.dtype).rsplit(".", 1)[-1]
     cai = getattr(x, "__cuda_array_interface__", None)
     return np.dtype(cai["typestr"]) if cai is not None else np.dtype(x.dtype)
 
@@ -478,8 +482,18 @@ def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None
     B, H, hkv, n_q, n_k, d = check_grouped_args(q, k, v, o, lse, do, want, (np.float32, want))
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
+    return backward_checked(kind, q, k, v, o, lse, do, causal=causal, scale=scale, bf16=bf16)
+
+
+def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, bf16):
+    """What ``flash_attention_backward_tc`` runs once its checks pass, for callers that made
+    them (chapter 13's drop-in checks its tensors once): the arrays as the launcher takes
+    them (PyTorch fp16/bf16 tensors as they are, C-contiguous), ``scale`` a float.
+    (dq, dk, dv) float32 from ``kind``'s allocator (an ``ArrayKind``)."""
+    B, H, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
-    key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) != np.float32, causal, scale)
+    key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) not in (np.float32, "float32"), causal, scale)
     return run_grouped_backward(kind, arrays, (B, H, hkv, n_q, n_k, d), key, _launches,
                                 lambda views, aligned: BackwardLaunches(views, scale, causal, bf16, aligned), words=8,
                                 scratch=("delta", "l2"))

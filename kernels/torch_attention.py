@@ -43,10 +43,14 @@ function refuses that case instead of answering differently.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
+from kernels.base.fused import MAX_GRID_Y
 from kernels.base.masks import BlockMask
-from kernels.base.runtime import has_tf32_tensor_cores, on_simulator, on_stream
+from kernels.base.runtime import ArrayKind, check_scale, current_context, has_tf32_tensor_cores, on_simulator, \
+    on_stream
 
 try:
     import torch
@@ -85,15 +89,32 @@ def _check_inputs(q, k, v, names=("q", "k", "v")):
         raise ValueError(f"{kn}: expected a number of heads dividing {qn}'s {H} (grouped-query), got {hkv}")
     if not 1 <= d <= 128:
         raise ValueError(f"{qn}: expected head dim d in 1..128, got {d}")
+    if q.shape[0] * H > MAX_GRID_Y:
+        raise ValueError(f"{qn}: expected B*H <= {MAX_GRID_Y} (one grid row a head), got {tuple(q.shape)}")
     if q.is_cuda and on_simulator():
         raise ValueError(f"{qn}: a CUDA tensor, but the kernels run on the simulator here (pass CPU tensors)")
     if q.is_cuda:
-        from numba import cuda
+        _check_device(q, qn)
 
-        current = (torch.cuda.current_device(), cuda.get_current_device().id)
-        if q.device.index not in (None, *current) or current[0] != current[1]:
-            raise ValueError(f"{qn}: on {q.device}, but the current device is cuda:{current[0]} for PyTorch and "
-                             f"cuda:{current[1]} for Numba: the kernels run on one device, the current one of both")
+
+_devices_agree = threading.local()     # (PyTorch's current device, the current CUDA context) last found to agree
+
+
+def _check_device(q, name):
+    """q is on the current device, and PyTorch's and Numba's current devices are one (asked
+    of Numba again only when PyTorch's device or the thread's CUDA context changed)."""
+    from numba import cuda
+
+    seen = (torch.cuda.current_device(), current_context())
+    if getattr(_devices_agree, "seen", None) != seen:
+        numba_device = cuda.get_current_device().id
+        if numba_device != seen[0]:
+            raise ValueError(f"{name}: the current device is cuda:{seen[0]} for PyTorch and cuda:{numba_device} for "
+                             "Numba: the kernels run on one device, the current one of both")
+        _devices_agree.seen = seen
+    if q.device.index not in (None, seen[0]):
+        raise ValueError(f"{name}: on {q.device}, but the current device is cuda:{seen[0]}: the kernels run on the "
+                         "current device")
 
 
 def _check_block_mask(block_mask):
@@ -136,18 +157,22 @@ def _sum_groups(dx, group: int):
     return dx.view(B, H // group, group, N, d).sum(dim=2)
 
 
-class _Launching:
-    """Launches on the caller's current CUDA stream (nothing to do for CPU tensors)."""
+def _launching(x):
+    """``on_stream`` of the caller's current CUDA stream (the legacy default one, 0, for CPU
+    tensors). PyTorch's raw handle where it offers it: a ``torch.cuda.Stream`` object costs
+    microseconds to make, at every call."""
+    if not x.is_cuda:
+        return on_stream(0)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return on_stream(raw(x.device.index) if raw is not None else torch.cuda.current_stream(x.device).cuda_stream)
 
-    def __init__(self, x):
-        self.handle = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
 
-    def __enter__(self):
-        self._ctx = on_stream(self.handle)
-        return self._ctx.__enter__()
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
+def _checked_entries(q, block_mask) -> bool:
+    """Whether the call goes straight to the launchers' checked entries (``forward_checked``,
+    ``backward_checked``): CUDA tensors, a GPU with the tensor-core kernels (sm_80 on), no
+    block mask. Our checks (``_check_inputs``) cover what the launchers' would; skipping
+    theirs and the array interfaces they read is most of a small call's host time."""
+    return q.is_cuda and block_mask is None and has_tf32_tensor_cores()
 
 
 # --------------------------------------------------------------------------- the two passes
@@ -156,6 +181,16 @@ def _forward(q, k, v, causal, scale, block_mask):
     """(o in q's dtype, lse float32) for q (B, H, Nq, d), k, v (B, Hkv, Nk, d)."""
     group = q.shape[1] // k.shape[1]
     k, v = _repeat_heads(k, group), _repeat_heads(v, group)
+    if _checked_entries(q, block_mask):
+        if q.dtype == torch.float32:
+            from kernels.flash_tf32 import forward_checked
+
+            o, lse = forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale)
+        else:
+            from kernels.flash_tensor_cores import forward_checked
+
+            o, lse = forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale, bf16=q.dtype == torch.bfloat16)
+        return o.to(q.dtype), lse
     if block_mask is not None:
         from kernels.block_sparse import block_sparse_attention
 
@@ -177,6 +212,18 @@ def _backward(q, k, v, o, lse, do, causal, scale, block_mask):
     """(dq, dk, dv) in the inputs' dtype; dk, dv with k's Hkv heads."""
     group = q.shape[1] // k.shape[1]
     dtype = q.dtype
+    if _checked_entries(q, block_mask):                  # grouped heads native in both backwards
+        do = do.detach().to(dtype).contiguous()
+        if dtype == torch.float32:
+            from kernels.tf32_backward import backward_checked
+
+            grads = backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale)
+        else:
+            from kernels.tensor_core_backward import backward_checked
+
+            grads = backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale,
+                                     bf16=dtype == torch.bfloat16)
+        return tuple(g.to(dtype) for g in grads)
     if block_mask is not None:
         from kernels.block_sparse_backward import block_sparse_attention_backward
 
@@ -219,8 +266,9 @@ class FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal=False, scale=None, block_mask=None):
         _check_inputs(q, k, v)
         _check_block_mask(block_mask)
+        scale = check_scale(scale, q.shape[3])
         q, k, v = (x.detach().contiguous() for x in (q, k, v))    # a model's strided views: copied once, here
-        with _Launching(q):
+        with _launching(q):
             o, lse = _forward(q, k, v, bool(causal), scale, block_mask)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.options = (bool(causal), scale, block_mask)
@@ -233,7 +281,7 @@ class FlashAttention(torch.autograd.Function):
                                "(backward with create_graph=True)")
         q, k, v, o, lse = ctx.saved_tensors
         causal, scale, block_mask = ctx.options
-        with _Launching(q):
+        with _launching(q):
             dq, dk, dv = _backward(q, k, v, o, lse, do, causal, scale, block_mask)
         return dq, dk, dv, None, None, None
 

@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.base.fused import MAX_GRID_Y
-from kernels.base.runtime import (check_array, check_qkv, device_bits16, device_empty, is_device_array, run_bound,
+from kernels.base.runtime import (as_bits16, check_array, check_qkv, device_bits16, device_empty, is_device_array, run_bound,
                                   to_device)
 
 # "atomic": the dK/dV kernel adds its pieces of dQ with float32 atomics (dQ's last bits vary
@@ -120,4 +120,4 @@ def grouped_views(arrays: dict, bh: int, bkv: int, n_q: int, n_k: int, d: int) -
     shapes = dict(q=(bh, n_q, d), do=(bh, n_q, d), o=(bh, n_q, d), lse=(bh, n_q), k=(bkv, n_k, d),
                   v=(bkv, n_k, d), dq=(bh, n_q, d), dk=(bkv, n_k, d), dv=(bkv, n_k, d), delta=(bh, n_q),
                   l2=(bh, n_q))
-    return {name: device_bits16(x, name).reshape(*shapes[name]) for name, x in arrays.items()}
+    return {name: device_bits16(as_bits16(x), name).reshape(*shapes[name]) for name, x in arrays.items()}

@@ -25,7 +25,6 @@ Streams
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import os
@@ -172,9 +171,7 @@ class ArrayKind:
         array from the caller's allocator, else a Numba device array (``result`` copies it
         to the host for a NumPy caller)."""
         if self.on_device and self.module == "torch":
-            import torch
-
-            return torch.empty(tuple(shape), dtype=getattr(torch, np.dtype(dtype).name), device="cuda")
+            return _torch_empty(shape, dtype)
         if self.on_device and self.module == "cupy":
             import cupy
 
@@ -200,6 +197,20 @@ class ArrayKind:
         return device_array
 
 
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_empty(shape, dtype):
+    """``torch.empty`` on the current CUDA device, the dtype named as NumPy names it (the
+    name looked up once a dtype: a call comes with every launch)."""
+    import torch
+
+    torch_dtype = _TORCH_DTYPES.get(dtype)
+    if torch_dtype is None:
+        torch_dtype = _TORCH_DTYPES[dtype] = getattr(torch, np.dtype(dtype).name)
+    return torch.empty(tuple(shape), dtype=torch_dtype, device="cuda")
+
+
 # Streams whose work every launch of ours (on the legacy default stream) already waits for:
 # none given, the legacy default stream (1) and the per-thread default stream (2).
 _ORDERED_STREAMS = (None, 1, 2)
@@ -210,18 +221,24 @@ _launch_on = threading.local()
 _external_streams: dict = {}
 
 
-@contextlib.contextmanager
-def on_stream(handle: int):
+class on_stream:                                  # noqa: N801  (used as a function: ``with on_stream(h):``)
     """Launch on the stream ``handle`` (a ``cudaStream_t`` as an int; 0 = the legacy default
     stream) inside the ``with`` block. Data the launches read is taken to be ready on that
-    stream (``cuda_view`` does not wait for it from the host)."""
-    handle = int(handle)
-    before = getattr(_launch_on, "handle", 0)
-    _launch_on.handle = handle
-    try:
-        yield
-    finally:
-        _launch_on.handle = before
+    stream (``cuda_view`` does not wait for it from the host). (A class, not a generator:
+    it is entered at every call of the drop-in attention, and costs less this way.)"""
+
+    __slots__ = ("handle", "before")
+
+    def __init__(self, handle: int):
+        self.handle = int(handle)
+
+    def __enter__(self):
+        self.before = getattr(_launch_on, "handle", 0)
+        _launch_on.handle = self.handle
+
+    def __exit__(self, *exc):
+        _launch_on.handle = self.before
+        return False
 
 
 def launch_stream():
@@ -305,6 +322,11 @@ class Bf16Bits:
         cai["descr"] = [("", "<u2")]
         self.__cuda_array_interface__ = cai
         self.shape = tuple(cai["shape"])
+
+def as_bits16(x):
+    """A bfloat16 device array as ``Bf16Bits`` (what Numba can view); anything else as it is."""
+    return Bf16Bits(x) if is_bf16_array(x) else x
+
 
 def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
@@ -423,7 +445,14 @@ def has_tf32_tensor_cores() -> bool:
     never the simulator."""
     if on_simulator():
         return False
-    return tuple(cuda.get_current_device().compute_capability) >= (8, 0)
+    context = current_context()
+    has = _TF32_BY_CONTEXT.get(context)
+    if has is None:
+        has = _TF32_BY_CONTEXT[context] = tuple(cuda.get_current_device().compute_capability) >= (8, 0)
+    return has
+
+
+_TF32_BY_CONTEXT: dict = {}     # (asked at every call of the launchers that choose their kernel)
 
 
 def check_products(products, *, float32: bool, fma_only: str | None = None) -> str:
@@ -569,9 +598,24 @@ def run_bound(cache: LaunchCache, key, arrays: dict, views_of, make, *, aligned_
         return
     pointers = {name: device_pointer(x, name) for name, x in arrays.items()}
     aligned = int(bool(aligned_d) and all(pointers[n] % 16 == 0 for n in aligned_names))
-    key = (*key, aligned, cuda.get_current_device().id)
+    key = (*key, aligned, current_context())
     launches = cache.get(key, lambda: make(views_of(arrays), aligned))
     launches(**pointers)
+
+
+def current_context() -> int:
+    """The handle of the thread's current CUDA context (Numba's: the device's primary
+    context, made current if none is), as an int: what a bound launch's compiled function
+    belongs to. One driver call (Numba's ``get_current_device`` makes several)."""
+    from cuda.bindings import driver as binding
+
+    error, context = binding.cuCtxGetCurrent()
+    handle = int(context) if error == binding.CUresult.CUDA_SUCCESS else 0
+    if not handle:
+        cuda.current_context()
+        _, context = binding.cuCtxGetCurrent()
+        handle = int(context)
+    return handle
 
 
 def bind_launch(kernel, grid, threads, args):

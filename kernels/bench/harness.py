@@ -247,6 +247,17 @@ def read_csv(path):
     return env, rows
 
 
+def read_results(path):
+    """(env, [Result]) from a CSV written by ``write_csv``, the extras as strings."""
+    env, rows = read_csv(path)
+    fields = [f for f in Result.__dataclass_fields__ if f != "extra"]
+    results = []
+    for row in rows:
+        extra = dict(item.split("=", 1) for item in (row.get("extra") or "").split(";") if "=" in item)
+        results.append(Result(**{f: row[f] for f in fields}, extra=extra))
+    return env, results
+
+
 # Nsight Compute's units: byte sizes to bytes, L2 sectors (32 B) to bytes, durations to
 # nanoseconds (ncu scales both to the value's size); other units (inst, cycle, ...) are kept.
 NCU_UNITS = {"byte": 1, "B": 1, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9, "GB": 1e9,

@@ -132,12 +132,7 @@ def _plot_of(module_or_name):
 def replot(folder):
     """Redraw every ``<idea>.png`` in ``folder`` from its committed ``<idea>.csv``."""
     for csv_path in sorted(Path(folder).glob("*.csv")):
-        env, rows = harness.read_csv(csv_path)
-        fields = [f for f in harness.Result.__dataclass_fields__ if f != "extra"]
-        results = []
-        for row in rows:
-            extra = dict(item.split("=", 1) for item in (row.get("extra") or "").split(";") if "=" in item)
-            results.append(harness.Result(**{f: row[f] for f in fields}, extra=extra))
+        env, results = harness.read_results(csv_path)
         if not any(math.isfinite(r.median_ms) for r in results):
             continue  # tables of counters (Nsight Compute), nothing timed to plot
         # the run's measured ceiling, read back from any row's TFLOP/s and % of it

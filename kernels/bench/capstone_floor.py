@@ -1,0 +1,232 @@
+"""Chapter 13's floor: is the drop-in attention ever slower than plain PyTorch?
+
+A library that is fast at one size and slow at another is a trap: a user swaps it in and a
+small model gets slower. This bench sweeps what models call, through ``attention()`` as a
+model calls it (PyTorch tensors in, autograd for the backward), against plain PyTorch in
+the same precision (``softmax(q k^T * scale) v``, the causal mask a cached buffer as nanoGPT
+keeps it; fp32 matmuls in fp32, PyTorch's default), in the same run:
+
+    B*H   1 (B=1 H=1), 8 (B=1 H=8), 64 (B=4 H=16), 512 (B=32 H=16)
+    N     64, 256, 1024, 4096, 16384
+    d     32, 64, 96, 128
+    causal or not; forward alone (no_grad) and forward + backward; fp32 and bf16
+
+Each cell is the time a call adds when calls follow one another, as in a model's step (CUDA
+events around a run of back-to-back calls; the host's work, validation and launches, counts
+where it is longer than the GPU's). Where plain PyTorch runs out of memory (its N x N scores) the cell
+records that, and ours runs once to show it fits. ``--quick``: B*H in (1, 64), N in (64,
+1024, 4096), d in (64, 128). In the simulator: B*H = 1, N = 16, d = 16, fp32.
+
+The figure: one heat map a (precision, pass), the speed-up plain / ours of every cell; below
+1 the floor is broken there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import kernels  # noqa: F401  (GPU or simulator first)
+from kernels.base.runtime import Timing, on_simulator, time_fn
+from kernels.bench.harness import Result
+
+CHAPTER = 13
+TITLE = "the drop-in attention against plain PyTorch, every size a model uses"
+
+OURS = "attention() (ours)"
+PLAIN = "plain PyTorch"
+HEADS = {1: (1, 1), 8: (1, 8), 64: (4, 16), 512: (32, 16)}      # B*H -> (B, H)
+TARGET_MS = 60.0                                                # time a cell's repeats add up to, about
+
+
+def sweep(ctx):
+    """(B*H values, N values, d values, precisions) of this run."""
+    if ctx.simulator:
+        return (1,), (16,), (16,), ("fp32",)
+    if ctx.quick:
+        return (1, 64), (64, 1024, 4096), (64, 128), ("fp32", "bf16")
+    return (1, 8, 64, 512), (64, 256, 1024, 4096, 16384), (32, 64, 96, 128), ("fp32", "bf16")
+
+
+class PlainAttention:
+    """softmax(q k^T * scale) v in the inputs' precision, as a model written without a fused
+    kernel computes it (autograd saves the N x N probabilities for the backward)."""
+
+    def __init__(self, torch):
+        self.torch, self._masks = torch, {}
+
+    def __call__(self, q, k, v, causal):
+        torch = self.torch
+        s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+        if causal:
+            n = s.shape[-1]
+            key = (n, s.device)
+            if key not in self._masks:                       # built once per length, as a model's buffer
+                self._masks[key] = ~torch.ones(n, n, dtype=torch.bool, device=s.device).tril_()
+            s = s.masked_fill(self._masks[key], -math.inf)
+        return torch.softmax(s, dim=-1) @ v
+
+
+def _time(ctx, fn, inputs):
+    """A cell's time a call, in ms: a first call (compiling, binding), then one timed. A call
+    over half a second: that time. Otherwise the median over 5 runs of back-to-back calls
+    (CUDA events around ``TARGET_MS`` worth of calls, divided by their number): how long a
+    call holds up a model whose calls follow one another, the host's work overlapping the
+    GPU's (both for ours and the peer's)."""
+    if ctx.simulator:
+        return time_fn(fn, inputs, warmup=0, repeat=1)
+    once = time_fn(fn, inputs, warmup=1, repeat=1)
+    if once.median_ms > 500:
+        return once
+    from numba import cuda
+
+    calls = max(1, min(200, int(TARGET_MS / max(once.median_ms, 1e-3))))
+    samples = []
+    start, stop = cuda.event(), cuda.event()
+    for _ in range(5):
+        cuda.synchronize()
+        start.record()
+        for i in range(calls):
+            fn(*inputs[i % len(inputs)])
+        stop.record()
+        stop.synchronize()
+        samples.append(cuda.event_elapsed_time(start, stop) / calls)
+    samples.sort()
+    return Timing(samples[2], samples[0], samples[-1], 5 * calls, f"cuda events, {calls} back-to-back calls")
+
+
+def run(ctx) -> list[Result]:
+    import torch
+
+    from kernels.torch_attention import attention
+
+    torch.backends.cuda.matmul.allow_tf32 = False          # fp32 peers in fp32 (PyTorch's default)
+    if not on_simulator() and not torch.cuda.is_available():
+        ctx.progress("  PyTorch sees no GPU: the floor's bench needs one (or the simulator)")
+        return []
+    device = "cpu" if ctx.simulator else "cuda"
+    plain = PlainAttention(torch)
+    bhs, ns, ds, precisions = sweep(ctx)
+    results: list[Result] = []
+    gen = torch.Generator(device=device).manual_seed(1313)
+    for precision in precisions:
+        dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+        for bh in bhs:
+            b, h = HEADS[bh]
+            for n in ns:
+                for d in ds:
+                    nbytes = 4 * b * h * n * d * dtype.itemsize
+                    sets = 1 if nbytes > (1 << 30) or ctx.simulator else 2
+                    inputs = [tuple(torch.randn(b, h, n, d, device=device, generator=gen, dtype=dtype)
+                                    .requires_grad_(i < 3) for i in range(4)) for _ in range(sets)]
+                    for causal in (False, True):
+                        for pass_ in ("fwd", "fwd+bwd"):
+                            _cell(ctx, torch, results, attention, plain, inputs, precision, b, h, n, d, causal, pass_)
+                    del inputs
+                    if not ctx.simulator:
+                        torch.cuda.empty_cache()
+    return results
+
+
+def _cell(ctx, torch, results, attention, plain, inputs, precision, b, h, n, d, causal, pass_):
+    config = f"B*H={b * h} N={n} d={d} {precision} causal={causal} {pass_}"
+    flops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0) * (3.5 if pass_ == "fwd+bwd" else 1.0)
+    extra = {"BH": b * h, "B": b, "H": h, "N": n, "d": d, "dtype": precision, "causal": causal, "pass": pass_}
+
+    def as_call(attend):
+        if pass_ == "fwd":
+            def forward(q, k, v, do):
+                with torch.no_grad():
+                    return attend(q, k, v)
+            return forward
+
+        def forward_backward(q, k, v, do):
+            return torch.autograd.grad(attend(q, k, v), (q, k, v), do)
+        return forward_backward
+
+    calls = ((OURS, as_call(lambda q, k, v: attention(q, k, v, causal=causal)), False),
+             (PLAIN, as_call(lambda q, k, v: plain(q, k, v, causal)), True))
+    times = {}
+    for name, fn, is_peer in calls:
+        ctx.progress(f"  ch{CHAPTER} {name:<20} {config}")
+        note = ""
+        try:
+            timing = _time(ctx, fn, inputs)
+            median, p10, p90 = timing.median_ms, timing.p10_ms, timing.p90_ms
+        except torch.OutOfMemoryError:
+            median = p10 = p90 = float("nan")
+            note = "out of memory"
+            torch.cuda.empty_cache()
+        times[name] = median
+        results.append(Result(CHAPTER, name, config, median, p10, p90, flops, float("nan"),
+                              flops / median / 1e9 if median == median else float("nan"), float("nan"),
+                              float("nan"), float("nan"), is_peer, note, dict(extra)))
+    speedup = times[PLAIN] / times[OURS] if times[OURS] == times[OURS] else float("nan")
+    results[-2].extra["speedup over plain"] = round(speedup, 4) if speedup == speedup else "plain out of memory"
+    if ctx.simulator:
+        return
+    if times[PLAIN] != times[PLAIN]:
+        ctx.progress("    plain PyTorch: out of memory")
+
+
+# --------------------------------------------------------------------------- the figure
+
+def cells(results):
+    """{(precision, pass): {(B*H, d, N, causal): speed-up or None (plain out of memory)}} from
+    results (or the CSV's rows, whose extras are strings)."""
+    out: dict = {}
+    by_config = {}
+    for r in results:
+        by_config.setdefault(r.config, {})[r.kernel] = r
+    for pair in by_config.values():
+        if OURS not in pair or PLAIN not in pair:
+            continue
+        e = pair[OURS].extra
+        key = (int(e["BH"]), int(e["d"]), int(e["N"]), str(e["causal"]) == "True")
+        ours, peer = float(pair[OURS].median_ms), float(pair[PLAIN].median_ms)
+        out.setdefault((str(e["dtype"]), str(e["pass"])), {})[key] = peer / ours if peer == peer else None
+    return out
+
+
+def plot(results, path, *, title, simulator, ceiling=math.nan, judged_by=None):
+    """A heat map per (precision, pass): rows B*H and d, columns N (non-causal | causal);
+    each cell plain PyTorch's time over ours (above 1: ours faster; "OOM": plain PyTorch
+    ran out of memory). In the simulator, the tour's generic plot."""
+    from kernels.bench.tour import plot_results
+
+    grid = cells(results)
+    if simulator or not grid:
+        return plot_results(results, path, title=title, simulator=simulator, ceiling=ceiling, judged_by=judged_by)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    panels = [p for p in (("fp32", "fwd"), ("fp32", "fwd+bwd"), ("bf16", "fwd"), ("bf16", "fwd+bwd")) if p in grid]
+    rows = sorted({(bh, d) for g in grid.values() for bh, d, _, _ in g})
+    cols = sorted({(c, n) for g in grid.values() for _, _, n, c in g})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 1, 0.32 * len(rows) + 2.4), squeeze=False)
+    norm = LogNorm(vmin=1 / 8, vmax=8)
+    for ax, panel in zip(axes[0], panels):
+        g = grid[panel]
+        m = np.full((len(rows), len(cols)), np.nan)
+        for i, (bh, d) in enumerate(rows):
+            for j, (c, n) in enumerate(cols):
+                s = g.get((bh, d, n, c), np.nan)
+                m[i, j] = np.nan if s is None else s
+                label = "OOM" if s is None else ("" if s != s else f"{s:.1f}")
+                ax.text(j, i, label, ha="center", va="center", fontsize=6.5,
+                        color="white" if s is not None and s == s and s < 0.5 else "black")
+        image = ax.imshow(m, cmap="RdYlGn", norm=norm, aspect="auto")
+        finite = m[np.isfinite(m)]
+        worst = f"lowest {finite.min():.2f}x, {int((finite < 1).sum())} of {finite.size} below 1" if finite.size else ""
+        ax.set_title(f"{panel[0]} {panel[1]}: {worst}", fontsize=10)
+        ax.set_xticks(range(len(cols)), [f"{n}{'c' if c else ''}" for c, n in cols], rotation=90, fontsize=7)
+        ax.set_yticks(range(len(rows)), [f"BH={bh} d={d}" for bh, d in rows], fontsize=7)
+        ax.set_xlabel("N (c: causal)")
+    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="plain PyTorch time / ours (above 1: ours faster)")
+    fig.suptitle(title, fontsize=11)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
