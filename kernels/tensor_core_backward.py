@@ -485,18 +485,19 @@ def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None
     return backward_checked(kind, q, k, v, o, lse, do, causal=causal, scale=scale, bf16=bf16)
 
 
-def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, bf16):
+def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, bf16, out=None):
     """What ``flash_attention_backward_tc`` runs once its checks pass, for callers that made
     them (chapter 13's drop-in checks its tensors once): the arrays as the launcher takes
     them (PyTorch fp16/bf16 tensors as they are, C-contiguous), ``scale`` a float.
-    (dq, dk, dv) float32 from ``kind``'s allocator (an ``ArrayKind``)."""
+    (dq, dk, dv) float32 from ``kind``'s allocator (an ``ArrayKind``), or written into
+    ``out``'s three arrays."""
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
     key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) not in (np.float32, "float32"), causal, scale)
     return run_grouped_backward(kind, arrays, (B, H, hkv, n_q, n_k, d), key, _launches,
                                 lambda views, aligned: BackwardLaunches(views, scale, causal, bf16, aligned), words=8,
-                                scratch=("delta", "l2"))
+                                scratch=("delta", "l2"), out=out)
 
 
 # --------------------------------------------------------------------------- the float32 yardstick

@@ -398,17 +398,18 @@ def flash_attention_backward_tf32(q, k, v, o, lse, do, *, causal=False, scale=No
     return backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale, passes=passes)
 
 
-def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, passes=3):
+def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, passes=3, out=None):
     """What ``flash_attention_backward_tf32`` runs once its checks pass, for callers that
     made them (chapter 13's drop-in checks its tensors once): the arrays as the launcher
     takes them (C-contiguous float32), ``scale`` a float. (dq, dk, dv) float32 from
-    ``kind``'s allocator (an ``ArrayKind``)."""
+    ``kind``'s allocator (an ``ArrayKind``), or written into ``out``'s three arrays."""
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
     return run_grouped_backward(kind, arrays, (B, H, hkv, n_q, n_k, d), (B, H, hkv, n_q, n_k, d, causal, scale,
                                 int(passes)), _launches,
-                                lambda views, aligned: BackwardLaunches(views, scale, causal, passes, aligned), words=4)
+                                lambda views, aligned: BackwardLaunches(views, scale, causal, passes, aligned), words=4,
+                                out=out)
 
 
 # --------------------------------------------------------------------------- PTX check

@@ -214,16 +214,26 @@ def _backward(q, k, v, o, lse, do, causal, scale, block_mask):
     dtype = q.dtype
     if _checked_entries(q, block_mask):                  # grouped heads native in both backwards
         do = do.detach().to(dtype).contiguous()
+        # dQ, dK, dV in one float32 buffer (each from a 16-byte boundary), so that one cast
+        # gives all three in the inputs' type: two operations where six were
+        starts = [0]
+        for x in (q, k):
+            starts.append(starts[-1] + -(-x.numel() // 4) * 4)
+        flat = torch.empty(starts[-1] + v.numel(), dtype=torch.float32, device=q.device)
+
+        def parts(buffer):
+            return tuple(buffer[at:at + x.numel()].view(x.shape) for at, x in zip(starts, (q, k, v)))
+
         if dtype == torch.float32:
             from kernels.tf32_backward import backward_checked
 
-            grads = backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale)
-        else:
-            from kernels.tensor_core_backward import backward_checked
+            backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale, out=parts(flat))
+            return parts(flat)
+        from kernels.tensor_core_backward import backward_checked
 
-            grads = backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale,
-                                     bf16=dtype == torch.bfloat16)
-        return tuple(g.to(dtype) for g in grads)
+        backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale,
+                         bf16=dtype == torch.bfloat16, out=parts(flat))
+        return parts(flat.to(dtype))
     if block_mask is not None:
         from kernels.block_sparse_backward import block_sparse_attention_backward
 
@@ -279,7 +289,7 @@ class FlashAttention(torch.autograd.Function):
         if torch.is_grad_enabled():      # create_graph=True: a second derivative would come out as zero
             raise RuntimeError("FlashAttention: the kernels' gradients are not differentiable themselves "
                                "(backward with create_graph=True)")
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse = (t.detach() for t in ctx.saved_tensors)     # (o, an output, comes back needing grad)
         causal, scale, block_mask = ctx.options
         with _launching(q):
             dq, dk, dv = _backward(q, k, v, o, lse, do, causal, scale, block_mask)

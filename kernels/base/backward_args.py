@@ -91,7 +91,7 @@ def allocate_outputs(bh: int, nq: int, nk: int, d: int, kind=None):
 
 
 
-def run_grouped_backward(kind, arrays: dict, dims, key, cache, make, words: int, scratch=("delta",)):
+def run_grouped_backward(kind, arrays: dict, dims, key, cache, make, words: int, scratch=("delta",), out=None):
     """The gradients (dq, dk, dv) of a tensor-core backward whose arguments are checked:
     ``arrays`` q, k, v, o, lse, do as given, ``dims`` (B, H, Hkv, Nq, Nk, d). Allocates dq
     (B, H, Nq, d), dk and dv (B, Hkv, Nk, d) float32 from the caller's allocator (zeros when
@@ -102,13 +102,21 @@ def run_grouped_backward(kind, arrays: dict, dims, key, cache, make, words: int,
     that aligned = d a multiple of it and the rows of q, k, v, dO and dQ 16-byte aligned.
     ``scratch``: the kernels' per-row float32 buffers (B*H, Nq) (D = rowsum(dO o O), ...),
     allocated each call like the gradients: a bound launch shared by calls on two streams
-    must not share them."""
+    must not share them. ``out``: (dq, dk, dv) float32 of those shapes to write instead
+    (a caller that allocates them in one piece)."""
     B, H, hkv, n_q, n_k, d = dims
     if not (B * H and n_q and n_k):
+        if out is not None:
+            for g in out:
+                g[...] = 0
+            return tuple(out)
         return zero_gradients(kind, (B, H, n_q, d), (B, hkv, n_k, d))
     held = {name: x if is_device_array(x) else to_device(x, name) for name, x in arrays.items()}
-    grads = dict(dq=kind.new((B, H, n_q, d)), dk=kind.new((B, hkv, n_k, d)), dv=kind.new((B, hkv, n_k, d)))
-    rows = {name: kind.new((B * H, n_q)) for name in scratch}
+    if out is None:
+        out = (kind.new((B, H, n_q, d)), kind.new((B, hkv, n_k, d)), kind.new((B, hkv, n_k, d)))
+    grads = dict(zip(("dq", "dk", "dv"), out))
+    buffer = kind.new((len(scratch), B * H, n_q))               # the row buffers, one allocation
+    rows = {name: buffer[i] for i, name in enumerate(scratch)}
     run_bound(cache, key, {**held, **grads, **rows}, lambda arrays: grouped_views(arrays, B * H, B * hkv, n_q, n_k, d), make,
               aligned_names=("q", "k", "v", "do", "dq"), aligned_d=d % words == 0)
     return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))
