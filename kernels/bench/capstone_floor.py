@@ -210,9 +210,13 @@ def plot(results, path, *, title, simulator, ceiling=math.nan, judged_by=None):
     panels = [p for p in (("fp32", "fwd"), ("fp32", "fwd+bwd"), ("bf16", "fwd"), ("bf16", "fwd+bwd")) if p in grid]
     rows = sorted({(bh, d) for g in grid.values() for bh, d, _, _ in g})
     cols = sorted({(c, n) for g in grid.values() for _, _, n, c in g})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 1, 0.32 * len(rows) + 2.4), squeeze=False)
+    ncols = 2 if len(panels) > 1 else 1
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7.5 * ncols + 1.5, (0.3 * len(rows) + 1.6) * nrows),
+                             squeeze=False)
     norm = LogNorm(vmin=1 / 8, vmax=8)
-    for ax, panel in zip(axes[0], panels):
+    for at, panel in enumerate(panels):
+        ax = axes[at // ncols, at % ncols]
         g = grid[panel]
         m = np.full((len(rows), len(cols)), np.nan)
         for i, (bh, d) in enumerate(rows):
@@ -226,10 +230,13 @@ def plot(results, path, *, title, simulator, ceiling=math.nan, judged_by=None):
         finite = m[np.isfinite(m)]
         worst = f"lowest {finite.min():.2f}x, {int((finite < 1).sum())} of {finite.size} below 1" if finite.size else ""
         ax.set_title(f"{panel[0]} {panel[1]}: {worst}", fontsize=10)
-        ax.set_xticks(range(len(cols)), [f"{n}{'c' if c else ''}" for c, n in cols], rotation=90, fontsize=7)
-        ax.set_yticks(range(len(rows)), [f"BH={bh} d={d}" for bh, d in rows], fontsize=7)
-        ax.set_xlabel("N (c: causal)")
-    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="plain PyTorch time / ours (above 1: ours faster)")
+        ax.set_xticks(range(len(cols)), [f"{n}{' c' if c else ''}" for c, n in cols], rotation=90, fontsize=8)
+        ax.set_yticks(range(len(rows)), [f"B*H={bh} d={d}" if at % ncols == 0 else "" for bh, d in rows], fontsize=8)
+        ax.set_xlabel("N (c: causal); OOM: plain PyTorch out of memory")
+    for at in range(len(panels), nrows * ncols):
+        axes[at // ncols, at % ncols].axis("off")
+    fig.subplots_adjust(hspace=0.3)
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="plain PyTorch's time / ours (above 1: ours faster)")
     fig.suptitle(title, fontsize=11)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
