@@ -44,6 +44,7 @@ from numba import cuda, float32, int32, uint16, uint32
 from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
+from kernels.base.key_split import COMBINE_SLOTS, choose_splits, combine_launch
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_array, check_flag, \
     check_scale, device_bits16, as_bits16, is_bf16_array, is_device_array, on_simulator, run_bound, to_device
 
@@ -111,15 +112,16 @@ EXERCISES = {"make_load_a_fragment": "test_load_a_fragment or test_pinned_cases 
              "make_p_to_a": "test_p_to_a or test_pinned_cases or test_bf16_pinned_causal_case"}
 
 
-def make_flash_forward_mma(Br: int, Bc: int, D: int, bf16: bool = False):
+def make_flash_forward_mma(Br: int, Bc: int, D: int, bf16: bool = False, split: bool = False):
     """The forward kernel (``make_flash_forward_mma_from``) with the module's two fragment
     hooks as they are now: a learner's ``make_load_a_fragment`` or ``make_p_to_a`` put in
     their place gets its own kernel, never the course's cached one."""
-    return make_flash_forward_mma_from(Br, Bc, D, bool(bf16), make_load_a_fragment, make_p_to_a)
+    return make_flash_forward_mma_from(Br, Bc, D, bool(bf16), make_load_a_fragment, make_p_to_a, bool(split))
 
 
 @functools.lru_cache(maxsize=None)
-def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment_factory, p_to_a_factory):
+def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment_factory, p_to_a_factory,
+                                split: bool = False):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D, Q's
     A fragments loaded by ``a_fragment_factory()`` and P repacked by ``p_to_a_factory(bf16)``.
 
@@ -127,7 +129,10 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
     the K and V buffers). Arguments: q (B*H, Nq, d), k and v
     (B*H, Nk, d) uint16 (fp16 or bf16 bits); o (B*H, Nq, d) and lse (B*H, Nq) float32;
     scale (float32), causal (int32 0/1), aligned (int32: rows 16-byte aligned, d % 8 == 0,
-    so whole 16-byte chunks go by cp.async)."""
+    so whole 16-byte chunks go by cp.async). ``split``: the keys split among gridDim.z
+    blocks (``kernels.base.key_split``), each writing its partial O and L to row
+    blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq)."""
+    from kernels.base.key_split import split_range
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior, ldmatrix,
                                   ldmatrix_trans, mma_bf16, mma_f16)
 
@@ -200,14 +205,17 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
         if causal != 0:
             kv_end = min(n_k, q0 + Br + diag)
         n_tiles = (max(kv_end, 0) + Bc - 1) // Bc
+        first, end, out = 0, n_tiles, bh             # the key tiles walked, the row of O and L written
+        if split:
+            first, end, out = split_range(n_tiles, bh)
         wrow0 = q0 + warp * 16                       # this warp's first query row
 
         # ---- the copies overlap the products: K_j flies during P V_{j-1}, V_j during S_j
         cuda.syncthreads()                           # Q is in registers: Ks and Vs are free
-        if n_tiles > 0:
-            stage_in(kh, Ks, n_k, 0, d, tid, aligned)
+        if end > first:
+            stage_in(kh, Ks, n_k, first * Bc, d, tid, aligned)
         cp_async_commit()
-        for jt in range(n_tiles):
+        for jt in range(first, end):
             k0 = jt * Bc
             cuda.syncthreads()                       # every warp is done with V_{j-1}
             stage_in(vh, Vs, n_k, k0, d, tid, aligned)
@@ -232,7 +240,7 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
 
             cp_async_wait_all()                      # V_j has landed ...
             cuda.syncthreads()                       # ... and every warp is done with K_j
-            if jt + 1 < n_tiles:
+            if jt + 1 < end:
                 stage_in(kh, Ks, n_k, k0 + Bc, d, tid, aligned)
             cp_async_commit()
 
@@ -251,7 +259,7 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
 
         cp_async_wait_all()                          # (the last, empty, group)
 
-        write_rows(acc, m, l, o, lse, bh, wrow0, group, t, n_q, d)     # O / l and L
+        write_rows(acc, m, l, o, lse, out, wrow0, group, t, n_q, d)    # O / l and L
 
     flash_forward_mma.threads = THREADS
     return flash_forward_mma
@@ -361,42 +369,58 @@ def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
     return kind.result(o), kind.result(lse)
 
 
-_launches = LaunchCache()          # the launcher's bound launch, by call shape
+_launches = LaunchCache()          # the launcher's bound launches, by call shape
 
 
-def forward_checked(kind, q, k, v, *, causal, scale, bf16):
+def forward_checked(kind, q, k, v, *, causal, scale, bf16, splits=None):
     """What ``flash_attention_tc`` runs once its checks pass, for callers that made them
     (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, H, Nk, d)
     C-contiguous 16-bit device arrays (PyTorch fp16/bf16 tensors as they are), ``scale`` a
-    float. (o, lse) float32 from ``kind``'s allocator (an ``ArrayKind``)."""
+    float. (o, lse) float32 from ``kind``'s allocator (an ``ArrayKind``). ``splits``: the
+    keys split among that many blocks a query tile, their partials merged after
+    (``kernels.base.key_split``); None: split only where the grid would not fill the GPU."""
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
     o = kind.new((B, H, n_q, d), np.float32)           # the caller's allocator where it has one
     lse = kind.new((B, H, n_q), np.float32)
     if B * H and n_q:
-        run_bound(_launches, (B, H, n_q, n_k, d, bf16, causal, scale), dict(q=q, k=k, v=v, o=o, lse=lse),
+        Br, Bc, _ = tc_tiles(d)
+        splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc) if splits is None else int(splits)
+        arrays = dict(q=q, k=k, v=v, o=o, lse=lse)
+        if splits > 1:                                  # the splits' partials
+            arrays.update(o_part=kind.new((splits * B * H, n_q, d), np.float32),
+                          l_part=kind.new((splits * B * H, n_q), np.float32))
+        run_bound(_launches, (B, H, n_q, n_k, d, bf16, causal, scale, splits), arrays,
                   lambda arrays: _views(arrays, B * H, n_q, n_k, d),
-                  lambda views, aligned: _bind_forward(views, d, bf16, causal, scale, aligned),
+                  lambda views, aligned: _bind_forward(views, d, bf16, causal, scale, aligned, splits),
                   aligned_names="qkv", aligned_d=d % 8 == 0)
     return o, lse
 
 
 def _views(arrays, BH, n_q, n_k, d):
-    """The kernel's views: q (B*H, Nq, d), k, v (B*H, Nk, d) as 16-bit patterns, o, lse."""
+    """The kernel's views: q (B*H, Nq, d), k, v (B*H, Nk, d) as 16-bit patterns, o, lse (and
+    the splits' partials, as they are)."""
     rows = dict(q=n_q, k=n_k, v=n_k, o=n_q)
     views = {name: device_bits16(as_bits16(arrays[name]), name).reshape(BH, rows[name], d) for name in rows}
     views["lse"] = to_device(arrays["lse"], "lse").reshape(BH, n_q)
+    views.update((name, to_device(arrays[name], name)) for name in ("o_part", "l_part") if name in arrays)
     return views
 
 
-def _bind_forward(views, d, bf16, causal, scale, aligned):
-    """The forward's one launch, bound (``kernels.base.runtime.BoundLaunches``)."""
+def _bind_forward(views, d, bf16, causal, scale, aligned, splits=1):
+    """The forward's launch, bound (``kernels.base.runtime.BoundLaunches``); with ``splits``
+    > 1, the split forward into the partials and then their merge."""
     BH, n_q, _ = views["q"].shape
     Br, Bc, D = tc_tiles(d)
-    kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16))
-    names = ("q", "k", "v", "o", "lse")
+    kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16), split=splits > 1)
+    names = ("q", "k", "v", "o", "lse") if splits == 1 else ("q", "k", "v", "o_part", "l_part")
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
-    return BoundLaunches([(kernel, (cdiv(n_q, Br), BH), kernel.threads, args, 0)], [{n: i for i, n in enumerate(names)}])
+    launches = [(kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, 0)]
+    slots = [{n: i for i, n in enumerate(names)}]
+    if splits > 1:
+        launches.append(combine_launch(views, BH, n_q))
+        slots.append(COMBINE_SLOTS)
+    return BoundLaunches(launches, slots)
 
 
 # --------------------------------------------------------------------------- PTX check

@@ -42,6 +42,7 @@ from numba import cuda, float32, int32, uint32
 from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.tf32_product import PASSES, make_tf32_product
+from kernels.base.key_split import COMBINE_SLOTS, choose_splits, combine_launch
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_qkv, check_scale, \
     is_device_array, launch_stream, on_simulator, run_bound, to_device
 
@@ -84,7 +85,7 @@ def make_split():
 
 @functools.lru_cache(maxsize=None)
 def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False,
-                            max_registers: int | None = None):
+                            max_registers: int | None = None, split: bool = False):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
@@ -93,7 +94,10 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d) float32;
     k_hi, k_lo, v_hi, v_lo (B*H, Nk, d) uint32, K and V split by ``make_split``; o (B*H, Nq,
     d) and lse (B*H, Nq) float32; scale (float32), causal (int32 0/1), aligned (int32: rows
-    16-byte aligned and d % 4 == 0, so whole 16-byte chunks go by cp.async)."""
+    16-byte aligned and d % 4 == 0, so whole 16-byte chunks go by cp.async). ``split``: the
+    keys split among gridDim.z blocks (``kernels.base.key_split``), each writing its partial
+    O and L to row blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq)."""
+    from kernels.base.key_split import split_range
     from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior
     from kernels.base.shared_memory import shared_view
 
@@ -177,13 +181,16 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         if causal != 0:
             kv_end = min(n_k, q0 + Br + diag)
         n_tiles = (max(kv_end, 0) + Bc - 1) // Bc
+        first, end, out = 0, n_tiles, bh             # the key tiles walked, the row of O and L written
+        if split:
+            first, end, out = split_range(n_tiles, bh)
 
-        if n_tiles > 0:
-            stage_in(khh, Kh, n_k, 0, d, tid, aligned)
+        if end > first:
+            stage_in(khh, Kh, n_k, first * Bc, d, tid, aligned)
             if THREE:
-                stage_in(klh, Kl, n_k, 0, d, tid, aligned)
+                stage_in(klh, Kl, n_k, first * Bc, d, tid, aligned)
         cp_async_commit()
-        for jt in range(n_tiles):
+        for jt in range(first, end):
             k0 = jt * Bc
             cuda.syncthreads()                       # every warp is done with V_{j-1}
             stage_in(vhh, Vh, n_k, k0, d, tid, aligned)
@@ -212,7 +219,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
             cp_async_wait_all()                      # V_j has landed ...
             cuda.syncthreads()                       # ... and every warp is done with K_j
-            if jt + 1 < n_tiles:
+            if jt + 1 < end:
                 stage_in(khh, Kh, n_k, k0 + Bc, d, tid, aligned)
                 if THREE:
                     stage_in(klh, Kl, n_k, k0 + Bc, d, tid, aligned)
@@ -232,7 +239,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
         cp_async_wait_all()                          # (the last, empty, group)
 
-        write_rows(acc, m, l, o, lse, bh, wrow0, g, t, n_q, d)     # O / l and L
+        write_rows(acc, m, l, o, lse, out, wrow0, g, t, n_q, d)    # O / l and L
 
     flash_forward_tf32.threads = THREADS
     return flash_forward_tf32
@@ -292,22 +299,29 @@ def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
     return kind.result(o), kind.result(lse)
 
 
-def forward_checked(kind, q, k, v, *, causal, scale, passes=3):
+def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None):
     """What ``flash_attention_tf32`` runs once its checks pass, for callers that made them
     (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, H, Nk, d)
     C-contiguous float32 device arrays, ``scale`` a float. (o, lse) from ``kind``'s
-    allocator (an ``ArrayKind``); K and V are split into their TF32 parts each call."""
+    allocator (an ``ArrayKind``); K and V are split into their TF32 parts each call.
+    ``splits``: the keys split among that many blocks a query tile, their partials merged
+    after (``kernels.base.key_split``); None: split only where the grid would not fill the GPU."""
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
     o = kind.new((B, H, n_q, d), np.float32)           # the caller's allocator where it has one
     lse = kind.new((B, H, n_q), np.float32)
     if B * H and n_q and n_k:
+        Br, Bc, _ = tf32_tiles(d)
+        splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc) if splits is None else int(splits)
         arrays = dict(q=q, k=k, v=v)
         arrays.update((name, kind.new((B, H, n_k, d), np.uint32)) for name in SPLIT)   # K, V split once a call
         arrays.update((name + "_flat", arrays[name]) for name in ("k", "v", *SPLIT))    # the split's 1-D views
-        run_bound(_launches, (B, H, n_q, n_k, d, causal, scale, int(passes)), dict(arrays, o=o, lse=lse),
+        if splits > 1:                                  # the splits' partials
+            arrays.update(o_part=kind.new((splits * B * H, n_q, d), np.float32),
+                          l_part=kind.new((splits * B * H, n_q), np.float32))
+        run_bound(_launches, (B, H, n_q, n_k, d, causal, scale, int(passes), splits), dict(arrays, o=o, lse=lse),
                   lambda a: _views(a, B * H, n_q, n_k, d),
-                  lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned),
+                  lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits),
                   aligned_names=("q", *SPLIT), aligned_d=d % 4 == 0)
     elif B * H and n_q:          # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
         o[...] = 0
@@ -326,19 +340,21 @@ def _views(arrays, BH, n_q, n_k, d):
     views = {name: to_device(arrays[name], name).reshape(BH, rows[name], d) for name in rows}
     views["lse"] = to_device(arrays["lse"], "lse").reshape(BH, n_q)
     views.update((name + "_flat", views[name].reshape(BH * n_k * d)) for name in ("k", "v", *SPLIT))
+    views.update((name, to_device(arrays[name], name)) for name in ("o_part", "l_part") if name in arrays)
     return views
 
 
-def _bind_forward(views, causal, scale, passes, aligned):
-    """Three launches, bound: the split of K, of V (``make_split``), and the forward."""
+def _bind_forward(views, causal, scale, passes, aligned, splits=1):
+    """Three launches, bound: the split of K, of V (``make_split``), and the forward; with
+    ``splits`` > 1 the forward writes the splits' partials and a fourth launch merges them."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory, STATIC_LIMIT_BYTES
 
     BH, n_q, d = views["q"].shape
     Br, Bc, D = tf32_tiles(d)
     nbytes = 4 * shared_words(Bc, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic)
-    names = ("q", *SPLIT, "o", "lse")
+    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, split=splits > 1)
+    names = ("q", *SPLIT, "o", "lse") if splits == 1 else ("q", *SPLIT, "o_part", "l_part")
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
     if dynamic:
         allow_dynamic_shared_memory(kernel, args, nbytes)
@@ -349,8 +365,11 @@ def _bind_forward(views, causal, scale, passes, aligned):
         flat = tuple(f"{x}{part}_flat" for part in ("", "_hi", "_lo"))
         launches.append((split, blocks, 256, tuple(views[f] for f in flat), 0))
         slots.append({f: i for i, f in enumerate(flat)})
-    launches.append((kernel, (cdiv(n_q, Br), BH), kernel.threads, args, nbytes if dynamic else 0))
+    launches.append((kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, nbytes if dynamic else 0))
     slots.append({name: i for i, name in enumerate(names)})
+    if splits > 1:
+        launches.append(combine_launch(views, BH, n_q))
+        slots.append(COMBINE_SLOTS)
     return BoundLaunches(launches, slots)
 
 

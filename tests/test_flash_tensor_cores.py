@@ -9,14 +9,16 @@ of 16 (padded), causal rows that see no key, large logits pinned.
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given, settings, strategies as st
+from numba import cuda
 
 from kernels import flash_tensor_cores as tensor_cores
 from kernels import reference as ref
 from kernels.base.mma import a_position, bf16_bits, c_position, words_to_halves
-from kernels.base.runtime import on_simulator
+from kernels.base.key_split import choose_splits
+from kernels.base.runtime import ArrayKind, on_simulator
 from kernels.base.testing import AttentionCase, assert_close, forward_floor_scales, grouped_attention_cases
-from kernels.flash_tensor_cores import flash_attention_tc
+from kernels.flash_tensor_cores import flash_attention_tc, forward_checked
 
 SIM = on_simulator()
 MAX_N = 20 if SIM else 300
@@ -79,11 +81,24 @@ PINNED = [
 ]
 
 
-def check(case, bf16):
+def run_split(q, k, v, causal, scale, bf16, splits):
+    """The launcher's checked entry with the keys split among ``splits`` blocks a query tile
+    (chapter 13's answer to a grid too small for the GPU), NumPy in and out."""
+    kind = ArrayKind(q)
+    d = q.shape[-1]
+    o, lse = forward_checked(kind, *(cuda.to_device(x) for x in (q, k, v)), causal=causal,
+                             scale=scale if scale is not None else 1 / np.sqrt(d), bf16=bf16, splits=splits)
+    return kind.result(o), kind.result(lse)
+
+
+def check(case, bf16, splits=None):
     q, qx = to_input(case.q, bf16)
     k, kx = to_input(case.k, bf16)
     v, vx = to_input(case.v, bf16)
-    o, lse = flash_attention_tc(q, k, v, causal=case.causal, scale=case.scale, bf16=bf16)
+    if splits is None:
+        o, lse = flash_attention_tc(q, k, v, causal=case.causal, scale=case.scale, bf16=bf16)
+    else:
+        o, lse = run_split(q, k, v, case.causal, case.scale, bf16, splits)
     assert o.dtype == np.float32 and o.shape == case.q.shape and lse.shape == case.q.shape[:3]
     scale = case.scale if case.scale is not None else 1 / np.sqrt(case.q.shape[-1])
     exact_o, exact_l = ref.attention(qx, kx, vx, causal=case.causal, scale=scale)
@@ -179,6 +194,30 @@ def test_p_to_a_follows_the_ptx_mapping(bf16):
 @settings(max_examples=4 if SIM else 150)
 def test_matches_oracle(case, bf16):
     check(case, bf16)
+
+
+@given(case=tc_cases(), splits=st.integers(2, 5))
+@settings(max_examples=3 if SIM else 60)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
+def test_keys_split_among_blocks_meet_the_same_rule(case, splits, bf16):
+    """The split forward (``kernels.base.key_split``): S blocks a query tile, each a share of
+    the key tiles (some with none: short or causal rows), their partials merged."""
+    check(case, bf16, splits)
+
+
+@pytest.mark.parametrize("case", PINNED, ids=["N=1", "ragged", "Nq>Nk", "large-logits", "Nq=0", "Nk=0"])
+def test_pinned_cases_split(case):
+    check(case, True, splits=3)
+
+
+def test_splits_only_where_the_grid_is_too_small():
+    """choose_splits: none once the blocks fill the SMs; else enough to, at least two key
+    tiles a split, at most 16."""
+    assert choose_splits(132, 1 << 20, 64, sms=132) == 1
+    assert choose_splits(32, 4096, 64, sms=132) == 5            # 32 blocks x 5 >= 132
+    assert choose_splits(1, 1 << 20, 64, sms=132) == 16         # at most 16
+    assert choose_splits(8, 256, 64, sms=132) == 2              # 4 key tiles: 2 splits of 2
+    assert choose_splits(8, 128, 64, sms=132) == 1              # 2 key tiles: no split
 
 
 @pytest.mark.parametrize("case", PINNED, ids=range(len(PINNED)))

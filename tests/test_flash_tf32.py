@@ -15,17 +15,25 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from kernels import reference as ref
-from kernels.base.runtime import is_device_array, on_simulator
+from kernels.base.runtime import ArrayKind, is_device_array, on_simulator
 from kernels.base.testing import assert_close, attention_cases, case_with, forward_floor_scales
-from kernels.flash_tf32 import flash_attention_tf32, make_flash_forward_tf32, tf32_tiles
+from kernels.flash_tf32 import flash_attention_tf32, forward_checked, make_flash_forward_tf32, tf32_tiles
 
 SIM = on_simulator()
 MAX_N = 18 if SIM else 300
 HEAD_DIMS = [3, 8, 13] if SIM else [8, 20, 64, 100, 128]
 
 
-def check(case, passes=3):
-    o, lse = flash_attention_tf32(case.q, case.k, case.v, causal=case.causal, scale=case.scale, passes=passes)
+def check(case, passes=3, splits=None):
+    if splits is None:
+        o, lse = flash_attention_tf32(case.q, case.k, case.v, causal=case.causal, scale=case.scale, passes=passes)
+    else:                        # the checked entry, the keys split among ``splits`` blocks a query tile
+        kind = ArrayKind(case.q)
+        scale = case.scale if case.scale is not None else 1 / np.sqrt(case.q.shape[-1])
+        o, lse = forward_checked(kind, *(cuda.to_device(np.ascontiguousarray(x, np.float32))
+                                         for x in (case.q, case.k, case.v)),
+                                 causal=case.causal, scale=scale, passes=passes, splits=splits)
+        o, lse = kind.result(o), kind.result(lse)
     exact_o, exact_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale)
     base_o, base_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale, dtype=np.float32)
     assert o.dtype == np.float32 and lse.dtype == np.float32
@@ -52,6 +60,16 @@ ONE_PAST = tf32_tiles(16)[0] + 1          # one past a block's query rows
 @example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0))                # logits ~ +-1e4
 def test_matches_oracle(case):
     check(case)
+
+
+@given(case=tf32_cases(), splits=st.integers(2, 5))
+@settings(max_examples=3 if SIM else 100)
+@example(case=case_with((1, 1, 9, 5), (1, 1, 4, 5), causal=True), splits=3)              # rows that see nothing
+@example(case=case_with((1, 1, ONE_PAST, 16), (1, 1, 40, 16), causal=True), splits=4)    # shares of a causal walk
+def test_keys_split_among_blocks_meet_the_same_rule(case, splits):
+    """The split forward (``kernels.base.key_split``): S blocks a query tile, each a share of
+    the key tiles, their partials merged."""
+    check(case, splits=splits)
 
 
 @pytest.mark.parametrize("nq, nk", [(0, 5), (5, 0), (0, 0)])
