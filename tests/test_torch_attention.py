@@ -239,6 +239,8 @@ def _t(*shape, dtype=torch.float32):
     (dict(query=_t(1, 2, 4, 136), key=_t(1, 2, 4, 136), value=_t(1, 2, 4, 136)), ValueError, "query"),
     (dict(query=np.zeros((1, 2, 4, 8), np.float32)), TypeError, "query"),
     (dict(block_mask=np.ones((1, 1), bool)), TypeError, "block_mask"),
+    (dict(query=_t(2, 32768, 0, 8), key=_t(2, 32768, 4, 8), value=_t(2, 32768, 4, 8)), ValueError, "query.*B\\*H"),
+    (dict(scale=-1.0), ValueError, "scale"),
 ])
 def test_bad_input_is_named(kwargs, error, words):
     args = dict(query=_t(1, 2, 4, 8), key=_t(1, 2, 4, 8), value=_t(1, 2, 4, 8))
