@@ -44,7 +44,7 @@ from numba import cuda, float32, int32, uint16, uint32
 from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
-from kernels.base.key_split import COMBINE_SLOTS, choose_splits, combine_launch
+from kernels.base.key_split import add_combine, choose_splits, output_names, partial_views, partials
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_array, check_flag, \
     check_scale, device_bits16, as_bits16, is_bf16_array, is_device_array, on_simulator, run_bound, to_device
 
@@ -387,9 +387,7 @@ def forward_checked(kind, q, k, v, *, causal, scale, bf16, splits=None):
         Br, Bc, _ = tc_tiles(d)
         splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc) if splits is None else int(splits)
         arrays = dict(q=q, k=k, v=v, o=o, lse=lse)
-        if splits > 1:                                  # the splits' partials
-            arrays.update(o_part=kind.new((splits * B * H, n_q, d), np.float32),
-                          l_part=kind.new((splits * B * H, n_q), np.float32))
+        arrays.update(partials(kind, splits, B * H, n_q, d))
         run_bound(_launches, (B, H, n_q, n_k, d, bf16, causal, scale, splits), arrays,
                   lambda arrays: _views(arrays, B * H, n_q, n_k, d),
                   lambda views, aligned: _bind_forward(views, d, bf16, causal, scale, aligned, splits),
@@ -403,7 +401,7 @@ def _views(arrays, BH, n_q, n_k, d):
     rows = dict(q=n_q, k=n_k, v=n_k, o=n_q)
     views = {name: device_bits16(as_bits16(arrays[name]), name).reshape(BH, rows[name], d) for name in rows}
     views["lse"] = to_device(arrays["lse"], "lse").reshape(BH, n_q)
-    views.update((name, to_device(arrays[name], name)) for name in ("o_part", "l_part") if name in arrays)
+    views.update(partial_views(arrays))
     return views
 
 
@@ -413,13 +411,11 @@ def _bind_forward(views, d, bf16, causal, scale, aligned, splits=1):
     BH, n_q, _ = views["q"].shape
     Br, Bc, D = tc_tiles(d)
     kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16), split=splits > 1)
-    names = ("q", "k", "v", "o", "lse") if splits == 1 else ("q", "k", "v", "o_part", "l_part")
+    names = ("q", "k", "v", *output_names(splits))
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
     launches = [(kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, 0)]
     slots = [{n: i for i, n in enumerate(names)}]
-    if splits > 1:
-        launches.append(combine_launch(views, BH, n_q))
-        slots.append(COMBINE_SLOTS)
+    add_combine(launches, slots, views, splits)
     return BoundLaunches(launches, slots)
 
 

@@ -42,7 +42,7 @@ from numba import cuda, float32, int32, uint32
 from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.tf32_product import PASSES, make_tf32_product
-from kernels.base.key_split import COMBINE_SLOTS, choose_splits, combine_launch
+from kernels.base.key_split import add_combine, choose_splits, output_names, partial_views, partials
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_qkv, check_scale, \
     is_device_array, launch_stream, on_simulator, run_bound, to_device
 
@@ -316,9 +316,7 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None):
         arrays = dict(q=q, k=k, v=v)
         arrays.update((name, kind.new((B, H, n_k, d), np.uint32)) for name in SPLIT)   # K, V split once a call
         arrays.update((name + "_flat", arrays[name]) for name in ("k", "v", *SPLIT))    # the split's 1-D views
-        if splits > 1:                                  # the splits' partials
-            arrays.update(o_part=kind.new((splits * B * H, n_q, d), np.float32),
-                          l_part=kind.new((splits * B * H, n_q), np.float32))
+        arrays.update(partials(kind, splits, B * H, n_q, d))
         run_bound(_launches, (B, H, n_q, n_k, d, causal, scale, int(passes), splits), dict(arrays, o=o, lse=lse),
                   lambda a: _views(a, B * H, n_q, n_k, d),
                   lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits),
@@ -340,7 +338,7 @@ def _views(arrays, BH, n_q, n_k, d):
     views = {name: to_device(arrays[name], name).reshape(BH, rows[name], d) for name in rows}
     views["lse"] = to_device(arrays["lse"], "lse").reshape(BH, n_q)
     views.update((name + "_flat", views[name].reshape(BH * n_k * d)) for name in ("k", "v", *SPLIT))
-    views.update((name, to_device(arrays[name], name)) for name in ("o_part", "l_part") if name in arrays)
+    views.update(partial_views(arrays))
     return views
 
 
@@ -354,7 +352,7 @@ def _bind_forward(views, causal, scale, passes, aligned, splits=1):
     nbytes = 4 * shared_words(Bc, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, split=splits > 1)
-    names = ("q", *SPLIT, "o", "lse") if splits == 1 else ("q", *SPLIT, "o_part", "l_part")
+    names = ("q", *SPLIT, *output_names(splits))
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
     if dynamic:
         allow_dynamic_shared_memory(kernel, args, nbytes)
@@ -367,9 +365,7 @@ def _bind_forward(views, causal, scale, passes, aligned, splits=1):
         slots.append({f: i for i, f in enumerate(flat)})
     launches.append((kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, nbytes if dynamic else 0))
     slots.append({name: i for i, name in enumerate(names)})
-    if splits > 1:
-        launches.append(combine_launch(views, BH, n_q))
-        slots.append(COMBINE_SLOTS)
+    add_combine(launches, slots, views, splits)
     return BoundLaunches(launches, slots)
 
 

@@ -62,7 +62,7 @@ from kernels.base.fused import FASTMATH, LOG2E, make_row_reductions
 from kernels.base.key_block_walk import pair_at, query_pairs
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_flag, \
-    check_scale, is_bf16_array, launch_stream, on_simulator
+    check_scale, is_bf16_array, launch_stream, on_simulator, torch_dtype_as_numpy
 
 __all__ = ["flash_attention_backward_tc", "BackwardLaunches", "launch_backward", "make_backward_tc", "make_delta_tc",
            "rounded_backward_numpy", "tc_backward_tiles", "shared_halves", "ptx_targets"]
@@ -452,10 +452,10 @@ _launches = LaunchCache()
 
 
 def _dtype(x):
-    """An array's dtype: NumPy's, or a PyTorch tensor's name ("float32", ...) read without
-    building its array interface (microseconds a call)."""
+    """An array's NumPy dtype; a PyTorch tensor's read without building its array interface
+    (microseconds a call)."""
     if type(x).__module__.startswith("torch"):
-        return str(x.dtype).rsplit(".", 1)[-1]
+        return torch_dtype_as_numpy(x.dtype)
     cai = getattr(x, "__cuda_array_interface__", None)
     return np.dtype(cai["typestr"]) if cai is not None else np.dtype(x.dtype)
 
@@ -494,7 +494,7 @@ def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, bf16, out=None
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
-    key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) not in (np.float32, "float32"), causal, scale)
+    key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) != np.float32, causal, scale)
     return run_grouped_backward(kind, arrays, (B, H, hkv, n_q, n_k, d), key, _launches,
                                 lambda views, aligned: BackwardLaunches(views, scale, causal, bf16, aligned), words=8,
                                 scratch=("delta", "l2"), out=out)

@@ -22,10 +22,12 @@ import math
 
 from numba import cuda, float32, int32
 
-from kernels.base.runtime import cdiv, on_simulator
+import numpy as np
 
-__all__ = ["split_range", "make_combine_splits", "combine_launch", "COMBINE_SLOTS", "choose_splits",
-           "multiprocessors", "COMBINE_ROWS"]
+from kernels.base.runtime import cdiv, on_simulator, to_device
+
+__all__ = ["split_range", "make_combine_splits", "choose_splits", "partials", "partial_views", "output_names",
+           "add_combine", "multiprocessors", "COMBINE_ROWS"]
 
 COMBINE_ROWS = 4          # rows a combine block (one warp each: lanes over d)
 MINUS_INF = float32(-math.inf)
@@ -91,12 +93,37 @@ def make_combine_splits():
 COMBINE_SLOTS = {"o_part": 0, "l_part": 1, "o": 2, "lse": 3}     # a bound merge's arguments, by name
 
 
-def combine_launch(views: dict, BH: int, n_q: int):
-    """The merge as (kernel, grid, threads, args, dynamic shared bytes), on ``views``'
-    o_part, l_part, o and lse (``COMBINE_SLOTS``)."""
+# What a forward's launcher does with S (``splits``): one split is the plain forward into o and
+# lse; more, the forward into the partials and a merge into o and lse.
+
+def partials(kind, splits: int, BH: int, n_q: int, d: int) -> dict:
+    """The call's partial buffers by name, from ``kind``'s allocator: none for one split, else
+    o_part (S*B*H, Nq, d) and l_part (S*B*H, Nq) float32."""
+    if splits == 1:
+        return {}
+    return dict(o_part=kind.new((splits * BH, n_q, d), np.float32), l_part=kind.new((splits * BH, n_q), np.float32))
+
+
+def partial_views(arrays: dict) -> dict:
+    """Numba views of the partials among a call's ``arrays`` (none if it has none)."""
+    return {name: to_device(arrays[name], name) for name in ("o_part", "l_part") if name in arrays}
+
+
+def output_names(splits: int) -> tuple:
+    """The forward kernel's two outputs: o and lse, or with S > 1 the partials."""
+    return ("o", "lse") if splits == 1 else ("o_part", "l_part")
+
+
+def add_combine(launches: list, slots: list, views: dict, splits: int) -> None:
+    """With S > 1, the merge appended to a ``BoundLaunches``' launches and slots, on ``views``'
+    o_part, l_part, o (B*H, Nq, d) and lse."""
+    if splits == 1:
+        return
     combine = make_combine_splits()
-    args = tuple(views[name] for name in COMBINE_SLOTS)
-    return combine, (cdiv(n_q, COMBINE_ROWS), BH), combine.threads, args, 0
+    BH, n_q = views["o"].shape[:2]
+    launches.append((combine, (cdiv(n_q, COMBINE_ROWS), BH), combine.threads,
+                     tuple(views[name] for name in COMBINE_SLOTS), 0))
+    slots.append(COMBINE_SLOTS)
 
 
 @functools.lru_cache(maxsize=None)
