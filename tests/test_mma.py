@@ -66,15 +66,17 @@ def _split_kernel(x, out):
 
 
 def test_split_tf32_is_hi_and_the_rounded_rest():
-    """hi = x rounded to tf32 (cvt.rna), lo = (x - hi) rounded: hi + lo is x to 2^-22 of |x|."""
+    """hi = x rounded to tf32 (cvt.rn, ties to even, on sm_90; cvt.rna before), lo = (x - hi)
+    rounded: hi + lo is x to 2^-22 of |x|. 1 + 2^-12 is a tie: the two roundings differ there."""
     rng = np.random.default_rng(7)
     x = np.concatenate([rng.standard_normal(61), [0.0, -0.0, 1.0 + 2.0**-12, 3.0e-39]]).astype(np.float32)
     out = np.zeros((len(x), 2), np.uint32)
     _split_kernel[1, 96](x, out)
-    hi = mma.tf32_bits(x)
+    ties = mma.split_ties()
+    hi = mma.tf32_bits(x, ties)
     rest = x - hi.view(np.float32)
     np.testing.assert_array_equal(out[:, 0], hi)
-    np.testing.assert_array_equal(out[:, 1], mma.tf32_bits(rest))
+    np.testing.assert_array_equal(out[:, 1], mma.tf32_bits(rest, ties))
     both = out[:, 0].view(np.float32).astype(np.float64) + out[:, 1].view(np.float32).astype(np.float64)
     # subnormals (the last input) keep fewer bits: tf32's spacing there is 2^-136
     assert np.all(np.abs(both - x) <= 2.0**-22 * np.abs(x) + 2.0**-136)

@@ -28,10 +28,12 @@ so any PTX instruction: that is all this module does on the GPU. The device func
     unpack_bf16(w)                          one uint32 -> its two bf16 halves as float32 (lo, hi)
     to_tf32(x)                              float32 -> uint32 (tf32: 10 mantissa bits, rounded)
     split_tf32(x)                           float32 -> (hi, lo) uint32 tf32 patterns: hi = x rounded,
-                                            lo = (x - hi) rounded (3xTF32: x = hi + lo to ~2^-22)
+                                            lo = (x - hi) rounded (3xTF32: x = hi + lo to ~2^-22);
+                                            on sm_90 and later rounded to nearest even
+                                            (cvt.rn.tf32.f32: one instruction), before
+                                            sm_90 ties away (cvt.rna: four); ``split_ties()``
     split_tf32_at(addr)                     split_tf32 of the float32 at a shared address (from
                                             shared_address plus a byte offset): one ld.shared
-                                            (lo as split_tf32's wherever x is finite)
     load_words(a, row, col)                 16 bytes of a 2-D array from a[row, col] -> 4 uint32
     store_word(a, row, col, w)              one uint32 into a 2-D 16-bit array at a[row, col .. col + 1]
     red_add_pair(a, row, col, x, y)         a[row, col] += x, a[row, col + 1] += y (float32, one
@@ -66,7 +68,7 @@ __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_posit
            "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_at",
            "load_words", "store_word", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
-           "half_bits", "bf16_bits", "tf32_bits", "words_to_halves", "PTX"]
+           "half_bits", "bf16_bits", "tf32_bits", "split_ties", "words_to_halves", "PTX"]
 
 M, N, K = 16, 8, 16          # the f16/bf16 shape; tf32 is 16 x 8 x 8
 
@@ -128,11 +130,17 @@ def bf16_bits(x) -> np.ndarray:
     return out.reshape(np.shape(x))
 
 
-def tf32_bits(x) -> np.ndarray:
-    """float32 values rounded to tf32 (10 mantissa bits; to nearest, ties away from zero,
-    as ``cvt.rna.tf32.f32``), as float32 bit patterns (uint32) with the low 13 bits zero."""
+def tf32_bits(x, ties: str = "away") -> np.ndarray:
+    """float32 values rounded to tf32 (10 mantissa bits; to nearest, ties away from zero, as
+    ``cvt.rna.tf32.f32``, or with ``ties="even"`` ties to even, as ``cvt.rn.tf32.f32``), as
+    float32 bit patterns (uint32) with the low 13 bits zero; Inf and NaN unchanged."""
+    if ties not in ("away", "even"):
+        raise ValueError(f"ties: expected 'away' or 'even', got {ties!r}")
     bits = np.atleast_1d(np.asarray(x, np.float32)).view(np.uint32).astype(np.uint64)
-    out = ((bits + 0x1000) & 0xFFFFE000).astype(np.uint32)
+    # to nearest: add half a tf32 ulp to the magnitude bits, clear the 13 low bits; ties to
+    # even add one less where the kept last bit is 0, so an exact tie rounds down to it
+    half = 0x1000 if ties == "away" else 0xFFF + ((bits >> 13) & 1)
+    out = ((bits + half) & 0xFFFFE000).astype(np.uint32)
     finite = np.isfinite(np.atleast_1d(np.asarray(x, np.float32)))
     out = np.where(finite, out, np.atleast_1d(np.asarray(x, np.float32)).view(np.uint32))
     return out.reshape(np.shape(x))
@@ -190,6 +198,23 @@ def matrix_from_c(frags) -> np.ndarray:
     return out
 
 
+# --------------------------------------------------------------------------- the split's rounding
+
+def split_ties() -> str:
+    """How ``split_tf32`` rounds on the current device: "even" (``cvt.rn.tf32.f32``, sm_90
+    and later: one instruction) or "away" (``cvt.rna.tf32.f32``, all sm_80 has). The
+    simulator and a compile with no GPU (``kernels.base.ptx_check``: sm_90) round as the
+    H100 does. Asked when a kernel compiles, not at import (a process picks its GPU first)."""
+    if on_simulator():
+        return "even"
+    from numba import cuda
+    try:
+        cc = tuple(cuda.get_current_device().compute_capability)
+    except Exception:                           # no driver: PTX compiled for sm_90
+        return "even"
+    return "even" if cc >= (9, 0) else "away"
+
+
 # --------------------------------------------------------------------------- the PTX each function emits
 
 PTX = {
@@ -199,7 +224,7 @@ PTX = {
     "pack_f16": "cvt.rn.f16x2.f32",
     "pack_bf16": "cvt.rn.bf16x2.f32",
     "to_tf32": "cvt.rna.tf32.f32",
-    "split_tf32": "sub.f32 r,",                  # within: cvt.rna.tf32.f32 twice around it
+    "split_tf32": "sub.f32 r,",                  # within: cvt.rn.tf32.f32 (cvt.rna before sm_90) twice around it
     "ldmatrix": "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
     "ldmatrix_trans": "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
     "cp_async": "cp.async.cg.shared.global",
@@ -309,10 +334,10 @@ def _sim_to_tf32(x):
 
 def _sim_split_tf32(x):
     x = np.float32(x)
-    hi = np.uint32(int(tf32_bits(x)))
+    hi = np.uint32(int(tf32_bits(x, split_ties())))
     with np.errstate(invalid="ignore", over="ignore"):
         rest = np.float32(x - np.array(hi, np.uint32).view(np.float32))
-    return hi, np.uint32(int(tf32_bits(rest)))
+    return hi, np.uint32(int(tf32_bits(rest, split_ties())))
 
 
 def _sim_split_tf32_at(addr):
@@ -512,8 +537,11 @@ def _gpu_functions():
 
         def codegen(context, builder, sig, args):
             v = context.cast(builder, args[0], sig.args[0], types.float32)
-            # hi = x rounded to tf32; lo = (x - hi) rounded (a .b32 register is a valid f32 operand)
-            body = "{ .reg .f32 r; cvt.rna.tf32.f32 $0, $2; sub.f32 r, $2, $0; cvt.rna.tf32.f32 $1, r; }"
+            # hi = x rounded to tf32; lo = (x - hi) rounded (a .b32 register is a valid f32
+            # operand); cvt.rn (ties to even) is one instruction on sm_90 (F2FP.TF32), cvt.rna
+            # four (an add, a mask and the check for Inf and NaN), and all sm_80 has
+            cvt = "cvt.rna.tf32.f32" if split_ties() == "away" else "cvt.rn.tf32.f32"
+            body = f"{{ .reg .f32 r; {cvt} $0, $2; sub.f32 r, $2, $0; {cvt} $1, r; }}"
             return context.make_tuple(builder, result, asm(builder, [i32, i32], body, "=&r,=r,f", [v]))
 
         return result(x), codegen
@@ -560,12 +588,16 @@ def _gpu_functions():
 
         def codegen(context, builder, sig, args):
             a = context.cast(builder, args[0], sig.args[0], types.uint32)
-            # lo is rounded by integer arithmetic (add half a tf32 ulp to the magnitude bits,
-            # clear the 13 low bits): cvt.rna's check for Inf and NaN costs two more instructions
-            # (its SASS on the H100), and lo is finite wherever x is (for x = Inf or NaN, hi
-            # carries it and lo is a finite leftover)
-            body = ("{ .reg .f32 x, r; .reg .b32 u; ld.shared.f32 x, [$2]; cvt.rna.tf32.f32 $0, x; "
-                    "sub.f32 r, x, $0; mov.b32 u, r; add.u32 u, u, 4096; and.b32 $1, u, -8192; }")
+            if split_ties() == "away":
+                # before sm_90 lo is rounded by integer arithmetic (add half a tf32 ulp to the
+                # magnitude bits, clear the 13 low bits): cvt.rna's check for Inf and NaN costs
+                # two more instructions, and lo is finite wherever x is (for x = Inf or NaN, hi
+                # carries it and lo is a finite leftover)
+                body = ("{ .reg .f32 x, r; .reg .b32 u; ld.shared.f32 x, [$2]; cvt.rna.tf32.f32 $0, x; "
+                        "sub.f32 r, x, $0; mov.b32 u, r; add.u32 u, u, 4096; and.b32 $1, u, -8192; }")
+            else:
+                body = ("{ .reg .f32 x, r; ld.shared.f32 x, [$2]; cvt.rn.tf32.f32 $0, x; "
+                        "sub.f32 r, x, $0; cvt.rn.tf32.f32 $1, r; }")
             outs = asm(builder, [i32, i32], body, "=&r,=r,r,~{memory}", [a], side_effect=True)
             return context.make_tuple(builder, result, outs)
 
