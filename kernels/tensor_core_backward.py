@@ -60,6 +60,7 @@ from kernels.base.backward_args import check_grouped_args, run_grouped_backward
 from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E, make_row_reductions
 from kernels.base.key_block_walk import pair_at, query_pairs
+from kernels.base.query_split import add_zero_gradients, choose_query_splits
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_flag, \
     check_scale, is_bf16_array, launch_stream, on_simulator, torch_dtype_as_numpy
@@ -134,11 +135,14 @@ def make_delta_tc(bf16: bool, o_bits: bool):
 # --------------------------------------------------------------------------- the kernel
 
 @functools.lru_cache(maxsize=None)
-def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool = False, CP: int = 0):
+def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool = False, CP: int = 0,
+                     split: bool = False):
     """The dK/dV/dQ kernel for Br query rows a tile, W warps (Bc = 16 W keys), head dim D
-    (a multiple of 16); ``dynamic``: its shared memory (``shared_halves``) is dynamic.
+    (a multiple of 16); ``dynamic``: its shared memory (``shared_halves``) is dynamic;
+    ``split``: the (query head, query tile) pairs split among gridDim.z blocks a key tile,
+    each adding its dK_j, dV_j into zeroed dk, dv (``kernels.base.query_split``).
 
-    Launch: grid (ceil(Nk / Bc), B * Hkv), 32 W threads. Arguments: q, do (B*H, Nq, d) and
+    Launch: grid (ceil(Nk / Bc), B * Hkv[, S]), 32 W threads. Arguments: q, do (B*H, Nq, d) and
     k, v (B*Hkv, Nk, d) uint16 (fp16 or bf16 bits); l2 and delta (B*H, Nq) float32 (L in
     base 2 and D, from ``make_delta_tc``); dq (B*H, Nq, d) float32, zeroed; dk, dv (B*Hkv,
     Nk, d) float32; scale (float32), causal (int32 0/1), group (int32: H / Hkv), aligned
@@ -147,6 +151,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
                                   ldmatrix_at, ldmatrix_trans_at, mma_bf16, mma_f16, pack_bf16, pack_f16,
                                   shared_address, store_word)
+    from kernels.base.query_split import split_steps
     from kernels.base.shared_memory import shared_view
 
     if D % 16 or Br % 16 or W < 1:
@@ -230,10 +235,12 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
         scale2 = float32(scale * LOG2E)
         # (query head, query tile) pairs that see these keys, in order (causal: from `first` on)
         first, n_tiles, steps = query_pairs(k0, diag, causal, n_q, Br, group)
+        s_first, s_end = 0, steps                     # this block's pairs: all, or its split's share
+        if split:
+            s_first, s_end = split_steps(steps)
 
-        if steps > 0:                                 # the first pair's copies
-            bh = bkv * group
-            q0 = first * Br
+        if s_end > s_first:                           # the first pair's copies
+            bh, q0 = pair_at(s_first, bkv, group, first, n_tiles, Br)
             stage_queries(q[bh], shared_view(smem, 2 * TILE + Bc * SB, (Br, SD)), n_q, q0, d, tid, aligned)
             stage_queries(do[bh], shared_view(smem, 2 * TILE + Bc * SB + QTILE, (Br, SD)), n_q, q0, d, tid,
                           aligned)
@@ -242,11 +249,12 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                 Ls[0, r] = l2[bh, row] if row < n_q else DEAD
                 Ds[0, r] = delta[bh, row] if row < n_q else float32(0.0)
         cp_async_commit()
-        for step in range(steps):
-            buf = step % 2
+        for i in range(s_end - s_first):
+            step = s_first + i
+            buf = i % 2
             bh, q0 = pair_at(step, bkv, group, first, n_tiles, Br)
             cuda.syncthreads()                        # every warp is done with the other buffer and dS
-            if step + 1 < steps:                      # the next pair's copies fly during this one
+            if step + 1 < s_end:                      # the next pair's copies fly during this one
                 nbh, nq0 = pair_at(step + 1, bkv, group, first, n_tiles, Br)
                 nb = 1 - buf
                 stage_queries(q[nbh], shared_view(smem, 2 * TILE + Bc * SB + 2 * nb * QTILE, (Br, SD)), n_q, nq0,
@@ -380,14 +388,20 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
 
         cp_async_wait_all()                           # (the last, empty, group)
 
-        # ---- dK_j = scale dK_w, dV_j: the warp's 16 rows
+        # ---- dK_j = scale dK_w, dV_j: the warp's 16 rows (split: added to the other splits')
+        if split and s_end <= s_first:
+            return
         for j in range(ND):
             for e in range(4):
                 key = k0 + kw + g + 8 * (e // 2)
                 col = j * 8 + 2 * t + e % 2
                 if key < n_k and col < d:
-                    dk[bkv, key, col] = dka[j, e] * scale
-                    dv[bkv, key, col] = dva[j, e]
+                    if split:
+                        cuda.atomic.add(dk, (bkv, key, col), dka[j, e] * scale)
+                        cuda.atomic.add(dv, (bkv, key, col), dva[j, e])
+                    else:
+                        dk[bkv, key, col] = dka[j, e] * scale
+                        dv[bkv, key, col] = dva[j, e]
 
     backward_tc.threads = THREADS
     backward_tc.keys = Bc
@@ -396,10 +410,12 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
 
 # --------------------------------------------------------------------------- the launcher
 
-def _two_launches(views: dict, delta, l2, scale, causal, bf16, aligned, tiles=None):
+def _two_launches(views: dict, delta, l2, scale, causal, bf16, aligned, tiles=None, splits=1):
     """The two launches on these views, as (kernel, grid, threads, args, dynamic shared bytes)
     each: the pre-pass, then the dK/dV/dQ kernel (its shared-memory limit raised where it
-    needs more than 48 KB). ``tiles``: (Br, W) or (Br, W, CP), by default ``tc_backward_tiles``."""
+    needs more than 48 KB). ``tiles``: (Br, W) or (Br, W, CP), by default ``tc_backward_tiles``;
+    ``splits``: S blocks a key tile (``kernels.base.query_split``; the caller zeroes dk and
+    dv first when S > 1)."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
 
     bh, n_q, d = views["q"].shape
@@ -413,24 +429,28 @@ def _two_launches(views: dict, delta, l2, scale, causal, bf16, aligned, tiles=No
     pre = (delta_kernel, (cdiv(n_q, 4), bh), 128, (views["o"], views["do"], views["lse"], delta, l2, views["dq"]), 0)
     nbytes = 2 * shared_halves(Br, W, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kernel = make_backward_tc(Br, W, D, bool(bf16), dynamic, CP)
+    kernel = make_backward_tc(Br, W, D, bool(bf16), dynamic, CP, splits > 1)
     args = (views["q"], views["k"], views["v"], views["do"], l2, delta, views["dq"], views["dk"], views["dv"],
             np.float32(scale), np.int32(causal), np.int32(bh // bkv), np.int32(aligned))
     if dynamic:
         allow_dynamic_shared_memory(kernel, args, nbytes)
-    return pre, (kernel, (cdiv(n_k, 16 * W), bkv), kernel.threads, args, nbytes if dynamic else 0)
+    grid = (cdiv(n_k, 16 * W), bkv) if splits == 1 else (cdiv(n_k, 16 * W), bkv, splits)
+    return pre, (kernel, grid, kernel.threads, args, nbytes if dynamic else 0)
 
 
-def launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, causal, bf16, tiles=None):
+def launch_backward(qd, kd, vd, od, lsed, dod, delta, l2, dq, dk, dv, scale, causal, bf16, tiles=None, splits=1):
     """The two kernels on device views: qd, dod (B*H, Nq, d), kd, vd (B*Hkv, Nk, d) uint16;
     od (B*H, Nq, d) float32 or uint16; lsed (B*H, Nq) float32; into the buffers delta, l2
     (B*H, Nq) and dq, dk, dv float32, launched as Numba launches them (the bench's bare
-    launch). ``tiles``: (Br, W) or (Br, W, CP), by default ``tc_backward_tiles``."""
+    launch). ``tiles``: (Br, W) or (Br, W, CP), by default ``tc_backward_tiles``; ``splits``:
+    S blocks a key tile (dK and dV zeroed first)."""
     d = qd.shape[2]
     aligned = int(d % 8 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd, dod, dq))) \
         if not on_simulator() else int(d % 8 == 0)
     views = dict(q=qd, k=kd, v=vd, o=od, lse=lsed, do=dod, dq=dq, dk=dk, dv=dv)
-    for kernel, grid, threads, args, nbytes in _two_launches(views, delta, l2, scale, causal, bf16, aligned, tiles):
+    launches = list(_two_launches(views, delta, l2, scale, causal, bf16, aligned, tiles, splits))
+    add_zero_gradients(launches, [None, None], views, splits)
+    for kernel, grid, threads, args, nbytes in launches:
         kernel[grid, threads, launch_stream(), nbytes](*args)
 
 
@@ -443,9 +463,11 @@ class BackwardLaunches(BoundLaunches):
     DELTA_SLOTS = dict(o=0, do=1, lse=2, delta=3, l2=4, dq=5)
     MAIN_SLOTS = dict(q=0, k=1, v=2, do=3, l2=4, delta=5, dq=6, dk=7, dv=8)
 
-    def __init__(self, views: dict, scale: float, causal: bool, bf16: bool, aligned: int, tiles=None):
-        super().__init__(_two_launches(views, views["delta"], views["l2"], scale, causal, bf16, aligned, tiles),
-                         (self.DELTA_SLOTS, self.MAIN_SLOTS))
+    def __init__(self, views: dict, scale: float, causal: bool, bf16: bool, aligned: int, tiles=None, splits=1):
+        launches = list(_two_launches(views, views["delta"], views["l2"], scale, causal, bf16, aligned, tiles, splits))
+        slots = [self.DELTA_SLOTS, self.MAIN_SLOTS]
+        add_zero_gradients(launches, slots, views, splits)       # (S > 1: dK and dV zeroed first)
+        super().__init__(launches, slots)
 
 
 _launches = LaunchCache()
@@ -485,19 +507,25 @@ def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None
     return backward_checked(kind, q, k, v, o, lse, do, causal=causal, scale=scale, bf16=bf16)
 
 
-def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, bf16, out=None):
+def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, bf16, out=None, splits=None):
     """What ``flash_attention_backward_tc`` runs once its checks pass, for callers that made
     them (chapter 13's drop-in checks its tensors once): the arrays as the launcher takes
     them (PyTorch fp16/bf16 tensors as they are, C-contiguous), ``scale`` a float.
     (dq, dk, dv) float32 from ``kind``'s allocator (an ``ArrayKind``), or written into
-    ``out``'s three arrays."""
+    ``out``'s three arrays. ``splits``: the query tiles split among that many blocks a key
+    tile (``kernels.base.query_split``); None: split only where the grid would not fill the GPU."""
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
+    if splits is None:
+        Br, W, _ = tc_backward_tiles(d)
+        splits = choose_query_splits(cdiv(n_k, 16 * W) * B * hkv, (H // max(hkv, 1)) * n_q, Br)
+    splits = int(splits)
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
-    key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) != np.float32, causal, scale)
+    key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) != np.float32, causal, scale, splits)
     return run_grouped_backward(kind, arrays, (B, H, hkv, n_q, n_k, d), key, _launches,
-                                lambda views, aligned: BackwardLaunches(views, scale, causal, bf16, aligned), words=8,
-                                scratch=("delta", "l2"), out=out)
+                                lambda views, aligned: BackwardLaunches(views, scale, causal, bf16, aligned,
+                                                                        splits=splits),
+                                words=8, scratch=("delta", "l2"), out=out)
 
 
 # --------------------------------------------------------------------------- the float32 yardstick
@@ -557,4 +585,7 @@ def ptx_targets(every_shape: bool = False):
             dynamic = 2 * shared_halves(Br, W, D) > 48 * 1024
             out.append((f"backward tensor cores {'bf16' if bf16 else 'fp16'} Br={Br} Bc={16 * W} D={D}",
                         make_backward_tc(Br, W, D, bf16, dynamic), sig))
+        if every_shape:                               # the query split (chapter 13)
+            out.append((f"backward tensor cores fp16 split Br={Br} Bc={16 * W} D={D}",
+                        make_backward_tc(Br, W, D, False, dynamic, split=True), sig))
     return out

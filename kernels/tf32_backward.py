@@ -58,6 +58,7 @@ from kernels.base.fused import FASTMATH, LOG2E
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, \
     launch_stream, on_simulator
 from kernels.base.key_block_walk import pair_at, query_pairs
+from kernels.base.query_split import add_zero_gradients, choose_query_splits
 from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.tile_copy import make_async_tile_copy
 
@@ -92,18 +93,21 @@ def shared_words(Br: int, W: int, D: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool = False):
+def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool = False, split: bool = False):
     """The dK/dV/dQ kernel for Br query rows a tile, W warps (Bc = 16 W keys), head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
-    memory (``shared_words``) is dynamic.
+    memory (``shared_words``) is dynamic; ``split``: the (query head, query tile) pairs split
+    among gridDim.z blocks a key tile, each adding its dK_j, dV_j into zeroed dk, dv
+    (``kernels.base.query_split``).
 
-    Launch: grid (ceil(Nk / Bc), B * Hkv), 32 W threads. Arguments: q, do (B*H, Nq, d) and
+    Launch: grid (ceil(Nk / Bc), B * Hkv[, S]), 32 W threads. Arguments: q, do (B*H, Nq, d) and
     k, v (B*Hkv, Nk, d) float32; lse and delta (B*H, Nq) float32 (L, natural log, and D from
     the pre-pass); dq (B*H, Nq, d) float32, zeroed; dk, dv (B*Hkv, Nk, d) float32; scale
     (float32), causal (int32 0/1), group (int32: H / Hkv), aligned (int32: rows of q, k, v,
     dO and dQ 16-byte aligned and d % 4 == 0: cp.async copies, and dQ's adds in pairs)."""
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
                                   shared_address, split_tf32_at)
+    from kernels.base.query_split import split_steps
     from kernels.base.shared_memory import shared_view
 
     if passes not in PASSES:
@@ -202,15 +206,20 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
         scale2 = float32(scale * LOG2E)
         # (query head, query tile) pairs that see these keys, in order (causal: from `first` on)
         first, n_tiles, steps = query_pairs(k0, diag, causal, n_q, Br, group)
+        s0, s1 = 0, steps                             # this block's pairs: all, or its split's share
+        if split:
+            s0, s1 = split_steps(steps)
 
-        if steps > 0:                                 # the first pair's copies
-            stage_pair(q, do, lse, delta, smem, Ls, Ds, 0, bkv * group, first * Br, n_q, d, tid, aligned)
+        if s1 > s0:                                   # the first pair's copies
+            bh, q0 = pair_at(s0, bkv, group, first, n_tiles, Br)
+            stage_pair(q, do, lse, delta, smem, Ls, Ds, 0, bh, q0, n_q, d, tid, aligned)
         cp_async_commit()
-        for step in range(steps):
-            buf = step % 2
+        for i in range(s1 - s0):
+            step = s0 + i
+            buf = i % 2
             bh, q0 = pair_at(step, bkv, group, first, n_tiles, Br)
             cuda.syncthreads()                        # every warp is done with the other buffer and dS
-            if step + 1 < steps:                      # the next pair's copies fly during this one
+            if step + 1 < s1:                         # the next pair's copies fly during this one
                 nb = 1 - buf
                 nbh, nq0 = pair_at(step + 1, bkv, group, first, n_tiles, Br)
                 stage_pair(q, do, lse, delta, smem, Ls, Ds, nb, nbh, nq0, n_q, d, tid, aligned)
@@ -306,14 +315,20 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
 
         cp_async_wait_all()                           # (the last, empty, group)
 
-        # ---- dK_j = scale dK_w, dV_j: the warp's 16 rows
+        # ---- dK_j = scale dK_w, dV_j: the warp's 16 rows (split: added to the other splits')
+        if split and s1 <= s0:
+            return
         for j in range(ND):
             for e in range(4):
                 key = k0 + int32(kw + g) + 8 * (e // 2)
                 col = j * 8 + int32(U(2) * t) + e % 2
                 if key < n_k and col < d:
-                    dk[bkv, key, col] = dka[j, e] * scale
-                    dv[bkv, key, col] = dva[j, e]
+                    if split:
+                        cuda.atomic.add(dk, (bkv, key, col), dka[j, e] * scale)
+                        cuda.atomic.add(dv, (bkv, key, col), dva[j, e])
+                    else:
+                        dk[bkv, key, col] = dka[j, e] * scale
+                        dv[bkv, key, col] = dva[j, e]
 
     backward_tf32.threads = THREADS
     backward_tf32.keys = Bc
@@ -322,11 +337,12 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
 
 # --------------------------------------------------------------------------- the launcher
 
-def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None):
+def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None, splits=1):
     """The two launches on these views, as (kernel, grid, threads, args, dynamic shared bytes)
     each: chapter 5's pre-pass (D, and dQ = 0), then the dK/dV/dQ kernel (its shared-memory
     limit raised where it needs more than 48 KB). ``tiles``: (Br, W), by default
-    ``tf32_backward_tiles``."""
+    ``tf32_backward_tiles``; ``splits``: S blocks a key tile (``kernels.base.query_split``;
+    the caller zeroes dk and dv first when S > 1)."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
     from kernels.flash_backward import make_delta
 
@@ -340,12 +356,13 @@ def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None
            (views["o"], views["do"], delta, views["dq"], np.int32(n_q)), 0)
     nbytes = 4 * shared_words(Br, W, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kernel = make_backward_tf32(Br, W, D, int(passes), dynamic)
+    kernel = make_backward_tf32(Br, W, D, int(passes), dynamic, splits > 1)
     args = (views["q"], views["k"], views["v"], views["do"], views["lse"], delta, views["dq"], views["dk"],
             views["dv"], np.float32(scale), np.int32(causal), np.int32(bh // bkv), np.int32(aligned))
     if dynamic:
         allow_dynamic_shared_memory(kernel, args, nbytes)
-    return pre, (kernel, (cdiv(n_k, 16 * W), bkv), kernel.threads, args, nbytes if dynamic else 0)
+    grid = (cdiv(n_k, 16 * W), bkv) if splits == 1 else (cdiv(n_k, 16 * W), bkv, splits)
+    return pre, (kernel, grid, kernel.threads, args, nbytes if dynamic else 0)
 
 
 def _aligned(d, arrays) -> int:
@@ -355,26 +372,32 @@ def _aligned(d, arrays) -> int:
     return int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in arrays))
 
 
-def launch_backward(qd, kd, vd, od, lsed, dod, delta, dq, dk, dv, scale, causal, passes=3, tiles=None):
+def launch_backward(qd, kd, vd, od, lsed, dod, delta, dq, dk, dv, scale, causal, passes=3, tiles=None, splits=1):
     """The two kernels on device views: qd, od, dod (B*H, Nq, d), kd, vd (B*Hkv, Nk, d),
     lsed (B*H, Nq), float32; into the buffers delta (B*H, Nq) and dq, dk, dv, launched as
-    Numba launches them (the bench's bare launch). ``tiles``: (Br, W)."""
+    Numba launches them (the bench's bare launch). ``tiles``: (Br, W); ``splits``: S blocks a
+    key tile (dK and dV zeroed first)."""
     views = dict(q=qd, k=kd, v=vd, o=od, lse=lsed, do=dod, dq=dq, dk=dk, dv=dv)
     aligned = _aligned(qd.shape[2], (qd, kd, vd, dod, dq))
-    for kernel, grid, threads, args, nbytes in _two_launches(views, delta, scale, causal, passes, aligned, tiles):
+    launches = list(_two_launches(views, delta, scale, causal, passes, aligned, tiles, splits))
+    add_zero_gradients(launches, [None, None], views, splits)
+    for kernel, grid, threads, args, nbytes in launches:
         kernel[grid, threads, launch_stream(), nbytes](*args)
 
 
 class BackwardLaunches(BoundLaunches):
     """The two launches of one call shape, bound once (``BoundLaunches``); a call passes the
-    row buffer D (allocated each call) with the arrays."""
+    row buffer D (allocated each call) with the arrays. With S > 1 splits, dK and dV's
+    zeroing first."""
 
     DELTA_SLOTS = dict(o=0, do=1, delta=2, dq=3)
     MAIN_SLOTS = dict(q=0, k=1, v=2, do=3, lse=4, delta=5, dq=6, dk=7, dv=8)
 
-    def __init__(self, views: dict, scale: float, causal: bool, passes: int, aligned: int, tiles=None):
-        super().__init__(_two_launches(views, views["delta"], scale, causal, passes, aligned, tiles),
-                         (self.DELTA_SLOTS, self.MAIN_SLOTS))
+    def __init__(self, views: dict, scale: float, causal: bool, passes: int, aligned: int, tiles=None, splits=1):
+        launches = list(_two_launches(views, views["delta"], scale, causal, passes, aligned, tiles, splits))
+        slots = [self.DELTA_SLOTS, self.MAIN_SLOTS]
+        add_zero_gradients(launches, slots, views, splits)
+        super().__init__(launches, slots)
 
 
 _launches = LaunchCache()
@@ -398,18 +421,25 @@ def flash_attention_backward_tf32(q, k, v, o, lse, do, *, causal=False, scale=No
     return backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale, passes=passes)
 
 
-def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, passes=3, out=None):
+def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, passes=3, out=None, splits=None):
     """What ``flash_attention_backward_tf32`` runs once its checks pass, for callers that
     made them (chapter 13's drop-in checks its tensors once): the arrays as the launcher
     takes them (C-contiguous float32), ``scale`` a float. (dq, dk, dv) float32 from
-    ``kind``'s allocator (an ``ArrayKind``), or written into ``out``'s three arrays."""
+    ``kind``'s allocator (an ``ArrayKind``), or written into ``out``'s three arrays.
+    ``splits``: the query tiles split among that many blocks a key tile
+    (``kernels.base.query_split``); None: split only where the grid would not fill the GPU."""
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
+    if splits is None:
+        Br, W, _ = tf32_backward_tiles(d)
+        splits = choose_query_splits(cdiv(n_k, 16 * W) * B * hkv, (H // max(hkv, 1)) * n_q, Br)
+    splits = int(splits)
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
     return run_grouped_backward(kind, arrays, (B, H, hkv, n_q, n_k, d), (B, H, hkv, n_q, n_k, d, causal, scale,
-                                int(passes)), _launches,
-                                lambda views, aligned: BackwardLaunches(views, scale, causal, passes, aligned), words=4,
-                                out=out)
+                                int(passes), splits), _launches,
+                                lambda views, aligned: BackwardLaunches(views, scale, causal, passes, aligned,
+                                                                        splits=splits),
+                                words=4, out=out)
 
 
 # --------------------------------------------------------------------------- PTX check
@@ -426,6 +456,9 @@ def ptx_targets(every_shape: bool = False):
             dynamic = 4 * shared_words(Br, W, D) > 48 * 1024
             out.append((f"backward 3xTF32 passes={passes} Br={Br} Bc={16 * W} D={D}",
                         make_backward_tf32(Br, W, D, passes, dynamic), sig))
+        if every_shape:                               # the query split (chapter 13)
+            out.append((f"backward 3xTF32 split Br={Br} Bc={16 * W} D={D}",
+                        make_backward_tf32(Br, W, D, 3, dynamic, split=True), sig))
     return out
 
 

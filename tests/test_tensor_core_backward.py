@@ -19,10 +19,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference as ref
-from kernels.base.runtime import on_simulator
+from kernels.base.query_split import choose_query_splits
+from kernels.base.runtime import ArrayKind, on_simulator
 from kernels.base.testing import (Floor, assert_close, case_with, gradient_floor_scales,
                                   grouped_attention_cases, over_group)
-from kernels.tensor_core_backward import flash_attention_backward_tc, rounded_backward_numpy, tc_backward_tiles
+from kernels.tensor_core_backward import (backward_checked, flash_attention_backward_tc, rounded_backward_numpy,
+                                          tc_backward_tiles)
 from test_flash_tensor_cores import _Bf16Interface, to_input   # chapter 8's inputs (fp16, bf16 bits) and values
 
 SIM = on_simulator()
@@ -66,10 +68,15 @@ class Inputs:
     def repeated(self, *xs):
         return (np.repeat(x, self.group, axis=1) for x in xs)
 
-    def run(self):
+    def run(self, splits=None):
         c = self.case
-        return flash_attention_backward_tc(self.q, self.k, self.v, self.o, self.lse, self.do, causal=c.causal,
-                                           scale=c.scale, bf16=self.bf16)
+        if splits is None:
+            return flash_attention_backward_tc(self.q, self.k, self.v, self.o, self.lse, self.do, causal=c.causal,
+                                               scale=c.scale, bf16=self.bf16)
+        # the checked entry, the query tiles split among ``splits`` blocks a key tile
+        scale = c.scale if c.scale is not None else 1 / np.sqrt(c.q.shape[-1])
+        return backward_checked(ArrayKind(self.q), self.q, self.k, self.v, self.o, self.lse, self.do,
+                                causal=c.causal, scale=scale, bf16=self.bf16, splits=splits)
 
     def check(self, got, floors_from=None):
         """Each gradient under the rule; NaN exactly where the oracle's is (assert_close).
@@ -116,6 +123,29 @@ def test_gradients_match_the_oracle(case, bf16, seed):
     if case.causal and case.q.shape[2] > case.k.shape[2]:
         dead = case.q.shape[2] - case.k.shape[2]
         assert np.isneginf(x.lse[..., :dead]).all() and (got[0][..., :dead, :] == 0).all(), "rows that see no key"
+
+
+@given(case=tc_backward_cases(), bf16=st.booleans(), seed=st.integers(0, 2**16), splits=st.integers(2, 5))
+@settings(max_examples=3 if SIM else 100)
+@example(case=pinned((1, 2, 3 * BR + 1, 16), (1, 1, BC + 1, 16), causal=True), bf16=True, seed=7, splits=3)
+@example(case=pinned((1, 1, 13, 13), (1, 1, 5, 13), causal=True), bf16=False, seed=1, splits=4)
+def test_queries_split_among_blocks_meet_the_same_rule(case, bf16, seed, splits):
+    """The split backward (``kernels.base.query_split``): S blocks a key tile, each a share
+    of the (query head, query tile) pairs, adding dK_j and dV_j into zeroed gradients. Pinned:
+    GQA's two heads and causal shares (the last key tile sees one query tile a head), and
+    more splits than pairs (empty shares)."""
+    x = Inputs(case, bf16, seed)
+    x.check(x.run(splits=splits))
+
+
+def test_splits_only_where_the_grid_is_too_small():
+    """choose_query_splits: none unless two splits of every block fit in one wave; else as
+    many as fit, at least two query tiles a split, at most 16."""
+    assert choose_query_splits(67, 1 << 20, 128, sms=132) == 1         # 2 x 67 > 132
+    assert choose_query_splits(32, 4096, 128, sms=132) == 4            # 32 blocks x 4 <= 132
+    assert choose_query_splits(1, 1 << 20, 128, sms=132) == 16         # at most 16
+    assert choose_query_splits(8, 1024, 128, sms=132) == 4             # 8 query tiles: 4 splits of 2
+    assert choose_query_splits(8, 256, 128, sms=132) == 1              # 2 query tiles: no split
 
 
 def test_big_logits_are_pinned():

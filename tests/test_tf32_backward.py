@@ -22,14 +22,14 @@ from hypothesis import strategies as st
 
 from kernels import reference as ref
 from kernels.base.backward_tiles import BackwardTiles
-from kernels.base.runtime import check_products, on_simulator
+from kernels.base.runtime import ArrayKind, check_products, on_simulator
 from kernels.base.testing import (Floor, assert_close, case_with, gradient_floor_scales,
                                   grouped_attention_cases, magnitude_for_logits, over_group)
 from kernels.flash_backward import flash_attention_backward
 from kernels.flash_forward import flash_attention
 from kernels.flash_tf32 import flash_attention_tf32
-from kernels.tf32_backward import (accumulator_as_a, check_accumulator_as_a, check_accumulator_as_a_case,
-                                   flash_attention_backward_tf32, tf32_backward_tiles)
+from kernels.tf32_backward import (accumulator_as_a, backward_checked, check_accumulator_as_a,
+                                   check_accumulator_as_a_case, flash_attention_backward_tf32, tf32_backward_tiles)
 
 SIM = on_simulator()
 # The simulator runs each of a block's 32 W threads in Python: one or two tiles of queries
@@ -67,10 +67,16 @@ class Inputs:
     def repeated(self, *xs):
         return (np.repeat(x, self.group, axis=1) for x in xs)
 
-    def run(self, passes=3):
+    def run(self, passes=3, splits=None):
         c = self.case
-        return flash_attention_backward_tf32(self.q, self.k, self.v, self.o, self.lse, self.do, causal=c.causal,
-                                             scale=c.scale, passes=passes)
+        if splits is None:
+            return flash_attention_backward_tf32(self.q, self.k, self.v, self.o, self.lse, self.do, causal=c.causal,
+                                                 scale=c.scale, passes=passes)
+        # the checked entry, the query tiles split among ``splits`` blocks a key tile
+        scale = c.scale if c.scale is not None else 1 / np.sqrt(c.q.shape[-1])
+        return backward_checked(ArrayKind(self.q), *(np.ascontiguousarray(x, np.float32) for x in
+                                                     (self.q, self.k, self.v, self.o, self.lse, self.do)),
+                                causal=c.causal, scale=scale, passes=passes, splits=splits)
 
     def check(self, got, floors_from=None, names=("dQ", "dK", "dV")):
         """Each gradient of ``names`` under the fp32 rule; NaN exactly where the oracle's is
@@ -122,6 +128,19 @@ def test_gradients_match_the_oracle(case, seed):
         assert np.isneginf(x.lse[..., :dead]).all() and (got[0][..., :dead, :] == 0).all(), "rows that see no key"
     if 0 in (case.q.shape[2], case.k.shape[2]):
         assert all((g == 0).all() for g in got), "empty sequences: zero gradients"
+
+
+@given(case=tf32_backward_cases(), seed=st.integers(0, 2**16), splits=st.integers(2, 5))
+@settings(max_examples=3 if SIM else 100)
+@example(case=pinned((1, 2, 3 * BR + 1, 8), (1, 1, ONE_PAST_K, 8), causal=True), seed=7, splits=3)  # GQA, causal
+@example(case=pinned((1, 1, 13, 13), (1, 1, 5, 13), causal=True), seed=1, splits=4)     # rows that see no key
+def test_queries_split_among_blocks_meet_the_same_rule(case, seed, splits):
+    """The split backward (``kernels.base.query_split``): S blocks a key tile, each a share
+    of the (query head, query tile) pairs, adding dK_j and dV_j into zeroed gradients. Pinned:
+    more splits than some blocks have pairs (causal: the last key tile sees one query tile
+    a head; shares of GQA's two heads), and empty shares."""
+    x = Inputs(case, seed)
+    x.check(x.run(splits=splits))
 
 
 def test_big_logits_are_pinned():

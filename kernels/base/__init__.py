@@ -4,6 +4,8 @@
     shared_memory  dynamic shared memory beyond 48 KB a block, and a launch that picks static or dynamic
     backward_tiles the backward's tile type (BackwardTiles), thread splits, shared layouts, checks
     backward_args  the backward's argument checks, device views, zero gradients, output buffers
+    key_split      a forward's keys split among blocks where its grid is too small (and the merge)
+    query_split    a backward's query tiles split among blocks where its grid is too small
     masks          the block mask (chapter 6's input type, shared with the oracle)
     fused          what the fused kernels of chapters 4, 5, 6 share: the tile type,
                    row reductions across a row's threads, run lengths, numeric constants
