@@ -32,12 +32,15 @@ chapter 12's, K/V tiles outer (FlashAttention-2's backward):
 Every operand is split into TF32 hi and lo parts where it is used (``split_tf32_at``: a
 load from a 32-bit shared address and the split): the fp32 tiles in shared memory are
 each read as A and as B in different layouts, and split copies would double the shared
-memory the tiles take. The price, measured with Nsight Compute on the H100 (d = 64): 15.7
-instructions issued per mma, most of them the splits' roundings (cvt.rna is four SASS
-instructions); the tensor pipe is busy 24% of the time, the warps (two a scheduler) mostly
-wait on those dependent instructions. (Tiles stored as split pairs, read with one 64-bit
-load an element, measured no faster: 28.3 against 30.0 ms at the same tiles.) ``passes=1`` multiplies hi by
-hi alone (plain TF32), to show what that loses.
+memory the tiles take. The price, measured with Nsight Compute on the H100 (d = 64) when
+the split rounded with cvt.rna (four SASS instructions): 15.7 instructions issued per mma,
+most of them the splits' roundings; the tensor pipe busy 24% of the time, the warps (two a
+scheduler) mostly waiting on those dependent instructions. With cvt.rn (one instruction,
+sm_90: ``kernels.base.mma.split_ties``) the kernel runs 1.26-1.30x faster (B=4 H=16
+N=4096: 27.6 -> 21.9 ms at d = 64, 52.1 -> 40.4 at d = 128). (Tiles stored as split pairs,
+read with one 64-bit load an element, measured no faster with cvt.rna: 28.3 against 30.0
+ms at the same tiles.) ``passes=1`` multiplies hi by hi alone (plain TF32), to show what
+that loses.
 
 Before it, chapter 5's pre-pass D = rowsum(dO o O) (zeroing dQ for the atomic adds).
 Inputs float32 (q, do (B, H, Nq, d); k, v (B, Hkv, Nk, d): grouped-query attention), o and

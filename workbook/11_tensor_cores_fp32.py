@@ -267,9 +267,14 @@ _ = te.check_split_tf32(lambda x: (te.to_tf32(x), x - te.to_tf32(x)))
 #
 # **1. The split, once where it can be.** Every block reads every key, so K and V are split
 # into their TF32 hi and lo parts once, by a small kernel before the forward
-# (`make_split`: `split_tf32` from `kernels/base/mma.py`, which is `cvt.rna.tf32.f32`, a
-# subtraction, and `cvt.rna.tf32.f32` again). Q's fragments are split in registers once a
-# K/V tile, and P's once a key step, because P only exists there.
+# (`make_split`: `split_tf32` from `kernels/base/mma.py`: a rounding to TF32, a
+# subtraction, and a rounding again). Q's fragments are split in registers once a K/V tile,
+# and P's once a key step, because P only exists there. Which rounding instruction matters:
+# `cvt.rna.tf32.f32` (ties away, all that sm_80 has) is four SASS instructions on the H100
+# (an add, a mask, and a check for Inf and NaN), while `cvt.rn.tf32.f32` (ties to even,
+# sm_90 and later) is one (`F2FP.TF32.F32`). Both give the nearest TF32 value; they differ
+# only at exact ties, and either split keeps $|a - a_{hi} - a_{lo}| \le 2^{-23}|a|$. So on
+# the H100 the kernels split with `cvt.rn` (the course's NumPy split below keeps ties away).
 #
 # **2. Three products a k-step, the small ones first**, from a zero accumulator
 # (`kernels/base/tf32_product.py`, which section 7's backward shares):
@@ -396,17 +401,20 @@ if rows:
 #   math and plain PyTorch measure 0.9-7.9x, and plain TF32 550-1,500x. At N = 16,384 the
 #   tests hold 3xTF32 to the rule and it uses 0.36-0.38 of the bound, where chapter 4's FMA
 #   kernel uses 0.9.
-# * **Speed: not yet what the tensor cores offer.** At N = 4096 the bare kernel takes 9.2 ms
-#   at d = 64 and 18.9 ms at d = 128. That is as fast as chapter 4's FMA kernel (9.3 and 20.0
-#   through its launcher) and slower than SDPA memory-efficient (8.1 and 11.9): **0.88x and
-#   0.63x** (the launcher 0.87x and 0.61x).
-#   * Across the sweep the launcher is 0.56-1.01x SDPA memory-efficient at d = 64 and
-#     0.44-0.66x at d = 128.
-#   * It beats plain PyTorch by 1.03-4.6x at d = 64. At d = 128 it wins only with the causal
-#     mask (1.5-2.6x); without it, it is 0.72-1.02x.
-# * **Where the time goes.** Plain TF32 takes 6.9 and 9.9 ms, so the three products cost 1.3x
-#   and 1.9x one, not 3x: the tensor cores are not what limits either version. At 29 TFLOP/s
-#   of fp32 products the kernel issues 87 TFLOP/s of TF32 mma. That is a seventh of the fp16
+# * **Speed: not yet what the tensor cores offer.** At N = 4096 the bare kernel takes 8.5 ms
+#   at d = 64 and 17.7 ms at d = 128. That is about chapter 4's FMA kernel (8.6 and 19.9
+#   through its launcher) and slower than SDPA memory-efficient (8.1 and 12.1): **0.95x and
+#   0.68x** (the launcher 0.99x and 0.67x).
+#   * Across the sweep the launcher is 0.78-1.03x SDPA memory-efficient at d = 64 and
+#     0.56-0.71x at d = 128.
+#   * It beats plain PyTorch by 1.39-4.8x at d = 64. At d = 128 it wins clearly with the causal
+#     mask (1.9-2.9x); without it, it is 0.90-1.09x.
+#   * The split's rounding by `cvt.rn` instead of `cvt.rna` (section 4) gained 4-9% here (the
+#     launcher, same machine, one after the other: 8.31 → 8.03 ms at d = 64, 19.1 → 17.8 at
+#     d = 128): K and V are split once a call, so only Q's and P's splits got cheaper.
+# * **Where the time goes.** Plain TF32 takes 6.7 and 9.8 ms, so the three products cost 1.3x
+#   and 1.8x one, not 3x: the tensor cores are not what limits either version. At 32 TFLOP/s
+#   of fp32 products the kernel issues 97 TFLOP/s of TF32 mma. That is a seventh of the fp16
 #   rate chapter 8 measured for mma.sync (612 TFLOP/s; NVIDIA's specification gives TF32
 #   half the fp16 rate).
 # * **What the PTX check shows.** At d = 128 the compiler keeps `qf` and the copy of P for
@@ -599,28 +607,34 @@ if brows:
 # **What the H100 says**:
 #
 # * **Accuracy: as fp32.** On head (0, 0) the 3xTF32 gradients' max error is 0.4-2.8x a
-#   float32 backward's (mostly 0.6-1.4x); plain TF32's is 400-1,800x. The tests hold 3xTF32 to
+#   float32 backward's (mostly 0.7-1.2x); plain TF32's is 400-1,800x. The tests hold 3xTF32 to
 #   the rule element by element. Against chapter 5's FMA kernels on the same inputs (N =
-#   4096, `workbook/results/tf32_backward_errors.csv`): 0.80-1.46x float32's for 3xTF32,
-#   0.50-1.49x for the FMA kernels; alike without the causal mask, and with it the FMA
+#   4096, `workbook/results/tf32_backward_errors.csv`, a run with `cvt.rna`): 0.80-1.46x
+#   float32's for 3xTF32, 0.50-1.49x for the FMA kernels; alike without the causal mask, and with it the FMA
 #   kernels' dK and dV err about half as much (0.5-0.6x against 1.0-1.5x).
-# * **Speed: behind SDPA.** At N = 4096 the launcher takes 27.9 ms at d = 64 (15.3 causal) and
-#   52.1 ms at d = 128 (28.3 causal); SDPA memory-efficient, itself 3xTF32, takes 20.4 (11.1)
-#   and 38.7 (20.2). Over N = 1k-16k the launcher is **0.69-0.77x** SDPA memory-efficient.
-#   Against plain PyTorch it wins with the causal mask (1.33-2.14x) and loses without it
-#   (0.65-0.91x). Against chapter 5's FMA backward: 0.95x at d = 64, 1.25x at d = 128.
-# * **Where the time goes** (Nsight Compute, d = 64, N = 4096): 15.7 instructions issued per
-#   mma, most of them the splits' roundings (`cvt.rna.tf32.f32` is four SASS instructions on
-#   the H100); the tensor pipe is busy 24% of the time, and the warps (two a scheduler: one
-#   block of 8 warps an SM, 174 KB of shared memory) mostly wait on those dependent
-#   instructions. Plain TF32 takes 15.7 ms, so the three products cost 1.75x one.
+# * **Speed: just behind SDPA.** At N = 4096 the launcher takes 21.7 ms at d = 64 (11.7
+#   causal) and 40.3 ms at d = 128 (21.8 causal); SDPA memory-efficient, itself 3xTF32, takes
+#   20.2 (11.0) and 38.7 (20.1). Over N = 1k-16k the launcher is **0.90-0.99x** SDPA
+#   memory-efficient. Against plain PyTorch it wins at d = 64 (1.13-1.15x, causal 2.4-2.8x)
+#   and with the causal mask at d = 128 (1.7-1.9x), and loses at d = 128 without it
+#   (0.84-0.86x). Against chapter 5's FMA backward: 1.12x at d = 64, 1.58x at d = 128.
+# * **Where the time went** (Nsight Compute, d = 64, N = 4096, with `cvt.rna`): 15.7
+#   instructions issued per mma, most of them the splits' roundings; the tensor pipe busy 24%
+#   of the time, and the warps (two a scheduler: one block of 8 warps an SM, 174 KB of shared
+#   memory) mostly waiting on those dependent instructions. Here every operand is split where
+#   it is read, so the rounding instruction counts: with `cvt.rn` (one instruction, section
+#   4) the SASS between the kernel's first and last mma shrinks from 10.6 to 8.3 instructions
+#   an mma (9.2 to 7.2 at d = 128), and the backward runs **1.26-1.30x faster** (bare
+#   launches, same machine, one after the other: 27.6 → 21.9 ms at d = 64, 52.1 → 40.4 at
+#   d = 128, causal alike), its errors unchanged. Plain TF32 takes 12.4 ms, so the three
+#   products now cost 1.7x one.
 # * **Tried, measured, no gain**: keeping K_j, V_j, Q_i and dO_i in shared memory as split
 #   (hi, lo) pairs, read with one 64-bit load an element (28.3 against 30.0 ms at the same
 #   tiles); other tiles (`tf32_backward_tiles`).
 #
-# The launchers now take 3xTF32 by default on such a GPU anyway: it is as accurate as the FMA
-# kernels, faster than them at d = 128 and within 5% at d = 64, and the FMA kernels remain a
-# keyword away (`products="fma"`), as the course's teaching rung.
+# The launchers take 3xTF32 by default on such a GPU: it is as accurate as the FMA kernels and
+# faster than them (1.12x at d = 64, 1.58x at d = 128), and the FMA kernels remain a keyword
+# away (`products="fma"`), as the course's teaching rung.
 
 # %% [markdown]
 # ## 8. Exercises

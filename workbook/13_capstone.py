@@ -327,33 +327,42 @@ if rows:
     display(Image(str(RESULTS_DIR / "capstone_floor.png")))
 
 # %% [markdown]
-# The floor does not hold: ours is slower than plain PyTorch in 278 of the 568 cells where plain
-# PyTorch runs (it runs out of memory in the other 72, where ours runs). Three causes, each
-# visible as a band in the figure:
+# The floor does not hold: ours is slower than plain PyTorch in 303 of the 568 cells where plain
+# PyTorch runs (it runs out of memory in the other 72, where ours runs). This run has the two
+# splits below and chapter 11's cheaper split rounding. Three causes showed as bands in the run
+# before them (278 of 568 slower, on another machine); two of them are now mostly gone:
 #
-# * **The host, at small N** (the left columns). At N ≤ 256 the GPU's work is microseconds and
-#   a call is its host time: ours 0.19–0.21 ms forward against plain PyTorch's 0.10–0.11
-#   (B·H = 1, d = 64). What is left is Python: the autograd function, a few allocations, a cast,
-#   a driver launch through `cuda.core`. A CUDA graph, or launching from C, would remove it.
 # * **Too few blocks** (B·H = 1 and 8, N of 1024 and 4096). The forward's grid is one block a
-#   query tile a head: at B·H = 1 and N = 4096, 32 blocks on 132 SMs, each walking all 4096 keys
-#   in turn: 1.32 ms (fp32, d = 128) against plain PyTorch's 0.33 (0.25x). Smaller tiles do not
-#   help (measured: the walk along the keys stays as long). Splitting the keys among blocks does:
-#   below. The backwards have the same shape, and no split yet.
+#   query tile a head, the backward's one block a key tile a head: at B·H = 1 and N = 4096, 32
+#   blocks on 132 SMs, each walking all 4096 keys (or queries) in turn. fp32 forward + backward,
+#   d = 96: 3.73 ms against plain PyTorch's 0.86 (0.23x) before the splits, 1.00 against 0.89
+#   (0.89x) with them. Smaller tiles do not help (measured: the walk stays as long); splitting
+#   the walk among blocks does: below.
 # * **fp32 at d = 96 and 128, non-causal** (the large cells of the fp32 panels). Plain PyTorch's
-#   fp32 runs on cuBLAS's FMA kernels at about 50 TFLOP/s; our 3xTF32 forward is near it (0.92x at
-#   B·H = 64, N = 4096, d = 128) and our fp32 backward behind it (0.72x: 71.1 against 51.5 ms).
-#   Causal attention halves our work and not plain PyTorch's, so causal cells are ours.
+#   fp32 runs on cuBLAS's FMA kernels at about 50 TFLOP/s. At B·H = 64, N = 4096, d = 128 our
+#   3xTF32 forward went from 0.92x to 1.00x of it and forward + backward from 0.72x to 0.89x
+#   (71.1 → 58.2 ms against 51.8), from chapter 11's split rounding alone. Causal attention
+#   halves our work and not plain PyTorch's, so causal cells are ours.
+# * **The host, at small N** (the left columns), now most of what is left. At N ≤ 256 the GPU's
+#   work is microseconds and a call is its host time. On this run's machine a bf16 forward at
+#   B·H = 1, N = 64, d = 64 costs 114 µs against plain PyTorch's 72, forward + backward 1010
+#   against 672 (a loop of 300 calls). What is left is Python: the autograd function, our
+#   checks and views, a few allocations, a cast of O, two or three driver launches through
+#   `cuda.core`, each some µs, none dominating. Host time also differs between machines more
+#   for ours, which is mostly Python, than for plain PyTorch, mostly C++: against the run before,
+#   ours' small cells took a median 1.25x longer, plain PyTorch's 1.10x, and more of them flipped
+#   to slower (bf16 at B·H ≤ 8 stays host-bound up to N = 4096). A CUDA graph, or launching from
+#   C, would be the next step.
 #
-# Where attention is large, the case FlashAttention was made for, ours wins by up to 7x (fp32)
+# Where attention is large, the case FlashAttention was made for, ours wins by up to 8x (fp32)
 # and 23x (bf16), and runs where plain PyTorch cannot.
 #
-# ### Splitting the keys when the grid is too small
+# ### Splitting the walk when the grid is too small
 #
 # Chapter 7's decode met the same problem with one query: it split the keys among blocks and
-# merged their partial answers. The forwards of chapters 8 and 11 now do it when their grid would
-# not fill the GPU (`kernels/base/key_split.py`): the grid gains a third dimension, S blocks a
-# query tile, and block z walks its share of the key tiles the tile sees,
+# merged their partial answers. The forwards of chapters 8 and 11 do it when their grid would not
+# fill the GPU (`kernels/base/key_split.py`): the grid gains a third dimension, S blocks a query
+# tile, and block z walks its share of the key tiles the tile sees,
 
 # %%
 from kernels.base import key_split  # noqa: E402
@@ -372,8 +381,26 @@ show_source(key_split.split_range.py_func, "def split_range", "return first")
 # two key tiles a split (`choose_splits`). Measured on the H100 through `attention()` (forward,
 # back-to-back calls, `workbook/results/capstone_floor_split.csv`): B·H = 1, N = 4096, fp32
 # d = 128 went from 1.32 to 0.55 ms (2.4x; causal 1.20 to 0.30, 4.0x); bf16 d = 128 from 0.21 to
-# 0.14 ms. Against plain PyTorch the fp32 cell went from 0.25x to 0.61x: better, still below,
-# as is every cell there where the host's time, not the GPU's, is what a call costs.
+# 0.14 ms.
+#
+# The backwards of chapters 11 and 12 split the other way (`kernels/base/query_split.py`). A
+# block keeps its key tile's dK_j and dV_j in registers while it walks the (query head, query
+# tile) pairs that see those keys; with S blocks a key tile, block z walks its share of the
+# pairs,
+
+# %%
+from kernels.base import query_split  # noqa: E402
+
+show_source(query_split.split_steps.py_func, "def split_steps", "return s0")
+
+# %% [markdown]
+# and adds its dK_j and dV_j into gradients zeroed first, by atomic adds, as every block already
+# adds into dQ. No merge kernel is needed: sums commute. The price is that dK's and dV's last
+# bits, like dQ's, vary from run to run. S is as many blocks as fit in one wave (a block takes a
+# whole SM's shared memory), at least two query tiles a split (`choose_query_splits`). On the
+# H100, the bare backward split against unsplit in one process: B·H = 1, N = 4096, fp32 d = 64,
+# 96, 128 from 1.54, 2.01, 2.65 ms to 0.46, 0.60, 0.79 (S = 4: 3.3-3.5x); bf16 d = 64 from 0.36 to
+# 0.20 ms.
 #
 # ## 8. Exercise: write the autograd function
 #
