@@ -151,7 +151,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
                                   ldmatrix_at, ldmatrix_trans_at, mma_bf16, mma_f16, pack_bf16, pack_f16,
                                   shared_address, store_word)
-    from kernels.base.query_split import split_steps
+    from kernels.base.query_split import make_gradient_store, split_steps
     from kernels.base.shared_memory import shared_view
 
     if D % 16 or Br % 16 or W < 1:
@@ -174,6 +174,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     # Unsigned loop counters and indices on the GPU (see below); plain ints in the simulator,
     # where every index sum is Python and NumPy scalars would make it several times slower.
     U = int if on_simulator() else uint32
+    store_gradients = make_gradient_store(bool(split))   # stored, or added (a split)
     HALVES = shared_halves(Br, W, D)
     SHARED = 0 if dynamic else HALVES
 
@@ -396,12 +397,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                 key = k0 + kw + g + 8 * (e // 2)
                 col = j * 8 + 2 * t + e % 2
                 if key < n_k and col < d:
-                    if split:
-                        cuda.atomic.add(dk, (bkv, key, col), dka[j, e] * scale)
-                        cuda.atomic.add(dv, (bkv, key, col), dva[j, e])
-                    else:
-                        dk[bkv, key, col] = dka[j, e] * scale
-                        dv[bkv, key, col] = dva[j, e]
+                    store_gradients(dk, dv, bkv, key, col, dka[j, e] * scale, dva[j, e])
 
     backward_tc.threads = THREADS
     backward_tc.keys = Bc

@@ -110,7 +110,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     dO and dQ 16-byte aligned and d % 4 == 0: cp.async copies, and dQ's adds in pairs)."""
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
                                   shared_address, split_tf32_at)
-    from kernels.base.query_split import split_steps
+    from kernels.base.query_split import make_gradient_store, split_steps
     from kernels.base.shared_memory import shared_view
 
     if passes not in PASSES:
@@ -135,6 +135,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     # unsigned loop counters on the GPU (chapter 12: Numba's range() loop control and signed
     # 64-bit index arithmetic cost instructions); plain ints in the simulator
     U = int if on_simulator() else uint32
+    store_gradients = make_gradient_store(bool(split))   # stored, or added (a split)
 
     # byte offsets in shared memory: 8 rows of a K/Q tile, of dS^T; one row of each
     ROWS8, SROWS8, ROW, SROW = 32 * SD, 32 * SB, 4 * SD, 4 * SB
@@ -326,12 +327,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
                 key = k0 + int32(kw + g) + 8 * (e // 2)
                 col = j * 8 + int32(U(2) * t) + e % 2
                 if key < n_k and col < d:
-                    if split:
-                        cuda.atomic.add(dk, (bkv, key, col), dka[j, e] * scale)
-                        cuda.atomic.add(dv, (bkv, key, col), dva[j, e])
-                    else:
-                        dk[bkv, key, col] = dka[j, e] * scale
-                        dv[bkv, key, col] = dva[j, e]
+                    store_gradients(dk, dv, bkv, key, col, dka[j, e] * scale, dva[j, e])
 
     backward_tf32.threads = THREADS
     backward_tf32.keys = Bc

@@ -20,7 +20,8 @@ from numba import cuda, float32, int32
 from kernels.base.key_split import multiprocessors
 from kernels.base.runtime import cdiv
 
-__all__ = ["split_steps", "make_zero_pair", "choose_query_splits", "add_zero_gradients", "MAX_SPLITS"]
+__all__ = ["split_steps", "make_gradient_store", "make_zero_pair", "choose_query_splits", "add_zero_gradients",
+           "MAX_SPLITS"]
 
 MAX_SPLITS = 16           # each split adds a key tile's dK_j and dV_j once more
 ZERO_ROWS = 4             # rows a zeroing block (one warp each)
@@ -35,6 +36,24 @@ def split_steps(steps):
     share = (steps + splits - 1) // splits
     s0 = min(z * share, steps)
     return s0, min(s0 + share, steps)
+
+
+@functools.lru_cache(maxsize=None)
+def make_gradient_store(split: bool):
+    """Device function (dk, dv, bkv, key, col, xk, xv) that puts a block's dK_j and dV_j
+    element where it goes: stored, or with ``split`` added atomically (the other splits of the
+    key tile add theirs)."""
+
+    @cuda.jit(device=True, inline=True)
+    def store(dk, dv, bkv, key, col, xk, xv):
+        if split:
+            cuda.atomic.add(dk, (bkv, key, col), xk)
+            cuda.atomic.add(dv, (bkv, key, col), xv)
+        else:
+            dk[bkv, key, col] = xk
+            dv[bkv, key, col] = xv
+
+    return store
 
 
 @functools.lru_cache(maxsize=None)
