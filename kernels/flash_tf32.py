@@ -44,7 +44,7 @@ from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.key_split import add_combine, choose_splits, output_names, partial_views, partials
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_qkv, check_scale, \
-    is_device_array, launch_stream, on_simulator, run_bound, to_device
+    fill, is_device_array, launch_stream, on_simulator, run_bound, to_device
 
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "make_split", "split_kv", "launch_forward",
            "tf32_tiles", "shared_words", "PASSES", "ptx_targets"]
@@ -322,8 +322,8 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None):
                   lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits),
                   aligned_names=("q", *SPLIT), aligned_d=d % 4 == 0)
     elif B * H and n_q:          # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
-        o[...] = 0
-        lse[...] = -np.inf
+        fill(o, 0.0)
+        fill(lse, -np.inf)
     return o, lse
 
 

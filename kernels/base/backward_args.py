@@ -17,8 +17,8 @@ import numpy as np
 from numba import cuda
 
 from kernels.base.fused import MAX_GRID_Y
-from kernels.base.runtime import (as_bits16, check_array, check_qkv, device_bits16, device_empty, is_device_array, run_bound,
-                                  to_device)
+from kernels.base.runtime import (as_bits16, check_array, check_qkv, device_bits16, device_empty, fill,
+                                  is_device_array, run_bound, to_device)
 
 # "atomic": the dK/dV kernel adds its pieces of dQ with float32 atomics (dQ's last bits vary
 # from run to run); "separate": a second kernel sums each dQ entry in a fixed order.
@@ -108,7 +108,7 @@ def run_grouped_backward(kind, arrays: dict, dims, key, cache, make, words: int,
     if not (B * H and n_q and n_k):
         if out is not None:
             for g in out:
-                g[...] = 0
+                fill(g, 0.0)
             return tuple(out)
         return zero_gradients(kind, (B, H, n_q, d), (B, hkv, n_k, d))
     held = {name: x if is_device_array(x) else to_device(x, name) for name, x in arrays.items()}

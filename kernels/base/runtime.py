@@ -342,6 +342,17 @@ def device_empty(shape, dtype=np.float32):
     return cuda.device_array(shape, dtype=dtype)
 
 
+def fill(array, value) -> None:
+    """Every element of a result array from ``ArrayKind.new`` set to ``value``: a PyTorch
+    tensor or CuPy array in place; a Numba device array by a copy from the host (its
+    ``[...] = value`` compiles an assignment kernel, and refuses a Python scalar on the GPU)."""
+    if hasattr(array, "copy_to_device"):
+        if array.size:
+            array.copy_to_device(np.full(array.shape, value, array.dtype))
+    else:
+        array[...] = value
+
+
 # --------------------------------------------------------------------------- validation
 
 def check_array(x, name: str, *, ndim: int | None = None, dtypes=(np.float32,)):
