@@ -108,6 +108,21 @@ def test_array_kind_device_in_device_out():
     np.testing.assert_array_equal(back.copy_to_host(), x)
 
 
+@pytest.mark.parametrize("value", [0.0, -np.inf])
+def test_fill_sets_every_element_of_a_result_array(value):
+    """runtime.fill on what ArrayKind.new gives a NumPy caller and a device caller (Numba
+    device arrays; a PyTorch tensor on a GPU), an empty one too."""
+    arrays = [ArrayKind(np.zeros(1, np.float32)).new((2, 3, 5)), ArrayKind(cuda.to_device(np.zeros(1))).new((4, 3)),
+              runtime.device_empty((0, 3))]
+    torch = pytest.importorskip("torch") if not runtime.on_simulator() else None
+    if torch is not None and torch.cuda.is_available():
+        arrays.append(ArrayKind(torch.zeros(1, device="cuda")).new((3, 2)))
+    for a in arrays:
+        runtime.fill(a, value)
+        host = a.cpu().numpy() if hasattr(a, "cpu") else a.copy_to_host()
+        assert host.shape == tuple(a.shape) and (host == value).all(), type(a).__name__
+
+
 def test_to_device_rejects_non_contiguous_device_arrays():
     d = cuda.to_device(np.ones((4, 6), np.float32))
     with pytest.raises(ValueError, match=r"^x: expected a C-contiguous"):
