@@ -435,8 +435,14 @@ T12 = ("tests/test_tensor_core_backward.py",)
 CH12 = "test_gradients_match_the_oracle"
 MUTANTS += [
     Mutant("tcb-dk-unscaled", 12, TCB,
-           (("dk[bkv, key, col] = dka[j, e] * scale", "dk[bkv, key, col] = dka[j, e]   # PLANTED: no scale"),),
+           (("store_gradients(dk, dv, bkv, key, col, dka[j, e] * scale, dva[j, e])",
+             "store_gradients(dk, dv, bkv, key, col, dka[j, e], dva[j, e])   # PLANTED: no scale"),),
            T12, CH12, "dK = dS^T Q written without the softmax scale"),
+    Mutant("tcb-splits-overwrite", 12, "kernels.base.query_split",      # the split chapters 11, 12 share
+           (("            cuda.atomic.add(dk, (bkv, key, col), xk)\n",
+             "            dk[bkv, key, col] = xk   # PLANTED: the splits overwrite each other's dK_j\n"),),
+           T12, "test_queries_split_among_blocks_meet_the_same_rule",
+           "the query split: each split stores its dK_j instead of adding it to the others'"),
     Mutant("tcb-causal-diagonal-shifted", 12, TCB,
            (("diag = n_k - n_q\n", "diag = n_k - n_q + 1   # PLANTED: the diagonal one key late\n"),),
            T12, CH12, "causal: each query also sees the key after its own (the mask and the query tiles walked)"),
@@ -469,8 +475,15 @@ MUTANTS += [
            (("kb = shared_address(Ks, U(2) * t, g)", "kb = shared_address(Ks, t, g)   # PLANTED"),),
            T11B, CH11B, "dQ = dS K: K_j's rows read as keys t, t + 1 where dS's A fragment holds keys 2t, 2t + 1"),
     Mutant("tfb-dk-unscaled", 11, TFB,
-           (("dk[bkv, key, col] = dka[j, e] * scale", "dk[bkv, key, col] = dka[j, e]   # PLANTED: no scale"),),
+           (("store_gradients(dk, dv, bkv, key, col, dka[j, e] * scale, dva[j, e])",
+             "store_gradients(dk, dv, bkv, key, col, dka[j, e], dva[j, e])   # PLANTED: no scale"),),
            T11B, CH11B, "dK = dS^T Q written without the softmax scale"),
+    Mutant("tfb-split-share-rounded-down", 11, "kernels.base.query_split",
+           (("    share = (steps + splits - 1) // splits\n",
+             "    share = steps // splits   # PLANTED: rounded down, the last pairs walked by no split\n"),),
+           T11B, "test_queries_split_among_blocks_meet_the_same_rule",
+           "the query split: each split's share rounded down, so the walk's last (head, query tile) pairs are "
+           "never visited"),
     Mutant("tfb-no-hi-lo-term", 11, "kernels.base.tf32_product",
            (("            c = mma_tf32(a_hi, b_lo, c)\n", ""),),
            T11B, CH11B, "the backward's products without a_hi b_lo: about 2^-11 of |a||b| lost"),
