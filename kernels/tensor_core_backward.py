@@ -151,7 +151,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
                                   ldmatrix_at, ldmatrix_trans_at, mma_bf16, mma_f16, pack_bf16, pack_f16,
                                   shared_address, store_word)
-    from kernels.base.query_split import make_gradient_store, split_steps
+    from kernels.base.query_split import make_block_steps, make_gradient_store
     from kernels.base.shared_memory import shared_view
 
     if D % 16 or Br % 16 or W < 1:
@@ -174,6 +174,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     # Unsigned loop counters and indices on the GPU (see below); plain ints in the simulator,
     # where every index sum is Python and NumPy scalars would make it several times slower.
     U = int if on_simulator() else uint32
+    block_steps = make_block_steps(bool(split))           # all the walk, or a split's share
     store_gradients = make_gradient_store(bool(split))   # stored, or added (a split)
     HALVES = shared_halves(Br, W, D)
     SHARED = 0 if dynamic else HALVES
@@ -236,9 +237,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
         scale2 = float32(scale * LOG2E)
         # (query head, query tile) pairs that see these keys, in order (causal: from `first` on)
         first, n_tiles, steps = query_pairs(k0, diag, causal, n_q, Br, group)
-        s_first, s_end = 0, steps                     # this block's pairs: all, or its split's share
-        if split:
-            s_first, s_end = split_steps(steps)
+        s_first, s_end = block_steps(steps)         # this block's pairs: all, or its split's share
 
         if s_end > s_first:                           # the first pair's copies
             bh, q0 = pair_at(s_first, bkv, group, first, n_tiles, Br)

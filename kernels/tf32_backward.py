@@ -110,7 +110,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     dO and dQ 16-byte aligned and d % 4 == 0: cp.async copies, and dQ's adds in pairs)."""
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
                                   shared_address, split_tf32_at)
-    from kernels.base.query_split import make_gradient_store, split_steps
+    from kernels.base.query_split import make_block_steps, make_gradient_store
     from kernels.base.shared_memory import shared_view
 
     if passes not in PASSES:
@@ -135,6 +135,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     # unsigned loop counters on the GPU (chapter 12: Numba's range() loop control and signed
     # 64-bit index arithmetic cost instructions); plain ints in the simulator
     U = int if on_simulator() else uint32
+    block_steps = make_block_steps(bool(split))           # all the walk, or a split's share
     store_gradients = make_gradient_store(bool(split))   # stored, or added (a split)
 
     # byte offsets in shared memory: 8 rows of a K/Q tile, of dS^T; one row of each
@@ -210,9 +211,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
         scale2 = float32(scale * LOG2E)
         # (query head, query tile) pairs that see these keys, in order (causal: from `first` on)
         first, n_tiles, steps = query_pairs(k0, diag, causal, n_q, Br, group)
-        s0, s1 = 0, steps                             # this block's pairs: all, or its split's share
-        if split:
-            s0, s1 = split_steps(steps)
+        s0, s1 = block_steps(steps)                 # this block's pairs: all, or its split's share
 
         if s1 > s0:                                   # the first pair's copies
             bh, q0 = pair_at(s0, bkv, group, first, n_tiles, Br)

@@ -478,9 +478,9 @@ MUTANTS += [
            (("store_gradients(dk, dv, bkv, key, col, dka[j, e] * scale, dva[j, e])",
              "store_gradients(dk, dv, bkv, key, col, dka[j, e], dva[j, e])   # PLANTED: no scale"),),
            T11B, CH11B, "dK = dS^T Q written without the softmax scale"),
-    Mutant("tfb-split-share-rounded-down", 11, "kernels.base.query_split",
-           (("    share = (steps + splits - 1) // splits\n",
-             "    share = steps // splits   # PLANTED: rounded down, the last pairs walked by no split\n"),),
+    Mutant("tfb-split-share-rounded-down", 11, "kernels.base.key_split",     # the share both splits take
+           (("    share = (n + splits - 1) // splits\n",
+             "    share = n // splits   # PLANTED: rounded down, the last pairs walked by no split\n"),),
            T11B, "test_queries_split_among_blocks_meet_the_same_rule",
            "the query split: each split's share rounded down, so the walk's last (head, query tile) pairs are "
            "never visited"),

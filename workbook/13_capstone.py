@@ -367,6 +367,8 @@ if rows:
 # %%
 from kernels.base import key_split  # noqa: E402
 
+show_source(key_split.block_share.py_func, "def block_share", "return first")
+print()
 show_source(key_split.split_range.py_func, "def split_range", "return first")
 
 # %% [markdown]
@@ -386,12 +388,12 @@ show_source(key_split.split_range.py_func, "def split_range", "return first")
 # The backwards of chapters 11 and 12 split the other way (`kernels/base/query_split.py`). A
 # block keeps its key tile's dK_j and dV_j in registers while it walks the (query head, query
 # tile) pairs that see those keys; with S blocks a key tile, block z walks its share of the
-# pairs,
+# pairs (the same `block_share`),
 
 # %%
 from kernels.base import query_split  # noqa: E402
 
-show_source(query_split.split_steps.py_func, "def split_steps", "return s0")
+show_source(query_split.make_block_steps, "def block_steps", "return 0, steps")
 
 # %% [markdown]
 # and adds its dK_j and dV_j into gradients zeroed first, by atomic adds, as every block already

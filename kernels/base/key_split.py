@@ -26,7 +26,7 @@ import numpy as np
 
 from kernels.base.runtime import cdiv, on_simulator, to_device
 
-__all__ = ["split_range", "make_combine_splits", "choose_splits", "partials", "partial_views", "output_names",
+__all__ = ["block_share", "split_range", "make_combine_splits", "choose_splits", "partials", "partial_views", "output_names",
            "add_combine", "multiprocessors", "COMBINE_ROWS"]
 
 COMBINE_ROWS = 4          # rows a combine block (one warp each: lanes over d)
@@ -34,15 +34,25 @@ MINUS_INF = float32(-math.inf)
 
 
 @cuda.jit(device=True, inline=True)
-def split_range(n_tiles, bh):
-    """(first, end, slot): block z's key tiles first .. end - 1 of the ``n_tiles`` its query
-    tile sees (S = gridDim.z near-equal shares), and its partial's row in the (S*B*H, ...)
-    buffers. With S = 1: (0, n_tiles, bh), the whole walk."""
+def block_share(n):
+    """(first, end): block z's items first .. end - 1 of a walk of ``n`` (S = gridDim.z
+    near-equal shares, the last ones shorter or empty; with S = 1 the whole walk). The
+    forwards split their key tiles so, the backwards their (query head, query tile) pairs
+    (``kernels.base.query_split``)."""
     z = int32(cuda.blockIdx.z)
     splits = int32(cuda.gridDim.z)
-    share = (n_tiles + splits - 1) // splits
-    first = min(z * share, n_tiles)
-    return first, min(first + share, n_tiles), z * int32(cuda.gridDim.y) + bh
+    share = (n + splits - 1) // splits
+    first = min(z * share, n)
+    return first, min(first + share, n)
+
+
+@cuda.jit(device=True, inline=True)
+def split_range(n_tiles, bh):
+    """(first, end, slot): block z's key tiles first .. end - 1 of the ``n_tiles`` its query
+    tile sees (``block_share``), and its partial's row in the (S*B*H, ...) buffers. With
+    S = 1: (0, n_tiles, bh), the whole walk."""
+    first, end = block_share(n_tiles)
+    return first, end, int32(cuda.blockIdx.z) * int32(cuda.gridDim.y) + bh
 
 
 @functools.lru_cache(maxsize=None)

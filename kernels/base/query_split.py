@@ -4,7 +4,7 @@ The tensor-core backwards (chapters 11 and 12) give a block one key tile of one 
 it keeps dK_j and dV_j in registers while it walks every (query head, query tile) pair
 that sees those keys. With few heads (B*Hkv = 1, N = 4096, Bc = 128: 32 blocks on an
 H100's 132 SMs) most SMs idle while each block walks 4096 queries. Then the walk is split:
-grid (key tiles, B*Hkv, S), block z walking its share of the pairs (``split_steps``), and
+grid (key tiles, B*Hkv, S), block z walking its share of the pairs (``make_block_steps``), and
 each block adds its dK_j and dV_j into zeroed gradients with float32 atomic adds (dQ
 already comes by atomic adds), S blocks a key tile. No merge kernel is needed, only the
 zeroing (``make_zero_pair``) before; the price is dK's and dV's last bits, which vary from
@@ -17,25 +17,29 @@ import functools
 
 from numba import cuda, float32, int32
 
-from kernels.base.key_split import multiprocessors
+from kernels.base.key_split import block_share, multiprocessors
 from kernels.base.runtime import cdiv
 
-__all__ = ["split_steps", "make_gradient_store", "make_zero_pair", "choose_query_splits", "add_zero_gradients",
+__all__ = ["make_block_steps", "make_gradient_store", "make_zero_pair", "choose_query_splits", "add_zero_gradients",
            "MAX_SPLITS"]
 
 MAX_SPLITS = 16           # each split adds a key tile's dK_j and dV_j once more
 ZERO_ROWS = 4             # rows a zeroing block (one warp each)
 
 
-@cuda.jit(device=True, inline=True)
-def split_steps(steps):
-    """(s0, s1): block z's steps s0 .. s1 - 1 of a walk of ``steps`` (S = gridDim.z
-    near-equal shares; with S = 1 the whole walk)."""
-    z = int32(cuda.blockIdx.z)
-    splits = int32(cuda.gridDim.z)
-    share = (steps + splits - 1) // splits
-    s0 = min(z * share, steps)
-    return s0, min(s0 + share, steps)
+@functools.lru_cache(maxsize=None)
+def make_block_steps(split: bool):
+    """Device function (steps) -> (s0, s1): the steps s0 .. s1 - 1 of a key tile's walk of
+    ``steps`` (query head, query tile) pairs that this block takes: all of them, or with
+    ``split`` block z's share (``kernels.base.key_split.block_share``)."""
+
+    @cuda.jit(device=True, inline=True)
+    def block_steps(steps):
+        if split:
+            return block_share(steps)
+        return 0, steps
+
+    return block_steps
 
 
 @functools.lru_cache(maxsize=None)
