@@ -45,7 +45,7 @@ from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.key_split import add_combine, choose_splits, output_names, partial_views, partials
-from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_array, check_flag, \
+from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, array_dtype, LaunchCache, cdiv, check_array, check_flag, \
     check_scale, device_bits16, as_bits16, is_bf16_array, is_device_array, on_simulator, run_bound, to_device
 
 __all__ = ["flash_attention_tc", "make_flash_forward_mma", "make_flash_forward_mma_from", "make_load_a_fragment",
@@ -112,16 +112,17 @@ EXERCISES = {"make_load_a_fragment": "test_load_a_fragment or test_pinned_cases 
              "make_p_to_a": "test_p_to_a or test_pinned_cases or test_bf16_pinned_causal_case"}
 
 
-def make_flash_forward_mma(Br: int, Bc: int, D: int, bf16: bool = False, split: bool = False):
+def make_flash_forward_mma(Br: int, Bc: int, D: int, bf16: bool = False, split: bool = False, o16: bool = False):
     """The forward kernel (``make_flash_forward_mma_from``) with the module's two fragment
     hooks as they are now: a learner's ``make_load_a_fragment`` or ``make_p_to_a`` put in
     their place gets its own kernel, never the course's cached one."""
-    return make_flash_forward_mma_from(Br, Bc, D, bool(bf16), make_load_a_fragment, make_p_to_a, bool(split))
+    return make_flash_forward_mma_from(Br, Bc, D, bool(bf16), make_load_a_fragment, make_p_to_a, bool(split),
+                                       bool(o16))
 
 
 @functools.lru_cache(maxsize=None)
 def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment_factory, p_to_a_factory,
-                                split: bool = False):
+                                split: bool = False, o16: bool = False):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D, Q's
     A fragments loaded by ``a_fragment_factory()`` and P repacked by ``p_to_a_factory(bf16)``.
 
@@ -131,7 +132,9 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
     scale (float32), causal (int32 0/1), aligned (int32: rows 16-byte aligned, d % 8 == 0,
     so whole 16-byte chunks go by cp.async). ``split``: the keys split among gridDim.z
     blocks (``kernels.base.key_split``), each writing its partial O and L to row
-    blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq)."""
+    blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq). ``o16`` (unsplit): O
+    written in the inputs' type, o (B*H, Nq, d) uint16, each value rounded once to nearest
+    even (what a float32 O cast after would hold, without the cast)."""
     from kernels.base.key_split import split_range
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior, ldmatrix,
                                   ldmatrix_trans, mma_bf16, mma_f16)
@@ -143,7 +146,8 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
     THREADS = 32 * W
     KS, NS, KP, ND = D // 16, Bc // 8, Bc // 16, D // 8
     SD = D + 8                                    # shared row stride (halves): ldmatrix rows in distinct banks
-    scale_and_mask, online_softmax, write_rows = make_fragment_softmax(NS, ND, THREADS)
+    o_type = ("bf16" if bf16 else "f16") if o16 and not split else None
+    scale_and_mask, online_softmax, write_rows = make_fragment_softmax(NS, ND, THREADS, o_type)
     if Br not in (Bc, 2 * Bc):
         raise ValueError("tiles: the Q tile is staged through the K and V buffers: Br must be Bc or 2 Bc")
 
@@ -372,25 +376,33 @@ def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
 _launches = LaunchCache()          # the launcher's bound launches, by call shape
 
 
-def forward_checked(kind, q, k, v, *, causal, scale, bf16, splits=None):
+def forward_checked(kind, q, k, v, *, causal, scale, bf16, splits=None, o=None):
     """What ``flash_attention_tc`` runs once its checks pass, for callers that made them
     (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, H, Nk, d)
     C-contiguous 16-bit device arrays (PyTorch fp16/bf16 tensors as they are), ``scale`` a
     float. (o, lse) float32 from ``kind``'s allocator (an ``ArrayKind``). ``splits``: the
     keys split among that many blocks a query tile, their partials merged after
-    (``kernels.base.key_split``); None: split only where the grid would not fill the GPU."""
+    (``kernels.base.key_split``); None: split only where the grid would not fill the GPU.
+    ``o``: a C-contiguous array like q, of q's 16-bit type, for O in that type (rounded
+    once, in the kernel: no float32 O, no cast after); it is the o returned."""
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
-    o = kind.new((B, H, n_q, d), np.float32)           # the caller's allocator where it has one
+    o16 = o is not None
+    if o16:
+        if tuple(o.shape) != (B, H, n_q, d) or array_dtype(o).itemsize != 2:
+            raise ValueError(f"o: expected a 16-bit array of q's shape {(B, H, n_q, d)}, got {array_dtype(o)} "
+                             f"{tuple(o.shape)}")
+    else:
+        o = kind.new((B, H, n_q, d), np.float32)       # the caller's allocator where it has one
     lse = kind.new((B, H, n_q), np.float32)
     if B * H and n_q:
         Br, Bc, _ = tc_tiles(d)
         splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc) if splits is None else int(splits)
         arrays = dict(q=q, k=k, v=v, o=o, lse=lse)
         arrays.update(partials(kind, splits, B * H, n_q, d))
-        run_bound(_launches, (B, H, n_q, n_k, d, bf16, causal, scale, splits), arrays,
+        run_bound(_launches, (B, H, n_q, n_k, d, bf16, causal, scale, splits, o16), arrays,
                   lambda arrays: _views(arrays, B * H, n_q, n_k, d),
-                  lambda views, aligned: _bind_forward(views, d, bf16, causal, scale, aligned, splits),
+                  lambda views, aligned: _bind_forward(views, d, bf16, causal, scale, aligned, splits, o16),
                   aligned_names="qkv", aligned_d=d % 8 == 0)
     return o, lse
 
@@ -405,17 +417,18 @@ def _views(arrays, BH, n_q, n_k, d):
     return views
 
 
-def _bind_forward(views, d, bf16, causal, scale, aligned, splits=1):
+def _bind_forward(views, d, bf16, causal, scale, aligned, splits=1, o16=False):
     """The forward's launch, bound (``kernels.base.runtime.BoundLaunches``); with ``splits``
-    > 1, the split forward into the partials and then their merge."""
+    > 1, the split forward into the partials and then their merge (which writes O in the
+    inputs' type with ``o16``)."""
     BH, n_q, _ = views["q"].shape
     Br, Bc, D = tc_tiles(d)
-    kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16), split=splits > 1)
+    kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16), split=splits > 1, o16=o16)
     names = ("q", "k", "v", *output_names(splits))
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
     launches = [(kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, 0)]
     slots = [{n: i for i, n in enumerate(names)}]
-    add_combine(launches, slots, views, splits)
+    add_combine(launches, slots, views, splits, ("bf16" if bf16 else "f16") if o16 else None)
     return BoundLaunches(launches, slots)
 
 

@@ -12,7 +12,7 @@ and three TF32 products still run faster than the FMA units' fp32 (chapter 0).
 
 The kernel is chapter 8's loop with the m16n8k8 layout (``kernels.base.mma``):
 
-    before             K and V split once into hi and lo parts (``make_split``): every block
+    before             K and V split once into hi and lo parts (``make_split``, one launch): every block
                        reads every key, and a split costs three instructions
     one block          Br = 16 W query rows, W warps; Q_i's A fragments stay in registers (raw
                        fp32, split at each use)
@@ -69,18 +69,27 @@ def shared_words(Bc: int, D: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_split():
-    """Kernel (x, hi, lo) on 1-D arrays: hi[i], lo[i] = split_tf32(x[i]) (a grid-stride loop).
-    K and V are split once a call, not once a query tile: every block reads the same keys."""
+    """Kernel (k, v, k_hi, k_lo, v_hi, v_lo) on 1-D arrays of one length: k_hi[i], k_lo[i] =
+    split_tf32(k[i]), and the same for v (a grid-stride loop; K and V in one launch). K and
+    V are split once a call, not once a query tile: every block reads the same keys."""
     from kernels.base.mma import split_tf32
 
     @cuda.jit
-    def split(x, hi, lo):
-        for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
-            h, l_ = split_tf32(x[i])
-            hi[i] = h
-            lo[i] = l_
+    def split(k, v, k_hi, k_lo, v_hi, v_lo):
+        for i in range(cuda.grid(1), k.shape[0], cuda.gridsize(1)):
+            h, l_ = split_tf32(k[i])
+            k_hi[i] = h
+            k_lo[i] = l_
+            h, l_ = split_tf32(v[i])
+            v_hi[i] = h
+            v_lo[i] = l_
 
     return split
+
+
+def split_blocks(n: int) -> int:
+    """The split's grid for n elements a tensor: 256 threads a block, at most 4096 blocks."""
+    return min(cdiv(n, 256), 4096)
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,10 +260,7 @@ def split_kv(k, v, BH, n_k, d, kind):
     parts = [kind.empty((BH, n_k, d), np.uint32) for _ in range(4)]
     n = BH * n_k * d
     if n:
-        split = make_split()
-        blocks = min(cdiv(n, 256), 4096)
-        for x, hi, lo in ((k, parts[0], parts[1]), (v, parts[2], parts[3])):
-            split[blocks, 256, launch_stream()](x.reshape(n), hi.reshape(n), lo.reshape(n))
+        make_split()[split_blocks(n), 256, launch_stream()](*(x.reshape(n) for x in (k, v, *parts)))
     return parts
 
 
@@ -314,7 +320,7 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None):
         Br, Bc, _ = tf32_tiles(d)
         splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc) if splits is None else int(splits)
         arrays = dict(q=q, k=k, v=v)
-        arrays.update((name, kind.new((B, H, n_k, d), np.uint32)) for name in SPLIT)   # K, V split once a call
+        arrays.update(zip(SPLIT, kind.new_parts(4, (B, H, n_k, d), np.uint32)))   # K, V split once a call
         arrays.update((name + "_flat", arrays[name]) for name in ("k", "v", *SPLIT))    # the split's 1-D views
         arrays.update(partials(kind, splits, B * H, n_q, d))
         run_bound(_launches, (B, H, n_q, n_k, d, causal, scale, int(passes), splits), dict(arrays, o=o, lse=lse),
@@ -343,8 +349,8 @@ def _views(arrays, BH, n_q, n_k, d):
 
 
 def _bind_forward(views, causal, scale, passes, aligned, splits=1):
-    """Three launches, bound: the split of K, of V (``make_split``), and the forward; with
-    ``splits`` > 1 the forward writes the splits' partials and a fourth launch merges them."""
+    """Two launches, bound: the split of K and V (``make_split``), and the forward; with
+    ``splits`` > 1 the forward writes the splits' partials and a third launch merges them."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory, STATIC_LIMIT_BYTES
 
     BH, n_q, d = views["q"].shape
@@ -356,13 +362,9 @@ def _bind_forward(views, causal, scale, passes, aligned, splits=1):
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
     if dynamic:
         allow_dynamic_shared_memory(kernel, args, nbytes)
-    split, n = make_split(), views["k_flat"].shape[0]
-    blocks = min(cdiv(n, 256), 4096)
-    launches, slots = [], []
-    for x in ("k", "v"):
-        flat = tuple(f"{x}{part}_flat" for part in ("", "_hi", "_lo"))
-        launches.append((split, blocks, 256, tuple(views[f] for f in flat), 0))
-        slots.append({f: i for i, f in enumerate(flat)})
+    flat = tuple(f"{x}_flat" for x in ("k", "v", *SPLIT))
+    launches = [(make_split(), split_blocks(views["k_flat"].shape[0]), 256, tuple(views[f] for f in flat), 0)]
+    slots = [{f: i for i, f in enumerate(flat)}]
     launches.append((kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, nbytes if dynamic else 0))
     slots.append({name: i for i, name in enumerate(names)})
     add_combine(launches, slots, views, splits)
@@ -374,7 +376,8 @@ def ptx_targets(every_shape: bool = False):
     and the split."""
     sig = ("void(float32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], "
            "float32[:, :, ::1], float32[:, ::1], float32, int32, int32)")
-    out = [("split K and V into tf32 hi and lo", make_split(), "void(float32[::1], uint32[::1], uint32[::1])")]
+    out = [("split K and V into tf32 hi and lo", make_split(),
+            "void(float32[::1], float32[::1], uint32[::1], uint32[::1], uint32[::1], uint32[::1])")]
     for D, Bc in ((64, 64), (128, 32)):
         Br = 128
         dynamic = 4 * shared_words(Bc, D) > 48 * 1024

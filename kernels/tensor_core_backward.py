@@ -63,7 +63,7 @@ from kernels.base.key_block_walk import pair_at, query_pairs
 from kernels.base.query_split import add_zero_gradients, choose_query_splits
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_flag, \
-    check_scale, is_bf16_array, launch_stream, on_simulator, torch_dtype_as_numpy
+    array_dtype, check_scale, is_bf16_array, launch_stream, on_simulator
 
 __all__ = ["flash_attention_backward_tc", "BackwardLaunches", "launch_backward", "make_backward_tc", "make_delta_tc",
            "rounded_backward_numpy", "tc_backward_tiles", "shared_halves", "ptx_targets"]
@@ -468,15 +468,6 @@ class BackwardLaunches(BoundLaunches):
 _launches = LaunchCache()
 
 
-def _dtype(x):
-    """An array's NumPy dtype; a PyTorch tensor's read without building its array interface
-    (microseconds a call)."""
-    if type(x).__module__.startswith("torch"):
-        return torch_dtype_as_numpy(x.dtype)
-    cai = getattr(x, "__cuda_array_interface__", None)
-    return np.dtype(cai["typestr"]) if cai is not None else np.dtype(x.dtype)
-
-
 def flash_attention_backward_tc(q, k, v, o, lse, do, *, causal=False, scale=None, bf16=False):
     """Gradients (dq, dk, dv) of attention on tensor cores, for the upstream gradient ``do``.
 
@@ -516,7 +507,7 @@ def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, bf16, out=None
         splits = choose_query_splits(cdiv(n_k, 16 * W) * B * hkv, (H // max(hkv, 1)) * n_q, Br)
     splits = int(splits)
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
-    key = (B, H, hkv, n_q, n_k, d, bf16, _dtype(o) != np.float32, causal, scale, splits)
+    key = (B, H, hkv, n_q, n_k, d, bf16, array_dtype(o) != np.float32, causal, scale, splits)
     return run_grouped_backward(kind, arrays, (B, H, hkv, n_q, n_k, d), key, _launches,
                                 lambda views, aligned: BackwardLaunches(views, scale, causal, bf16, aligned,
                                                                         splits=splits),

@@ -16,8 +16,8 @@ Which kernels run (the dtype decides, as a library would):
     float32            forward: chapter 4's launcher (3xTF32 tensor cores on a GPU, chapter
                        11; the FMA kernel in the simulator); backward: chapter 5's launcher
                        (chapter 11's 3xTF32 backward on a GPU, grouped-query heads native)
-    float16, bfloat16  forward: chapter 8 (mma.sync, fp32 accumulators; O cast to the input
-                       type); backward: chapter 12 (mma.sync, grouped-query heads native)
+    float16, bfloat16  forward: chapter 8 (mma.sync, fp32 accumulators; O written in the
+                       input type, rounded once in the kernel); backward: chapter 12 (mma.sync, grouped-query heads native)
     block_mask=        chapter 6's block-sparse forward and backward, in float32
 
 A library's manners:
@@ -185,12 +185,12 @@ def _forward(q, k, v, causal, scale, block_mask):
         if q.dtype == torch.float32:
             from kernels.flash_tf32 import forward_checked
 
-            o, lse = forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale)
-        else:
-            from kernels.flash_tensor_cores import forward_checked
+            return forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale)
+        from kernels.flash_tensor_cores import forward_checked
 
-            o, lse = forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale, bf16=q.dtype == torch.bfloat16)
-        return o.to(q.dtype), lse
+        # O in q's 16-bit type, rounded in the kernel: no float32 O and no cast after
+        return forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale, bf16=q.dtype == torch.bfloat16,
+                               o=torch.empty_like(q))
     if block_mask is not None:
         from kernels.block_sparse import block_sparse_attention
 
@@ -215,24 +215,26 @@ def _backward(q, k, v, o, lse, do, causal, scale, block_mask):
     if _checked_entries(q, block_mask):                  # grouped heads native in both backwards
         do = do.detach().to(dtype).contiguous()
         # dQ, dK, dV in one float32 buffer (each from a 16-byte boundary), so that one cast
-        # gives all three in the inputs' type: two operations where six were
+        # gives all three in the inputs' type; each part one view (as_strided: a slice and a
+        # view are two operations, microseconds each at every call)
         starts = [0]
         for x in (q, k):
             starts.append(starts[-1] + -(-x.numel() // 4) * 4)
         flat = torch.empty(starts[-1] + v.numel(), dtype=torch.float32, device=q.device)
 
         def parts(buffer):
-            return tuple(buffer[at:at + x.numel()].view(x.shape) for at, x in zip(starts, (q, k, v)))
+            return tuple(buffer.as_strided(x.shape, x.stride(), at) for at, x in zip(starts, (q, k, v)))
 
+        grads = parts(flat)
         if dtype == torch.float32:
             from kernels.tf32_backward import backward_checked
 
-            backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale, out=parts(flat))
-            return parts(flat)
+            backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale, out=grads)
+            return grads
         from kernels.tensor_core_backward import backward_checked
 
         backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale,
-                         bf16=dtype == torch.bfloat16, out=parts(flat))
+                         bf16=dtype == torch.bfloat16, out=grads)
         return parts(flat.to(dtype))
     if block_mask is not None:
         from kernels.block_sparse_backward import block_sparse_attention_backward

@@ -383,6 +383,11 @@ MUTANTS += [
     Mutant("tc-lse-base-2", 8, FRAGMENTS,
            (("lse[bh, row] = (m[h] + math.log2(total)) * float32(LN2)", "lse[bh, row] = m[h] + math.log2(total)"),),
            T8, CH8, "L left in base 2 (the scores' base), not the natural log"),
+    Mutant("tc-o16-truncated", 8, "kernels.base.mma",
+           (("        a[i, j, k] = uint16(pack(x, float32(0.0)) & uint32(0xFFFF))",
+             "        a[i, j, k] = uint16(pack(x, float32(0.0)) & uint32(0xFFFF)) & uint16(0xFFFE)   # PLANTED"),),
+           T8, "test_o_in_the_inputs_type", "O in the inputs' type: the last bit of each 16-bit value dropped "
+                                            "(rounded toward zero where it was set)"),
 ]
 
 # ---- FlashAttention-1's loop order (the theory chapter)

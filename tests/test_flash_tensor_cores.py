@@ -210,6 +210,33 @@ def test_pinned_cases_split(case):
     check(case, True, splits=3)
 
 
+@given(case=tc_cases(), splits=st.sampled_from([1, 3]))
+@settings(max_examples=3 if SIM else 60)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
+def test_o_in_the_inputs_type_is_the_float32_o_rounded(case, splits, bf16):
+    """``o=``: the kernel (or, split, the merge) writes O in the inputs' 16-bit type. Each
+    value is the float32 O's rounded to nearest even, bit for bit: what a cast after gives."""
+    q, k, v = (to_input(x, bf16)[0] for x in (case.q, case.k, case.v))
+    scale = case.scale if case.scale is not None else 1 / np.sqrt(case.q.shape[-1])
+    kind = ArrayKind(q)
+    args = [cuda.to_device(x) for x in (q, k, v)]
+    o32, lse32 = forward_checked(kind, *args, causal=case.causal, scale=scale, bf16=bf16, splits=splits)
+    o16 = cuda.device_array(q.shape, np.uint16)
+    got, lse = forward_checked(kind, *args, causal=case.causal, scale=scale, bf16=bf16, splits=splits, o=o16)
+    assert got is o16, "o: the array given is the o returned"
+    o32 = o32.copy_to_host()
+    want = bf16_bits(o32) if bf16 else o32.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(got.copy_to_host(), want.astype(np.uint16), err_msg="O's 16-bit patterns")
+    np.testing.assert_array_equal(lse.copy_to_host(), lse32.copy_to_host())
+
+
+def test_o_of_another_shape_or_type_is_refused():
+    q = cuda.to_device(np.zeros((1, 1, 4, 8), np.float16))
+    for o in (cuda.device_array((1, 1, 4, 8), np.float32), cuda.device_array((1, 1, 3, 8), np.uint16)):
+        with pytest.raises(ValueError, match="o: expected a 16-bit array"):
+            forward_checked(ArrayKind(q), q, q, q, causal=False, scale=1.0, bf16=False, o=o)
+
+
 def test_splits_only_where_the_grid_is_too_small():
     """choose_splits: none once the blocks fill the SMs; else enough to, at least two key
     tiles a split, at most 16."""

@@ -115,8 +115,7 @@ def run_grouped_backward(kind, arrays: dict, dims, key, cache, make, words: int,
     if out is None:
         out = (kind.new((B, H, n_q, d)), kind.new((B, hkv, n_k, d)), kind.new((B, hkv, n_k, d)))
     grads = dict(zip(("dq", "dk", "dv"), out))
-    buffer = kind.new((len(scratch), B * H, n_q))               # the row buffers, one allocation
-    rows = {name: buffer[i] for i, name in enumerate(scratch)}
+    rows = dict(zip(scratch, kind.new_parts(len(scratch), (B * H, n_q))))     # the row buffers, one allocation
     run_bound(cache, key, {**held, **grads, **rows}, lambda arrays: grouped_views(arrays, B * H, B * hkv, n_q, n_k, d), make,
               aligned_names=("q", "k", "v", "do", "dq"), aligned_d=d % words == 0)
     return tuple(kind.result(grads[n]) for n in ("dq", "dk", "dv"))

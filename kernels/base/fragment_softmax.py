@@ -11,7 +11,8 @@ K/V tile both kernels do the same three things on those registers, written once 
     online_softmax   m' = max(m, rowmax S) (over the quad), O and l rescaled by exp2(m - m'),
                      P = exp2(S - m'), l += rowsum P (a lane's share; the quad adds at the end)
     write_rows       O / l and L = (m + log2 l) ln 2 for rows < n_q; a row that saw no key:
-                     O = 0, L = -inf
+                     O = 0, L = -inf. O as float32, or rounded to the inputs' fp16 or bf16
+                     (``o_type``, ``kernels.base.mma.make_output_store``)
 
 ``sc`` is (NS, 4) (S, then P), ``acc`` (ND, 4) (O), ``m`` and ``l`` (2,) (rows g and g + 8).
 """
@@ -31,11 +32,15 @@ LN2 = math.log(2.0)
 
 
 @functools.lru_cache(maxsize=None)
-def make_fragment_softmax(NS: int, ND: int, THREADS: int):
+def make_fragment_softmax(NS: int, ND: int, THREADS: int, o_type: str | None = None):
     """(scale_and_mask, online_softmax, write_rows) for NS tiles of S (Bc = 8 NS keys), ND
-    tiles of O (D = 8 ND) and blocks of THREADS threads. NaN: max.f32 skips a NaN score,
-    but its p = exp2(NaN - m) is NaN, and so are l and the row's O and L."""
+    tiles of O (D = 8 ND) and blocks of THREADS threads; write_rows writes O as float32, or
+    ``o_type`` "f16" / "bf16" (16-bit patterns). NaN: max.f32 skips a NaN score, but its
+    p = exp2(NaN - m) is NaN, and so are l and the row's O and L."""
+    from kernels.base.mma import make_output_store
+
     Bc = 8 * NS
+    store = make_output_store(o_type)
     row_max, row_sum = make_row_reductions(4, THREADS, propagate_nan=False)
 
     @cuda.jit(device=True, inline=True)
@@ -87,7 +92,7 @@ def make_fragment_softmax(NS: int, ND: int, THREADS: int):
                         for e in range(2):
                             col = j * 8 + 2 * t + e
                             if col < d:
-                                o[bh, row, col] = acc[j, 2 * h + e] * inv
+                                store(o, bh, row, col, acc[j, 2 * h + e] * inv)
                     if t == 0:
                         lse[bh, row] = (m[h] + math.log2(total)) * float32(LN2)
                 else:                                # saw no key
@@ -95,7 +100,7 @@ def make_fragment_softmax(NS: int, ND: int, THREADS: int):
                         for e in range(2):
                             col = j * 8 + 2 * t + e
                             if col < d:
-                                o[bh, row, col] = float32(0.0)
+                                store(o, bh, row, col, float32(0.0))
                     if t == 0:
                         lse[bh, row] = MINUS_INF
 

@@ -56,10 +56,14 @@ def split_range(n_tiles, bh):
 
 
 @functools.lru_cache(maxsize=None)
-def make_combine_splits():
+def make_combine_splits(o_type: str | None = None):
     """The merge: grid (ceil(Nq / COMBINE_ROWS), B*H), 32 * COMBINE_ROWS threads, a warp a
     row, its lanes over d. Arguments: o_part (S*B*H, Nq, d), l_part (S*B*H, Nq) float32 (slot
-    z * B*H + bh), o (B*H, Nq, d), lse (B*H, Nq) float32. A NaN L_z makes the row NaN."""
+    z * B*H + bh), o (B*H, Nq, d) float32 (or with ``o_type`` "f16" / "bf16" their 16-bit
+    patterns, rounded once here), lse (B*H, Nq) float32. A NaN L_z makes the row NaN."""
+    from kernels.base.mma import make_output_store
+
+    store = make_output_store(o_type)
 
     @cuda.jit(fastmath=False)
     def combine_splits(o_part, l_part, o, lse):
@@ -80,7 +84,7 @@ def make_combine_splits():
                 break
         if top == MINUS_INF:                         # no split saw a key of this row
             for c in range(lane, d, 32):
-                o[bh, row, c] = float32(0.0)
+                store(o, bh, row, c, float32(0.0))
             if lane == 0:
                 lse[bh, row] = MINUS_INF
             return
@@ -92,7 +96,7 @@ def make_combine_splits():
             for z in range(splits):                  # (an empty split: O_z = 0, weight 0)
                 slot = z * heads + bh
                 acc += math.exp(l_part[slot, row] - top) * o_part[slot, row, c]
-            o[bh, row, c] = acc / total
+            store(o, bh, row, c, acc / total)
         if lane == 0:
             lse[bh, row] = top + math.log(total)
 
@@ -124,12 +128,12 @@ def output_names(splits: int) -> tuple:
     return ("o", "lse") if splits == 1 else ("o_part", "l_part")
 
 
-def add_combine(launches: list, slots: list, views: dict, splits: int) -> None:
+def add_combine(launches: list, slots: list, views: dict, splits: int, o_type: str | None = None) -> None:
     """With S > 1, the merge appended to a ``BoundLaunches``' launches and slots, on ``views``'
-    o_part, l_part, o (B*H, Nq, d) and lse."""
+    o_part, l_part, o (B*H, Nq, d; float32, or 16-bit patterns of ``o_type``) and lse."""
     if splits == 1:
         return
-    combine = make_combine_splits()
+    combine = make_combine_splits(o_type)
     BH, n_q = views["o"].shape[:2]
     launches.append((combine, (cdiv(n_q, COMBINE_ROWS), BH), combine.threads,
                      tuple(views[name] for name in COMBINE_SLOTS), 0))

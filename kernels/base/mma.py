@@ -47,6 +47,10 @@ so any PTX instruction: that is all this module does on the GPU. The device func
     cp_async_commit(), cp_async_wait_all(), cp_async_wait_prior()   (all but the last group done)
     cp_async_wait_prior2()                  (all but the last two groups done)
 
+``make_output_store(o_type)`` makes a device function ``store(a, i, j, k, x)`` that writes a
+float32 result into a 3-D array: as it is, or rounded to fp16 or bf16 (a kernel that returns
+O in its inputs' type writes it so, and no cast follows).
+
 In the simulator the same calls run as Python. mma and ldmatrix need every lane's
 registers: each lane posts its fragment to a table shared by its warp, the block meets at
 a barrier, each lane computes its own outputs from the rebuilt matrices (in float64, then
@@ -57,6 +61,7 @@ GPU, every lane of a warp: the ``.aligned`` in the instruction's name).
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -68,7 +73,8 @@ __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_posit
            "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_at",
            "load_words", "store_word", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
-           "half_bits", "bf16_bits", "tf32_bits", "split_ties", "words_to_halves", "PTX"]
+           "half_bits", "bf16_bits", "tf32_bits", "split_ties", "words_to_halves", "make_output_store",
+           "OUTPUT_TYPES", "PTX"]
 
 M, N, K = 16, 8, 16          # the f16/bf16 shape; tf32 is 16 x 8 x 8
 
@@ -773,3 +779,31 @@ cp_async_commit = _functions["cp_async_commit"]
 cp_async_wait_all = _functions["cp_async_wait_all"]
 cp_async_wait_prior = _functions["cp_async_wait_prior"]
 cp_async_wait_prior2 = _functions["cp_async_wait_prior2"]
+
+
+OUTPUT_TYPES = (None, "f16", "bf16")       # a result written as float32, or rounded to fp16 or bf16
+
+
+@functools.lru_cache(maxsize=None)
+def make_output_store(o_type: str | None = None):
+    """Device function ``store(a, i, j, k, x)``: a[i, j, k] = x for a float32 x. ``o_type``
+    None: ``a`` is float32 and x goes in as it is; "f16" or "bf16": ``a`` holds 16-bit
+    patterns (uint16) and x goes in rounded to nearest even (``cvt.rn``, one instruction:
+    ``pack_f16`` / ``pack_bf16`` with a zero in the high half)."""
+    from numba import cuda, float32, uint16, uint32
+
+    if o_type not in OUTPUT_TYPES:
+        raise ValueError(f"o_type: expected one of {OUTPUT_TYPES}, got {o_type!r}")
+    if o_type is None:
+        @cuda.jit(device=True, inline=True)
+        def store(a, i, j, k, x):
+            a[i, j, k] = x
+
+        return store
+    pack = pack_bf16 if o_type == "bf16" else pack_f16
+
+    @cuda.jit(device=True, inline=True)
+    def store_rounded(a, i, j, k, x):
+        a[i, j, k] = uint16(pack(x, float32(0.0)) & uint32(0xFFFF))
+
+    return store_rounded

@@ -178,6 +178,12 @@ class ArrayKind:
             return cupy.empty(tuple(shape), dtype=dtype)
         return device_empty(shape, dtype)
 
+    def new_parts(self, count: int, shape, dtype=np.float32) -> tuple:
+        """``count`` arrays like ``new(shape, dtype)``, made by one allocation (a PyTorch
+        tensor's ``unbind``: one operation for the views, where each allocation is one)."""
+        whole = self.new((count, *shape), dtype)
+        return whole.unbind(0) if _is_torch(whole) else tuple(whole[i] for i in range(count))
+
     def result(self, array):
         """An array from ``new``, given back: as it is on the device, copied for a NumPy caller."""
         return array if self.on_device else array.copy_to_host()
@@ -336,6 +342,15 @@ def torch_dtype_as_numpy(dtype) -> np.dtype:
     """A PyTorch dtype as the NumPy dtype its array interface names (bfloat16: ``V2``)."""
     name = str(dtype).rsplit(".", 1)[-1]
     return np.dtype("V2") if name == "bfloat16" else np.dtype(name)
+
+
+def array_dtype(x) -> np.dtype:
+    """An array's NumPy dtype (bfloat16: ``V2``); a PyTorch tensor's read without building its
+    array interface (microseconds a call)."""
+    if _is_torch(x):
+        return torch_dtype_as_numpy(x.dtype)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    return np.dtype(cai["typestr"]) if cai is not None else np.dtype(x.dtype)
 
 
 def device_empty(shape, dtype=np.float32):
@@ -607,7 +622,12 @@ def run_bound(cache: LaunchCache, key, arrays: dict, views_of, make, *, aligned_
         launches = cache.get((*key, aligned, 0), lambda: make(views, aligned))
         launches(**views)
         return
-    pointers = {name: device_pointer(x, name) for name, x in arrays.items()}
+    pointers, seen = {}, {}                       # (an array under two names: its pointer read once)
+    for name, x in arrays.items():
+        at = seen.get(id(x))
+        if at is None:
+            at = seen[id(x)] = device_pointer(x, name)
+        pointers[name] = at
     aligned = int(bool(aligned_d) and all(pointers[n] % 16 == 0 for n in aligned_names))
     key = (*key, aligned, current_context())
     launches = cache.get(key, lambda: make(views_of(arrays), aligned))

@@ -23,9 +23,8 @@ import numpy as np
 
 import kernels  # noqa: F401  (GPU or simulator first)
 from kernels import reference as ref
-from kernels.base.runtime import cdiv
 from kernels.bench.harness import Result, token_sweep, torch_or_none
-from kernels.flash_tf32 import flash_attention_tf32, launch_forward, make_split, tf32_tiles
+from kernels.flash_tf32 import flash_attention_tf32, launch_forward, make_split, split_blocks, tf32_tiles
 
 CHAPTER = 11
 TITLE = "fp32 on tensor cores (3xTF32)"
@@ -47,11 +46,10 @@ def bare_launch(b, h, n, d, passes, o, lse):
     parts = [cuda.device_array((b * h, n, d), np.uint32) for _ in range(4)]
     split = make_split()
     size = b * h * n * d
-    blocks = min(cdiv(size, 256), 4096)
+    blocks = split_blocks(size)
 
     def launch(q, k, v, causal):
-        split[blocks, 256](k.reshape(size), parts[0].reshape(size), parts[1].reshape(size))
-        split[blocks, 256](v.reshape(size), parts[2].reshape(size), parts[3].reshape(size))
+        split[blocks, 256](*(x.reshape(size) for x in (k, v, *parts)))
         launch_forward(q.reshape(b * h, n, d), parts, o, lse, scale, causal, passes)
 
     launch.tiles = (Br, Bc)
