@@ -13,7 +13,10 @@ and three TF32 products still run faster than the FMA units' fp32 (chapter 0).
 The kernel is chapter 8's loop with the m16n8k8 layout (``kernels.base.mma``):
 
     before             K and V split once into hi and lo parts (``make_split``, one launch): every block
-                       reads every key, and a split costs three instructions
+                       reads every key, and a split costs three instructions. Where the
+                       queries are few (Nq <= 2 Br: each key read by one or two blocks) each
+                       block splits K_j and V_j in shared memory as they land instead
+                       (``raw_kv``): a launch and four buffers saved (``split_before``)
     one block          Br = 16 W query rows, W warps; Q_i's A fragments stay in registers (raw
                        fp32, split at each use)
     for each K/V tile (Bc keys, hi and lo, in shared memory, rows padded by 4 words so the
@@ -94,7 +97,7 @@ def split_blocks(n: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False,
-                            max_registers: int | None = None, split: bool = False):
+                            max_registers: int | None = None, split: bool = False, raw_kv: bool = False):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
@@ -105,9 +108,14 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     d) and lse (B*H, Nq) float32; scale (float32), causal (int32 0/1), aligned (int32: rows
     16-byte aligned and d % 4 == 0, so whole 16-byte chunks go by cp.async). ``split``: the
     keys split among gridDim.z blocks (``kernels.base.key_split``), each writing its partial
-    O and L to row blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq)."""
+    O and L to row blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq).
+    ``raw_kv``: the arguments are q, k, v (float32, not split), o, lse, ...: each block splits
+    K_j and V_j in shared memory as they land (``stage_raw``, ``split_landed``): where every
+    key is read by one or two blocks, splitting where it is read costs less than a launch
+    and four buffers (``split_before``)."""
     from kernels.base.key_split import split_range
-    from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior
+    from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, shared_address, \
+        split_tf32, split_tf32_at
     from kernels.base.shared_memory import shared_view
 
     if passes not in PASSES:
@@ -122,6 +130,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     TILE = Bc * SD
     SHARED = 0 if dynamic else 4 * TILE
     THREE = passes == 3
+    RAW = bool(raw_kv)
     split4, _, product = make_tf32_product(passes)      # 3xTF32 (or plain TF32) k-steps
     scale_and_mask, online_softmax, write_rows = make_fragment_softmax(NS, ND, THREADS)
 
@@ -141,10 +150,48 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                         x = src[row, c + e]
                     dst[r, c + e] = x
 
+    @cuda.jit(device=True, inline=True)
+    def stage_raw(src, dst_hi, dst_lo, rows, r0, d, tid, aligned):
+        """src[r0 + r, :d] (float32) -> dst_hi[r, :D], dst_lo[r, :D] (zeros past rows and
+        d): whole 16-byte chunks by cp.async into dst_hi as they are (split once landed,
+        ``split_landed``), the rest split here."""
+        for ch in range(tid, Bc * CH, THREADS):
+            r = ch // CH
+            c = (ch % CH) * 4
+            row = r0 + r
+            if aligned != 0 and row < rows and c + 4 <= d:
+                cp_async(dst_hi, r, c, src, row, c)
+            else:
+                for e in range(4):
+                    x = float32(0.0)
+                    if row < rows and c + e < d:
+                        x = src[row, c + e]
+                    hi, lo = split_tf32(x)
+                    dst_hi[r, c + e] = hi
+                    if THREE:
+                        dst_lo[r, c + e] = lo
+
+    @cuda.jit(device=True, inline=True)
+    def split_landed(dst_hi, dst_lo, rows, r0, d, tid, aligned):
+        """The chunks this thread's cp.async put in dst_hi (``stage_raw``), once landed, split
+        in place: hi to dst_hi, lo to dst_lo (the same loop: a thread splits its own chunks,
+        so only its own wait comes first, and the block's barrier after)."""
+        for ch in range(tid, Bc * CH, THREADS):
+            r = ch // CH
+            c = (ch % CH) * 4
+            if aligned != 0 and r0 + r < rows and c + 4 <= d:
+                for e in range(4):
+                    hi, lo = split_tf32_at(shared_address(dst_hi, r, c + e))
+                    dst_hi[r, c + e] = hi
+                    if THREE:
+                        dst_lo[r, c + e] = lo
+
     caps = {"max_registers": max_registers} if max_registers and not on_simulator() else {}
 
-    @cuda.jit(fastmath=True, **caps)
-    def flash_forward_tf32(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, aligned):
+    @cuda.jit(device=True, inline=True)
+    def attend(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, aligned):
+        """The kernel's body: with ``raw_kv``, k_hi and v_hi are K and V in float32 (k_lo
+        and v_lo unused)."""
         bh = int32(cuda.blockIdx.y)
         tid = int32(cuda.threadIdx.x)
         warp = tid // 32
@@ -195,18 +242,26 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             first, end, out = split_range(n_tiles, bh)
 
         if end > first:
-            stage_in(khh, Kh, n_k, first * Bc, d, tid, aligned)
-            if THREE:
-                stage_in(klh, Kl, n_k, first * Bc, d, tid, aligned)
+            if RAW:
+                stage_raw(khh, Kh, Kl, n_k, first * Bc, d, tid, aligned)
+            else:
+                stage_in(khh, Kh, n_k, first * Bc, d, tid, aligned)
+                if THREE:
+                    stage_in(klh, Kl, n_k, first * Bc, d, tid, aligned)
         cp_async_commit()
         for jt in range(first, end):
             k0 = jt * Bc
             cuda.syncthreads()                       # every warp is done with V_{j-1}
-            stage_in(vhh, Vh, n_k, k0, d, tid, aligned)
-            if THREE:
-                stage_in(vlh, Vl, n_k, k0, d, tid, aligned)
+            if RAW:
+                stage_raw(vhh, Vh, Vl, n_k, k0, d, tid, aligned)
+            else:
+                stage_in(vhh, Vh, n_k, k0, d, tid, aligned)
+                if THREE:
+                    stage_in(vlh, Vl, n_k, k0, d, tid, aligned)
             cp_async_commit()
             cp_async_wait_prior()                    # K_j has landed (V_j may still fly)
+            if RAW:
+                split_landed(Kh, Kl, n_k, k0, d, tid, aligned)
             cuda.syncthreads()
 
             # ---- S = Q_i K_j^T: B = K_j^T, b0 = K[key g, 8s + t], b1 = K[key g, 8s + t + 4]
@@ -227,11 +282,16 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                     pv[kp, e] = sc[kp, e]
 
             cp_async_wait_all()                      # V_j has landed ...
+            if RAW:
+                split_landed(Vh, Vl, n_k, k0, d, tid, aligned)
             cuda.syncthreads()                       # ... and every warp is done with K_j
             if jt + 1 < end:
-                stage_in(khh, Kh, n_k, k0 + Bc, d, tid, aligned)
-                if THREE:
-                    stage_in(klh, Kl, n_k, k0 + Bc, d, tid, aligned)
+                if RAW:
+                    stage_raw(khh, Kh, Kl, n_k, k0 + Bc, d, tid, aligned)
+                else:
+                    stage_in(khh, Kh, n_k, k0 + Bc, d, tid, aligned)
+                    if THREE:
+                        stage_in(klh, Kl, n_k, k0 + Bc, d, tid, aligned)
             cp_async_commit()
 
             # ---- O += P V_j, 8 keys a step, renumbered: key 2t -> k = t, key 2t + 1 -> k = t + 4.
@@ -249,6 +309,15 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         cp_async_wait_all()                          # (the last, empty, group)
 
         write_rows(acc, m, l, o, lse, out, wrow0, g, t, n_q, d)    # O / l and L
+
+    if raw_kv:
+        @cuda.jit(fastmath=True, **caps)
+        def flash_forward_tf32(q, k, v, o, lse, scale, causal, aligned):
+            attend(q, k, k, v, v, o, lse, scale, causal, aligned)
+    else:
+        @cuda.jit(fastmath=True, **caps)
+        def flash_forward_tf32(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, aligned):
+            attend(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, aligned)
 
     flash_forward_tf32.threads = THREADS
     return flash_forward_tf32
@@ -305,13 +374,22 @@ def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
     return kind.result(o), kind.result(lse)
 
 
-def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None):
+def split_before(n_q: int, Br: int) -> bool:
+    """Whether K and V are split by a launch of their own before the forward (into four
+    buffers), or by each block as it reads them (``raw_kv``): before, where a key is read
+    by more than two blocks of query rows (Nq > 2 Br); where it is read by one or two, the
+    launch and the buffers cost more than the split they save."""
+    return n_q > 2 * Br
+
+
+def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, before=None):
     """What ``flash_attention_tf32`` runs once its checks pass, for callers that made them
     (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, H, Nk, d)
     C-contiguous float32 device arrays, ``scale`` a float. (o, lse) from ``kind``'s
-    allocator (an ``ArrayKind``); K and V are split into their TF32 parts each call.
-    ``splits``: the keys split among that many blocks a query tile, their partials merged
-    after (``kernels.base.key_split``); None: split only where the grid would not fill the GPU."""
+    allocator (an ``ArrayKind``); K and V are split into their TF32 parts each call, before
+    the forward or in it (``before``; None: ``split_before``). ``splits``: the keys split
+    among that many blocks a query tile, their partials merged after
+    (``kernels.base.key_split``); None: split only where the grid would not fill the GPU."""
     B, H, n_q, d = q.shape
     n_k = k.shape[2]
     o = kind.new((B, H, n_q, d), np.float32)           # the caller's allocator where it has one
@@ -319,14 +397,16 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None):
     if B * H and n_q and n_k:
         Br, Bc, _ = tf32_tiles(d)
         splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc) if splits is None else int(splits)
+        before = split_before(n_q, Br) if before is None else bool(before)
         arrays = dict(q=q, k=k, v=v)
-        arrays.update(zip(SPLIT, kind.new_parts(4, (B, H, n_k, d), np.uint32)))   # K, V split once a call
-        arrays.update((name + "_flat", arrays[name]) for name in ("k", "v", *SPLIT))    # the split's 1-D views
+        if before:
+            arrays.update(zip(SPLIT, kind.new_parts(4, (B, H, n_k, d), np.uint32)))   # K, V split once a call
+            arrays.update((name + "_flat", arrays[name]) for name in ("k", "v", *SPLIT))  # the split's 1-D views
         arrays.update(partials(kind, splits, B * H, n_q, d))
-        run_bound(_launches, (B, H, n_q, n_k, d, causal, scale, int(passes), splits), dict(arrays, o=o, lse=lse),
-                  lambda a: _views(a, B * H, n_q, n_k, d),
-                  lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits),
-                  aligned_names=("q", *SPLIT), aligned_d=d % 4 == 0)
+        run_bound(_launches, (B, H, n_q, n_k, d, causal, scale, int(passes), splits, before),
+                  dict(arrays, o=o, lse=lse), lambda a: _views(a, B * H, n_q, n_k, d),
+                  lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits, before),
+                  aligned_names=("q", *(SPLIT if before else "kv")), aligned_d=d % 4 == 0)
     elif B * H and n_q:          # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
         fill(o, 0.0)
         fill(lse, -np.inf)
@@ -340,31 +420,34 @@ _launches = LaunchCache()          # the launcher's bound launches, by call shap
 def _views(arrays, BH, n_q, n_k, d):
     """The kernels' views: (B*H, N, d) for q, k, v, the split parts and o; (B*H, Nq) for
     lse; 1-D for the split kernel's ``*_flat``."""
-    rows = dict(q=n_q, o=n_q, k=n_k, v=n_k, **{name: n_k for name in SPLIT})
+    rows = dict(q=n_q, o=n_q, k=n_k, v=n_k, **{name: n_k for name in SPLIT if name in arrays})
     views = {name: to_device(arrays[name], name).reshape(BH, rows[name], d) for name in rows}
     views["lse"] = to_device(arrays["lse"], "lse").reshape(BH, n_q)
-    views.update((name + "_flat", views[name].reshape(BH * n_k * d)) for name in ("k", "v", *SPLIT))
+    views.update((name + "_flat", views[name].reshape(BH * n_k * d)) for name in ("k", "v", *SPLIT) if name in rows)
     views.update(partial_views(arrays))
     return views
 
 
-def _bind_forward(views, causal, scale, passes, aligned, splits=1):
-    """Two launches, bound: the split of K and V (``make_split``), and the forward; with
-    ``splits`` > 1 the forward writes the splits' partials and a third launch merges them."""
+def _bind_forward(views, causal, scale, passes, aligned, splits=1, before=True):
+    """The launches, bound: with ``before``, the split of K and V (``make_split``) and the
+    forward on their parts; else the forward alone, splitting as it reads (``raw_kv``). With
+    ``splits`` > 1 the forward writes the splits' partials and one more launch merges them."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory, STATIC_LIMIT_BYTES
 
     BH, n_q, d = views["q"].shape
     Br, Bc, D = tf32_tiles(d)
     nbytes = 4 * shared_words(Bc, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, split=splits > 1)
-    names = ("q", *SPLIT, *output_names(splits))
+    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, split=splits > 1, raw_kv=not before)
+    names = ("q", *(SPLIT if before else ("k", "v")), *output_names(splits))
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
     if dynamic:
         allow_dynamic_shared_memory(kernel, args, nbytes)
-    flat = tuple(f"{x}_flat" for x in ("k", "v", *SPLIT))
-    launches = [(make_split(), split_blocks(views["k_flat"].shape[0]), 256, tuple(views[f] for f in flat), 0)]
-    slots = [{f: i for i, f in enumerate(flat)}]
+    launches, slots = [], []
+    if before:
+        flat = tuple(f"{x}_flat" for x in ("k", "v", *SPLIT))
+        launches.append((make_split(), split_blocks(views["k_flat"].shape[0]), 256, tuple(views[f] for f in flat), 0))
+        slots.append({f: i for i, f in enumerate(flat)})
     launches.append((kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, nbytes if dynamic else 0))
     slots.append({name: i for i, name in enumerate(names)})
     add_combine(launches, slots, views, splits)
@@ -376,6 +459,8 @@ def ptx_targets(every_shape: bool = False):
     and the split."""
     sig = ("void(float32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], "
            "float32[:, :, ::1], float32[:, ::1], float32, int32, int32)")
+    raw_sig = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
+               "float32[:, ::1], float32, int32, int32)")
     out = [("split K and V into tf32 hi and lo", make_split(),
             "void(float32[::1], float32[::1], uint32[::1], uint32[::1], uint32[::1], uint32[::1])")]
     for D, Bc in ((64, 64), (128, 32)):
@@ -384,4 +469,7 @@ def ptx_targets(every_shape: bool = False):
         for passes in (3, 1) if every_shape else (3,):
             out.append((f"flash fwd 3xTF32 passes={passes} Br={Br} Bc={Bc} D={D}",
                         make_flash_forward_tf32(Br, Bc, D, passes, dynamic), sig))
+        if every_shape:                                # K and V split as they land (short queries)
+            out.append((f"flash fwd 3xTF32 raw K V Br={Br} Bc={Bc} D={D}",
+                        make_flash_forward_tf32(Br, Bc, D, 3, dynamic, raw_kv=True), raw_sig))
     return out

@@ -405,13 +405,23 @@ MUTANTS += [
     Mutant("tf32-no-hi-lo-term", 11, "kernels.base.tf32_product",
            (("            c = mma_tf32(a_hi, b_lo, c)\n", ""),),
            T11, "test_matches_oracle", "3xTF32 without a_hi b_lo: two products, about 2^-11 of |a||b| lost"),
+    Mutant("tf32-landed-lo-dropped", 11, TF32,
+           (("""                    hi, lo = split_tf32_at(shared_address(dst_hi, r, c + e))
+                    dst_hi[r, c + e] = hi
+                    if THREE:
+                        dst_lo[r, c + e] = lo
+""", """                    hi, lo = split_tf32_at(shared_address(dst_hi, r, c + e))
+                    dst_hi[r, c + e] = hi
+"""),),
+           T11, "test_k_and_v_split_before_or_as_they_land",
+           "K and V split as they land: the lo parts of the chunks cp.async brought are never written (the "
+           "last tile's, or zeros, stand in)"),
     Mutant("tf32-p-keys-not-renumbered", 11, TF32,
            (("split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])", "split4(pv[kp, 0], pv[kp, 1], pv[kp, 2], pv[kp, 3])"),),
            T11, "test_matches_oracle", "P's accumulator tile used as P V's A operand as it lies: keys 2t + 1 and t + 4 "
                                        "mixed up, rows g and g + 8 too"),
     Mutant("tf32-chained-accumulator", 11, TF32,
-           (("from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior\n",
-             "from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, cp_async_wait_prior, mma_tf32\n"),
+           (("        split_tf32, split_tf32_at\n", "        split_tf32, split_tf32_at, mma_tf32\n"),
             ("    split4, _, product = make_tf32_product(passes)      # 3xTF32 (or plain TF32) k-steps\n",
              "    split4, _, product = make_tf32_product(passes)      # 3xTF32 (or plain TF32) k-steps\n\n"
              "    @cuda.jit(device=True, inline=True)\n"

@@ -17,22 +17,23 @@ from numba import cuda
 from kernels import reference as ref
 from kernels.base.runtime import ArrayKind, is_device_array, on_simulator
 from kernels.base.testing import assert_close, attention_cases, case_with, forward_floor_scales
-from kernels.flash_tf32 import flash_attention_tf32, forward_checked, make_flash_forward_tf32, tf32_tiles
+from kernels.flash_tf32 import flash_attention_tf32, forward_checked, make_flash_forward_tf32, split_before, \
+    tf32_tiles
 
 SIM = on_simulator()
 MAX_N = 18 if SIM else 300
 HEAD_DIMS = [3, 8, 13] if SIM else [8, 20, 64, 100, 128]
 
 
-def check(case, passes=3, splits=None):
-    if splits is None:
+def check(case, passes=3, splits=None, before=None):
+    if splits is None and before is None:
         o, lse = flash_attention_tf32(case.q, case.k, case.v, causal=case.causal, scale=case.scale, passes=passes)
-    else:                        # the checked entry, the keys split among ``splits`` blocks a query tile
-        kind = ArrayKind(case.q)
+    else:                        # the checked entry: the keys split among ``splits`` blocks a query tile,
+        kind = ArrayKind(case.q)  # K and V split ``before`` the forward or as they land
         scale = case.scale if case.scale is not None else 1 / np.sqrt(case.q.shape[-1])
         o, lse = forward_checked(kind, *(cuda.to_device(np.ascontiguousarray(x, np.float32))
                                          for x in (case.q, case.k, case.v)),
-                                 causal=case.causal, scale=scale, passes=passes, splits=splits)
+                                 causal=case.causal, scale=scale, passes=passes, splits=splits, before=before)
         o, lse = kind.result(o), kind.result(lse)
     exact_o, exact_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale)
     base_o, base_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale, dtype=np.float32)
@@ -70,6 +71,21 @@ def test_keys_split_among_blocks_meet_the_same_rule(case, splits):
     """The split forward (``kernels.base.key_split``): S blocks a query tile, each a share of
     the key tiles, their partials merged."""
     check(case, splits=splits)
+
+
+@given(case=tf32_cases(), before=st.booleans(), splits=st.sampled_from([1, 3]))
+@settings(max_examples=4 if SIM else 100)
+@example(case=case_with((1, 1, ONE_PAST, 13), (1, 1, 40, 13), causal=True), before=False, splits=1)  # ragged d
+@example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0), before=False, splits=1)       # large logits
+def test_k_and_v_split_before_or_as_they_land_meet_the_same_rule(case, before, splits):
+    """K and V split into their TF32 parts by a launch before the forward, or by each block
+    in shared memory as its tiles land (``raw_kv``): the same rule either way."""
+    check(case, splits=splits, before=before)
+
+
+def test_split_before_only_where_keys_are_read_by_more_than_two_blocks():
+    assert not split_before(1, 128) and not split_before(256, 128)
+    assert split_before(257, 128) and split_before(4096, 128)
 
 
 @pytest.mark.parametrize("nq, nk", [(0, 5), (5, 0), (0, 0)])

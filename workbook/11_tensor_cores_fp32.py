@@ -268,7 +268,10 @@ _ = te.check_split_tf32(lambda x: (te.to_tf32(x), x - te.to_tf32(x)))
 # **1. The split, once where it can be.** Every block reads every key, so K and V are split
 # into their TF32 hi and lo parts once, by a small kernel before the forward
 # (`make_split`: `split_tf32` from `kernels/base/mma.py`: a rounding to TF32, a
-# subtraction, and a rounding again). Q's fragments are split in registers once a K/V tile,
+# subtraction, and a rounding again). Where the queries are few (at most two blocks of
+# them, `split_before`), a key is read once or twice, and that launch and its four buffers
+# cost more than they save: there each block splits K_j and V_j in shared memory as they
+# land (`raw_kv`). Q's fragments are split in registers once a K/V tile,
 # and P's once a key step, because P only exists there. Which rounding instruction matters:
 # `cvt.rna.tf32.f32` (ties away, all that sm_80 has) is four SASS instructions on the H100
 # (an add, a mask, and a check for Inf and NaN), while `cvt.rn.tf32.f32` (ties to even,

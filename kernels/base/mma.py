@@ -348,7 +348,8 @@ def _sim_split_tf32(x):
 
 def _sim_split_tf32_at(addr):
     array, row, col = addr.element()
-    return _sim_split_tf32(array[row, col])
+    x = np.asarray(array[row, col])                        # ld.shared.f32: the word's bits as a float32
+    return _sim_split_tf32(x.view(np.float32) if x.dtype != np.float32 else x)
 
 
 def _sim_load_words(a, row, col):
@@ -414,7 +415,8 @@ def _sim_ldmatrix_at(trans):
 
 def _sim_cp_async(dst, drow, dcol, src, srow, scol):
     n = 16 // src.itemsize
-    dst[drow, dcol:dcol + n] = src[srow, scol:scol + n]
+    chunk = np.asarray(src[srow, scol:scol + n])          # 16 bytes, copied as bits (float32 into uint32 too)
+    dst[drow, dcol:dcol + 16 // dst.itemsize] = chunk.view(dst.dtype) if chunk.dtype != dst.dtype else chunk
 
 
 def _sim_nothing():
