@@ -123,6 +123,26 @@ def test_fill_sets_every_element_of_a_result_array(value):
         assert host.shape == tuple(a.shape) and (host == value).all(), type(a).__name__
 
 
+def test_new_parts_are_disjoint_arrays_of_one_allocation():
+    """ArrayKind.new_parts: ``count`` C-contiguous arrays of the shape asked, back to back in
+    one allocation (a write to one leaves the others as they were)."""
+    kinds = [ArrayKind(np.zeros(1, np.float32)), ArrayKind(cuda.to_device(np.zeros(1)))]
+    torch = pytest.importorskip("torch") if not runtime.on_simulator() else None
+    if torch is not None and torch.cuda.is_available():
+        kinds.append(ArrayKind(torch.zeros(1, device="cuda")))
+    for kind in kinds:
+        parts = kind.new_parts(4, (2, 3), np.uint32)
+        assert len(parts) == 4 and all(tuple(p.shape) == (2, 3) for p in parts)
+        for i, p in enumerate(parts):
+            runtime.fill(p, i + 1)
+        for i, p in enumerate(parts):
+            host = p.cpu().numpy() if hasattr(p, "cpu") else p.copy_to_host()
+            assert (host == i + 1).all(), f"part {i} of {type(p).__name__}"
+        if not runtime.on_simulator():                 # (the simulator's arrays have no pointers)
+            pointers = [runtime.device_pointer(p, "p") for p in parts]
+            assert [b - a for a, b in zip(pointers, pointers[1:])] == [2 * 3 * 4] * 3, "back to back"
+
+
 def test_to_device_rejects_non_contiguous_device_arrays():
     d = cuda.to_device(np.ones((4, 6), np.float32))
     with pytest.raises(ValueError, match=r"^x: expected a C-contiguous"):
