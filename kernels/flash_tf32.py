@@ -406,7 +406,7 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, befo
         run_bound(_launches, (B, H, n_q, n_k, d, causal, scale, int(passes), splits, before),
                   dict(arrays, o=o, lse=lse), lambda a: _views(a, B * H, n_q, n_k, d),
                   lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits, before),
-                  aligned_names=("q", *(SPLIT if before else "kv")), aligned_d=d % 4 == 0)
+                  aligned_names=("q", *(SPLIT if before else ("k", "v"))), aligned_d=d % 4 == 0)
     elif B * H and n_q:          # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
         fill(o, 0.0)
         fill(lse, -np.inf)
