@@ -88,7 +88,7 @@ show_source(FlashAttention, "def forward", "return dq, dk, dv, None, None, None"
 # | inputs | forward | backward |
 # |---|---|---|
 # | float32 | chapter 4's launcher: 3xTF32 on tensor cores (chapter 11) on a GPU, the FMA kernel in the simulator | chapter 5's launcher: chapter 11's 3xTF32 backward on a GPU |
-# | float16, bfloat16 | chapter 8 (`mma.sync`, fp32 accumulators), O cast to the input type | chapter 12 (`mma.sync`) |
+# | float16, bfloat16 | chapter 8 (`mma.sync`, fp32 accumulators), O written in the input type | chapter 12 (`mma.sync`) |
 # | `block_mask=` | chapter 6, in float32 | chapter 6's backward |
 #
 # Grouped-query attention (k and v with fewer heads than q) runs natively in the backwards of
@@ -290,7 +290,8 @@ _ = show_results("capstone", columns=("kernel", "config", "median_ms", "tflops",
 # * The launcher is within 3% of the bare kernel (bf16 0.994 against 0.962 ms, 3.3% slower;
 #   fp32 5.02 against 5.20 ms, faster: the bare rows launch through Numba's dispatcher each
 #   call, the launchers through their bound launches). The autograd function adds the cast of
-#   O to bf16 (1.088 ms).
+#   O to bf16 (1.088 ms); since this run chapter 8's kernel writes O in bf16 itself (section 7),
+#   not remeasured at this size.
 # * Forward + backward: bf16 3.70 ms against SDPA flash's 2.23 (0.60x), fp32 19.7 against SDPA
 #   memory-efficient's 15.0 (0.76x); against plain PyTorch 6.8x (bf16) and 2.6x (fp32) faster,
 #   in 0.3 GB where plain PyTorch takes 8.7 and 17.3 GB.
