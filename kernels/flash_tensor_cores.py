@@ -423,7 +423,7 @@ def _bind_forward(views, d, bf16, causal, scale, aligned, splits=1, o16=False):
     inputs' type with ``o16``)."""
     BH, n_q, _ = views["q"].shape
     Br, Bc, D = tc_tiles(d)
-    kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16), split=splits > 1, o16=o16)
+    kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16), split=splits > 1, o16=o16 and splits == 1)
     names = ("q", "k", "v", *output_names(splits))
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
     launches = [(kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, 0)]
