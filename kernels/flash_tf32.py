@@ -110,7 +110,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     keys split among gridDim.z blocks (``kernels.base.key_split``), each writing its partial
     O and L to row blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq).
     ``raw_kv``: the arguments are q, k, v (float32, not split), o, lse, ...: each block splits
-    K_j and V_j in shared memory as they land (``stage_raw``, ``split_landed``): where every
+    K_j and V_j in shared memory as they land (``stage_in``, ``split_landed``): where every
     key is read by one or two blocks, splitting where it is read costs less than a launch
     and four buffers (``split_before``)."""
     from kernels.base.key_split import split_range
@@ -135,45 +135,36 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     scale_and_mask, online_softmax, write_rows = make_fragment_softmax(NS, ND, THREADS)
 
     @cuda.jit(device=True, inline=True)
-    def stage_in(src, dst, rows, r0, d, tid, aligned):
-        """src[r0 + r, :d] -> dst[r, :D] (zeros past rows and d), 16 bytes a step."""
+    def stage_in(src, dst, dst_lo, rows, r0, d, tid, aligned):
+        """src[r0 + r, :d] -> dst[r, :D] (zeros past rows and d), whole 16-byte chunks by
+        cp.async. With ``raw_kv`` src is float32 K or V: a chunk cp.async brings is split once
+        landed (``split_landed``), the rest split here, hi into dst and lo into dst_lo;
+        without, src is a part already split and dst_lo is not used."""
         for ch in range(tid, Bc * CH, THREADS):
             r = ch // CH
             c = (ch % CH) * 4
             row = r0 + r
             if aligned != 0 and row < rows and c + 4 <= d:
                 cp_async(dst, r, c, src, row, c)
-            else:
-                for e in range(4):
-                    x = uint32(0)
-                    if row < rows and c + e < d:
-                        x = src[row, c + e]
-                    dst[r, c + e] = x
-
-    @cuda.jit(device=True, inline=True)
-    def stage_raw(src, dst_hi, dst_lo, rows, r0, d, tid, aligned):
-        """src[r0 + r, :d] (float32) -> dst_hi[r, :D], dst_lo[r, :D] (zeros past rows and
-        d): whole 16-byte chunks by cp.async into dst_hi as they are (split once landed,
-        ``split_landed``), the rest split here."""
-        for ch in range(tid, Bc * CH, THREADS):
-            r = ch // CH
-            c = (ch % CH) * 4
-            row = r0 + r
-            if aligned != 0 and row < rows and c + 4 <= d:
-                cp_async(dst_hi, r, c, src, row, c)
-            else:
+            elif RAW:
                 for e in range(4):
                     x = float32(0.0)
                     if row < rows and c + e < d:
                         x = src[row, c + e]
                     hi, lo = split_tf32(x)
-                    dst_hi[r, c + e] = hi
+                    dst[r, c + e] = hi
                     if THREE:
                         dst_lo[r, c + e] = lo
+            else:
+                for e in range(4):
+                    w = uint32(0)
+                    if row < rows and c + e < d:
+                        w = src[row, c + e]
+                    dst[r, c + e] = w
 
     @cuda.jit(device=True, inline=True)
     def split_landed(dst_hi, dst_lo, rows, r0, d, tid, aligned):
-        """The chunks this thread's cp.async put in dst_hi (``stage_raw``), once landed, split
+        """The chunks this thread's cp.async put in dst_hi (``stage_in``), once landed, split
         in place: hi to dst_hi, lo to dst_lo (the same loop: a thread splits its own chunks,
         so only its own wait comes first, and the block's barrier after)."""
         for ch in range(tid, Bc * CH, THREADS):
@@ -242,22 +233,16 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             first, end, out = split_range(n_tiles, bh)
 
         if end > first:
-            if RAW:
-                stage_raw(khh, Kh, Kl, n_k, first * Bc, d, tid, aligned)
-            else:
-                stage_in(khh, Kh, n_k, first * Bc, d, tid, aligned)
-                if THREE:
-                    stage_in(klh, Kl, n_k, first * Bc, d, tid, aligned)
+            stage_in(khh, Kh, Kl, n_k, first * Bc, d, tid, aligned)
+            if THREE and not RAW:
+                stage_in(klh, Kl, Kl, n_k, first * Bc, d, tid, aligned)
         cp_async_commit()
         for jt in range(first, end):
             k0 = jt * Bc
             cuda.syncthreads()                       # every warp is done with V_{j-1}
-            if RAW:
-                stage_raw(vhh, Vh, Vl, n_k, k0, d, tid, aligned)
-            else:
-                stage_in(vhh, Vh, n_k, k0, d, tid, aligned)
-                if THREE:
-                    stage_in(vlh, Vl, n_k, k0, d, tid, aligned)
+            stage_in(vhh, Vh, Vl, n_k, k0, d, tid, aligned)
+            if THREE and not RAW:
+                stage_in(vlh, Vl, Vl, n_k, k0, d, tid, aligned)
             cp_async_commit()
             cp_async_wait_prior()                    # K_j has landed (V_j may still fly)
             if RAW:
@@ -286,12 +271,9 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 split_landed(Vh, Vl, n_k, k0, d, tid, aligned)
             cuda.syncthreads()                       # ... and every warp is done with K_j
             if jt + 1 < end:
-                if RAW:
-                    stage_raw(khh, Kh, Kl, n_k, k0 + Bc, d, tid, aligned)
-                else:
-                    stage_in(khh, Kh, n_k, k0 + Bc, d, tid, aligned)
-                    if THREE:
-                        stage_in(klh, Kl, n_k, k0 + Bc, d, tid, aligned)
+                stage_in(khh, Kh, Kl, n_k, k0 + Bc, d, tid, aligned)
+                if THREE and not RAW:
+                    stage_in(klh, Kl, Kl, n_k, k0 + Bc, d, tid, aligned)
             cp_async_commit()
 
             # ---- O += P V_j, 8 keys a step, renumbered: key 2t -> k = t, key 2t + 1 -> k = t + 4.
