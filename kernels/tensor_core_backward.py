@@ -60,7 +60,7 @@ from kernels.base.backward_args import check_grouped_args, run_grouped_backward
 from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E, make_row_reductions
 from kernels.base.key_block_walk import pair_at, query_pairs
-from kernels.base.query_split import add_zero_gradients, choose_query_splits
+from kernels.base.query_split import add_zero_gradients, query_splits_for
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_flag, \
     array_dtype, check_scale, is_bf16_array, launch_stream, on_simulator
@@ -503,8 +503,7 @@ def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, bf16, out=None
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     if splits is None:
-        Br, W, _ = tc_backward_tiles(d)
-        splits = choose_query_splits(cdiv(n_k, 16 * W) * B * hkv, (H // max(hkv, 1)) * n_q, Br)
+        splits = query_splits_for(B, H, hkv, n_q, n_k, *tc_backward_tiles(d)[:2])
     splits = int(splits)
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
     key = (B, H, hkv, n_q, n_k, d, bf16, array_dtype(o) != np.float32, causal, scale, splits)

@@ -61,7 +61,7 @@ from kernels.base.fused import FASTMATH, LOG2E
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, \
     launch_stream, on_simulator
 from kernels.base.key_block_walk import pair_at, query_pairs
-from kernels.base.query_split import add_zero_gradients, choose_query_splits
+from kernels.base.query_split import add_zero_gradients, query_splits_for
 from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.tile_copy import make_async_tile_copy
 
@@ -429,8 +429,7 @@ def backward_checked(kind, q, k, v, o, lse, do, *, causal, scale, passes=3, out=
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     if splits is None:
-        Br, W, _ = tf32_backward_tiles(d)
-        splits = choose_query_splits(cdiv(n_k, 16 * W) * B * hkv, (H // max(hkv, 1)) * n_q, Br)
+        splits = query_splits_for(B, H, hkv, n_q, n_k, *tf32_backward_tiles(d)[:2])
     splits = int(splits)
     arrays = dict(q=q, k=k, v=v, o=o, lse=lse, do=do)
     return run_grouped_backward(kind, arrays, (B, H, hkv, n_q, n_k, d), (B, H, hkv, n_q, n_k, d, causal, scale,

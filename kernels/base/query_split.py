@@ -20,8 +20,8 @@ from numba import cuda, float32, int32
 from kernels.base.key_split import block_share, multiprocessors
 from kernels.base.runtime import cdiv
 
-__all__ = ["make_block_steps", "make_gradient_store", "make_zero_pair", "choose_query_splits", "add_zero_gradients",
-           "MAX_SPLITS"]
+__all__ = ["make_block_steps", "make_gradient_store", "make_zero_pair", "choose_query_splits", "query_splits_for",
+           "add_zero_gradients", "MAX_SPLITS"]
 
 MAX_SPLITS = 16           # each split adds a key tile's dK_j and dV_j once more
 ZERO_ROWS = 4             # rows a zeroing block (one warp each)
@@ -88,6 +88,12 @@ def choose_query_splits(blocks: int, pairs: int, Br: int, sms: int | None = None
     if blocks <= 0 or 2 * blocks > sms:
         return 1
     return max(1, min(sms // blocks, cdiv(pairs, 2 * Br), MAX_SPLITS))
+
+
+def query_splits_for(B: int, H: int, hkv: int, n_q: int, n_k: int, Br: int, W: int) -> int:
+    """``choose_query_splits`` for a backward's call: B x Hkv KV heads of Nk keys, a block a
+    key tile of 16 W keys, walking the H / Hkv query heads' Nq rows in tiles of Br."""
+    return choose_query_splits(cdiv(n_k, 16 * W) * B * hkv, (H // max(hkv, 1)) * n_q, Br)
 
 
 ZERO_SLOTS = {"dk": 0, "dv": 1}
