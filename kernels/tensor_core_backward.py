@@ -57,7 +57,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from kernels.base.backward_args import check_grouped_args, run_grouped_backward
-from kernels.base.gradient_adds import add_pair_to_dq
+from kernels.base.gradient_adds import make_tile_adds
 from kernels.base.fused import FASTMATH, LOG2E, make_row_reductions
 from kernels.base.key_block_walk import pair_at, query_pairs
 from kernels.base.query_split import add_zero_gradients, query_splits_for
@@ -136,7 +136,7 @@ def make_delta_tc(bf16: bool, o_bits: bool):
 
 @functools.lru_cache(maxsize=None)
 def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool = False, CP: int = 0,
-                     split: bool = False):
+                     split: bool = False, CC: int = 0):
     """The dK/dV/dQ kernel for Br query rows a tile, W warps (Bc = 16 W keys), head dim D
     (a multiple of 16); ``dynamic``: its shared memory (``shared_halves``) is dynamic;
     ``split``: the (query head, query tile) pairs split among gridDim.z blocks a key tile,
@@ -147,7 +147,8 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     base 2 and D, from ``make_delta_tc``); dq (B*H, Nq, d) float32, zeroed; dk, dv (B*Hkv,
     Nk, d) float32; scale (float32), causal (int32 0/1), group (int32: H / Hkv), aligned
     (int32: rows of q, k, v, dO and dQ 16-byte aligned, d % 8 == 0: cp.async copies, and
-    dQ's adds in pairs). ``CP``: dQ's 16-column pairs a warp takes at once (0: up to 2)."""
+    dQ's adds in pairs). ``CP``: dQ's 16-column pairs a warp takes at once (0: up to 2);
+    ``CC``: 16-query chunks a step of the query loop takes (0: 2 where Br / 16 is even)."""
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
                                   ldmatrix_at, ldmatrix_trans_at, mma_bf16, mma_f16, pack_bf16, pack_f16,
                                   shared_address, store_word)
@@ -167,6 +168,10 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     if (ND // 2) % CP:
         raise ValueError(f"CP: expected a divisor of D / 16 = {ND // 2}, got {CP}")
     ITEMS = QC * (ND // (2 * CP))                 # dQ_i's pieces of 16 x 16 CP, shared by the warps
+    if CC == 0:                                   # two chunks a step: twice the products in flight
+        CC = 2 if QC % 2 == 0 else 1
+    if QC % CC:
+        raise ValueError(f"CC: expected a divisor of Br / 16 = {QC}, got {CC}")
     TILE, QTILE = Bc * SD, Br * SD
     # K_w's and V_w's A fragments kept in registers (D / 2 of them) up to D = 64; at D = 128
     # they would take the thread past 255 registers, so they are read from shared memory.
@@ -179,6 +184,8 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     HALVES = shared_halves(Br, W, D)
     SHARED = 0 if dynamic else HALVES
 
+    DQT = 2 * CP                                            # a warp's piece of dQ_i: DQT tiles of 8 columns
+    add_tiles = make_tile_adds(DQT)                         # added into dQ
     stage_keys = make_async_tile_copy(Bc, D, THREADS)       # K_j, V_j: Bc rows
     stage_queries = make_async_tile_copy(Br, D, THREADS)     # Q_i, dO_i: Br rows
 
@@ -278,75 +285,89 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
             ob, ot = shared_address(dOv, br, bc), shared_address(dOv, ar, ac)
             c = U(0)                                  # (while loops: see dQ's k-steps below)
             while c < U(QC):
-                qa = q0 + c * 16                      # the chunk's first query
+                qa = q0 + c * 16                      # the first query of the step's first chunk
                 cb = c * (32 * SD)                    # the chunk's 16 rows, in bytes
-                # ---- S^T = K_w Q_c^T and dP^T = V_w dO_c^T: 16 keys x 16 queries, 2 tiles each
-                s0 = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
-                s1 = s0
-                p0 = s0
-                p1 = s0
+                # ---- S^T = K_w Q_c^T and dP^T = V_w dO_c^T for CC chunks at once: 16 keys x 16
+                # queries, 2 tiles each; the 4 CC accumulator chains are independent, so a warp
+                # has that many products in flight while each waits for the one before it
+                sp = cuda.local.array((CC, 4, 4), float32)     # chunk u: S^T tiles 0, 1, dP^T 0, 1
+                for u in range(CC):
+                    for j in range(4):
+                        for e in range(4):
+                            sp[u, j, e] = float32(0.0)
                 for s_ in range(KS):
                     if KEEP:
                         a = (kf[s_, 0], kf[s_, 1], kf[s_, 2], kf[s_, 3])
                     else:
                         a = ldmatrix_at(ka + s_ * 32)
-                    x = ldmatrix_at(qb + cb + s_ * 32)
-                    s0 = mma(a, (x[0], x[1]), s0)
-                    s1 = mma(a, (x[2], x[3]), s1)
+                    for u in range(CC):
+                        x = ldmatrix_at(qb + cb + u * (32 * SD) + s_ * 32)
+                        y0 = mma(a, (x[0], x[1]), (sp[u, 0, 0], sp[u, 0, 1], sp[u, 0, 2], sp[u, 0, 3]))
+                        y1 = mma(a, (x[2], x[3]), (sp[u, 1, 0], sp[u, 1, 1], sp[u, 1, 2], sp[u, 1, 3]))
+                        for e in range(4):
+                            sp[u, 0, e] = y0[e]
+                            sp[u, 1, e] = y1[e]
                     if KEEP:
                         a = (vf[s_, 0], vf[s_, 1], vf[s_, 2], vf[s_, 3])
                     else:
                         a = ldmatrix_at(va + s_ * 32)
-                    x = ldmatrix_at(ob + cb + s_ * 32)
-                    p0 = mma(a, (x[0], x[1]), p0)
-                    p1 = mma(a, (x[2], x[3]), p1)
-                # ---- P^T and dS^T: element e of tile n is key g + 8 (e // 2), query 8 n + 2 t + e % 2
-                masked = k0 + kw + 15 >= n_k or (causal != 0 and k0 + kw + 15 > qa + diag)
-                pt = cuda.local.array((2, 4), float32)
-                dst = cuda.local.array((2, 4), float32)
-                for n in range(2):
-                    for i in range(2):                # the lane's two queries of tile n
-                        col = U(c * 16 + n * 8 + i) + ut2
-                        lq, dq_ = Ls[ubuf, col], Ds[ubuf, col]
-                        for h in range(2):            # keys g and g + 8
-                            e = 2 * h + i
-                            s = s0[e] if n == 0 else s1[e]
-                            dp = p0[e] if n == 0 else p1[e]
-                            p = math.exp2(s * scale2 - lq)
-                            pt[n, e] = p
-                            dst[n, e] = p * (dp - dq_)
-                if masked:                            # only chunks that cross n_k or the diagonal
-                    for n in range(2):
+                    for u in range(CC):
+                        x = ldmatrix_at(ob + cb + u * (32 * SD) + s_ * 32)
+                        y0 = mma(a, (x[0], x[1]), (sp[u, 2, 0], sp[u, 2, 1], sp[u, 2, 2], sp[u, 2, 3]))
+                        y1 = mma(a, (x[2], x[3]), (sp[u, 3, 0], sp[u, 3, 1], sp[u, 3, 2], sp[u, 3, 3]))
                         for e in range(4):
-                            key = k0 + kw + g + 8 * (e // 2)
-                            query = qa + n * 8 + 2 * t + e % 2
-                            if key >= n_k or (causal != 0 and key > query + diag):
-                                pt[n, e] = float32(0.0)
-                                dst[n, e] = float32(0.0)
-                # ---- dV_w += P^T dO_c and dK_w += dS^T Q_c: the chunk is one k-step
-                ap = (pack(pt[0, 0], pt[0, 1]), pack(pt[0, 2], pt[0, 3]), pack(pt[1, 0], pt[1, 1]),
-                      pack(pt[1, 2], pt[1, 3]))
-                ad = (pack(dst[0, 0], dst[0, 1]), pack(dst[0, 2], dst[0, 3]), pack(dst[1, 0], dst[1, 1]),
-                      pack(dst[1, 2], dst[1, 3]))
-                for dt in range(ND // 2):
-                    x = ldmatrix_trans_at(ot + cb + dt * 32)
-                    y0 = mma(ap, (x[0], x[1]), (dva[2 * dt, 0], dva[2 * dt, 1], dva[2 * dt, 2], dva[2 * dt, 3]))
-                    y1 = mma(ap, (x[2], x[3]),
-                             (dva[2 * dt + 1, 0], dva[2 * dt + 1, 1], dva[2 * dt + 1, 2], dva[2 * dt + 1, 3]))
-                    x = ldmatrix_trans_at(qt + cb + dt * 32)
-                    z0 = mma(ad, (x[0], x[1]), (dka[2 * dt, 0], dka[2 * dt, 1], dka[2 * dt, 2], dka[2 * dt, 3]))
-                    z1 = mma(ad, (x[2], x[3]),
-                             (dka[2 * dt + 1, 0], dka[2 * dt + 1, 1], dka[2 * dt + 1, 2], dka[2 * dt + 1, 3]))
-                    for e in range(4):
-                        dva[2 * dt, e] = y0[e]
-                        dva[2 * dt + 1, e] = y1[e]
-                        dka[2 * dt, e] = z0[e]
-                        dka[2 * dt + 1, e] = z1[e]
-                # ---- dS^T to shared memory, as the products use it (16-bit)
-                for n in range(2):
-                    for h in range(2):
-                        store_word(dSs, kw + g + 8 * h, c * 16 + n * 8 + 2 * t, ad[2 * n + h])
-                c += U(1)
+                            sp[u, 2, e] = y0[e]
+                            sp[u, 3, e] = y1[e]
+                # ---- P^T and dS^T: element e of tile n is key g + 8 (e // 2), query 8 n + 2 t + e % 2
+                # (masked: the step's chunks cross n_k or the diagonal; its first chunk sees the fewest keys)
+                masked = k0 + kw + 15 >= n_k or (causal != 0 and k0 + kw + 15 > qa + diag)
+                pt = cuda.local.array((CC, 2, 4), float32)
+                dst = cuda.local.array((CC, 2, 4), float32)
+                for u in range(CC):
+                    for n in range(2):
+                        for i in range(2):            # the lane's two queries of tile n
+                            col = U(c * 16 + u * 16 + n * 8 + i) + ut2
+                            lq, dq_ = Ls[ubuf, col], Ds[ubuf, col]
+                            for h in range(2):        # keys g and g + 8
+                                e = 2 * h + i
+                                p = math.exp2(sp[u, n, e] * scale2 - lq)
+                                pt[u, n, e] = p
+                                dst[u, n, e] = p * (sp[u, 2 + n, e] - dq_)
+                if masked:                            # only steps that cross n_k or the diagonal
+                    for u in range(CC):
+                        for n in range(2):
+                            for e in range(4):
+                                key = k0 + kw + g + 8 * (e // 2)
+                                query = qa + u * 16 + n * 8 + 2 * t + e % 2
+                                if key >= n_k or (causal != 0 and key > query + diag):
+                                    pt[u, n, e] = float32(0.0)
+                                    dst[u, n, e] = float32(0.0)
+                # ---- dV_w += P^T dO_c and dK_w += dS^T Q_c: each chunk is one k-step
+                for u in range(CC):
+                    ap = (pack(pt[u, 0, 0], pt[u, 0, 1]), pack(pt[u, 0, 2], pt[u, 0, 3]),
+                          pack(pt[u, 1, 0], pt[u, 1, 1]), pack(pt[u, 1, 2], pt[u, 1, 3]))
+                    ad = (pack(dst[u, 0, 0], dst[u, 0, 1]), pack(dst[u, 0, 2], dst[u, 0, 3]),
+                          pack(dst[u, 1, 0], dst[u, 1, 1]), pack(dst[u, 1, 2], dst[u, 1, 3]))
+                    cu = cb + u * (32 * SD)
+                    for dt in range(ND // 2):
+                        x = ldmatrix_trans_at(ot + cu + dt * 32)
+                        y0 = mma(ap, (x[0], x[1]), (dva[2 * dt, 0], dva[2 * dt, 1], dva[2 * dt, 2], dva[2 * dt, 3]))
+                        y1 = mma(ap, (x[2], x[3]),
+                                 (dva[2 * dt + 1, 0], dva[2 * dt + 1, 1], dva[2 * dt + 1, 2], dva[2 * dt + 1, 3]))
+                        x = ldmatrix_trans_at(qt + cu + dt * 32)
+                        z0 = mma(ad, (x[0], x[1]), (dka[2 * dt, 0], dka[2 * dt, 1], dka[2 * dt, 2], dka[2 * dt, 3]))
+                        z1 = mma(ad, (x[2], x[3]),
+                                 (dka[2 * dt + 1, 0], dka[2 * dt + 1, 1], dka[2 * dt + 1, 2], dka[2 * dt + 1, 3]))
+                        for e in range(4):
+                            dva[2 * dt, e] = y0[e]
+                            dva[2 * dt + 1, e] = y1[e]
+                            dka[2 * dt, e] = z0[e]
+                            dka[2 * dt + 1, e] = z1[e]
+                    # ---- dS^T to shared memory, as the products use it (16-bit)
+                    for n in range(2):
+                        for h in range(2):
+                            store_word(dSs, kw + g + 8 * h, c * 16 + u * 16 + n * 8 + 2 * t, ad[2 * n + h])
+                c += U(CC)
             cuda.syncthreads()                        # dS^T is whole
 
             # ---- dQ_i += scale dS K_j: a warp takes row group rg (16 queries) and CP column
@@ -356,11 +377,10 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
             while item < U(ITEMS):
                 rg = item // (ND // (2 * CP))
                 cp0 = (item % (ND // (2 * CP))) * CP
-                acc = cuda.local.array((CP, 2, 4), float32)
-                for u in range(CP):
+                acc = cuda.local.array((DQT, 4), float32)      # tile 2 u + n: columns 16 (cp0 + u) + 8 n
+                for u in range(DQT):
                     for e in range(4):
-                        acc[u, 0, e] = float32(0.0)
-                        acc[u, 1, e] = float32(0.0)
+                        acc[u, e] = float32(0.0)
                 # Bc / 16 k-steps over the block's keys. A while loop on an unsigned counter: Numba's
                 # range() loop control costs as many instructions as the step's two products
                 # (measured, with the chunk and piece loops as while loops too: 4.6 against 5.1 ms
@@ -370,20 +390,14 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                     a = ldmatrix_trans_at(sa + kk * (32 * SB) + rg * 32)          # A = dS from dS^T
                     for u in range(CP):
                         x = ldmatrix_trans_at(kt + kk * (32 * SD) + (cp0 + u) * 32)   # B = K_j
-                        y0 = mma(a, (x[0], x[1]), (acc[u, 0, 0], acc[u, 0, 1], acc[u, 0, 2], acc[u, 0, 3]))
-                        y1 = mma(a, (x[2], x[3]), (acc[u, 1, 0], acc[u, 1, 1], acc[u, 1, 2], acc[u, 1, 3]))
+                        y0 = mma(a, (x[0], x[1]), (acc[2 * u, 0], acc[2 * u, 1], acc[2 * u, 2], acc[2 * u, 3]))
+                        y1 = mma(a, (x[2], x[3]),
+                                 (acc[2 * u + 1, 0], acc[2 * u + 1, 1], acc[2 * u + 1, 2], acc[2 * u + 1, 3]))
                         for e in range(4):
-                            acc[u, 0, e] = y0[e]
-                            acc[u, 1, e] = y1[e]
+                            acc[2 * u, e] = y0[e]
+                            acc[2 * u + 1, e] = y1[e]
                     kk += U(1)
-                for u in range(CP):
-                    for n in range(2):
-                        for h in range(2):
-                            row = q0 + rg * 16 + g + 8 * h
-                            col = (cp0 + u) * 16 + n * 8 + 2 * t
-                            x0 = acc[u, n, 2 * h] * scale
-                            x1 = acc[u, n, 2 * h + 1] * scale
-                            add_pair_to_dq(dqh, row, col, x0, x1, n_q, d, aligned)
+                add_tiles(dqh, acc, q0 + int32(rg * U(16)), int32(cp0 * U(16)), g, t, scale, n_q, d, aligned)
                 item += U(W)
 
         cp_async_wait_all()                           # (the last, empty, group)
@@ -408,7 +422,8 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
 def _two_launches(views: dict, delta, l2, scale, causal, bf16, aligned, tiles=None, splits=1):
     """The two launches on these views, as (kernel, grid, threads, args, dynamic shared bytes)
     each: the pre-pass, then the dK/dV/dQ kernel (its shared-memory limit raised where it
-    needs more than 48 KB). ``tiles``: (Br, W) or (Br, W, CP), by default ``tc_backward_tiles``;
+    needs more than 48 KB). ``tiles``: (Br, W), (Br, W, CP) or (Br, W, CP, CC), by default
+    ``tc_backward_tiles`` (CP, CC: 0, the kernel's choice);
     ``splits``: S blocks a key tile (``kernels.base.query_split``; the caller zeroes dk and
     dv first when S > 1)."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
@@ -416,15 +431,15 @@ def _two_launches(views: dict, delta, l2, scale, causal, bf16, aligned, tiles=No
     bh, n_q, d = views["q"].shape
     bkv, n_k = views["k"].shape[0], views["k"].shape[1]
     Br, W, D = tc_backward_tiles(d)
-    CP = 0
+    CP = CC = 0
     if tiles is not None:
         Br, W, *rest = tiles
-        CP = rest[0] if rest else 0
+        CP, CC = (list(rest) + [0, 0])[:2]
     delta_kernel = make_delta_tc(bool(bf16), views["o"].dtype == np.uint16)
     pre = (delta_kernel, (cdiv(n_q, 4), bh), 128, (views["o"], views["do"], views["lse"], delta, l2, views["dq"]), 0)
     nbytes = 2 * shared_halves(Br, W, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kernel = make_backward_tc(Br, W, D, bool(bf16), dynamic, CP, splits > 1)
+    kernel = make_backward_tc(Br, W, D, bool(bf16), dynamic, CP, splits > 1, CC)
     args = (views["q"], views["k"], views["v"], views["do"], l2, delta, views["dq"], views["dk"], views["dv"],
             np.float32(scale), np.int32(causal), np.int32(bh // bkv), np.int32(aligned))
     if dynamic:

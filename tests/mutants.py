@@ -462,16 +462,25 @@ MUTANTS += [
            (("diag = n_k - n_q\n", "diag = n_k - n_q + 1   # PLANTED: the diagonal one key late\n"),),
            T12, CH12, "causal: each query also sees the key after its own (the mask and the query tiles walked)"),
     Mutant("tcb-p-tiles-swapped", 12, TCB,
-           (("ap = (pack(pt[0, 0], pt[0, 1]), pack(pt[0, 2], pt[0, 3]), pack(pt[1, 0], pt[1, 1]),\n"
-             "                      pack(pt[1, 2], pt[1, 3]))",
-             "ap = (pack(pt[1, 0], pt[1, 1]), pack(pt[1, 2], pt[1, 3]), pack(pt[0, 0], pt[0, 1]),\n"
-             "                      pack(pt[0, 2], pt[0, 3]))   # PLANTED: P^T's two n8 tiles swapped"),),
+           (("ap = (pack(pt[u, 0, 0], pt[u, 0, 1]), pack(pt[u, 0, 2], pt[u, 0, 3]),\n"
+             "                          pack(pt[u, 1, 0], pt[u, 1, 1]), pack(pt[u, 1, 2], pt[u, 1, 3]))",
+             "ap = (pack(pt[u, 1, 0], pt[u, 1, 1]), pack(pt[u, 1, 2], pt[u, 1, 3]),\n"
+             "                          pack(pt[u, 0, 0], pt[u, 0, 1]), pack(pt[u, 0, 2], pt[u, 0, 3]))"
+             "   # PLANTED: P^T's two n8 tiles swapped"),),
            T12, CH12, "dV = P^T dO: P^T's two n8 tiles swapped in the A fragment (queries 0-7 weigh dO's rows 8-15)"),
     Mutant("tcb-first-query-tile-rounded-up", 12, "kernels.base.key_block_walk",   # the walk chapters 11, 12 share
            (("first = max(k0 - diag, 0) // Br if causal != 0 else 0",
              "first = (max(k0 - diag, 0) + Br - 1) // Br if causal != 0 else 0   # PLANTED: rounded up"),),
            T12, CH12, "causal: a key tile skips the query tile whose last rows first see it (its first query "
                       "rounded up to a tile)"),
+    Mutant("tcb-second-chunk-reads-the-first", 12, TCB,
+           (("x = ldmatrix_at(qb + cb + u * (32 * SD) + s_ * 32)",
+             "x = ldmatrix_at(qb + cb + s_ * 32)   # PLANTED: every chunk of a step reads the step's first Q_c"),),
+           T12, CH12, "two chunks a step: S^T of the second chunk computed from the first chunk's queries"),
+    Mutant("tcb-dq-tile-rows-not-offset", 12, "kernels.base.gradient_adds",   # the adds chapters 11, 12 share
+           (("red_add_pair(dqh, r + uint32(8 * h), c + uint32(8 * j),",
+             "red_add_pair(dqh, r, c + uint32(8 * j),   # PLANTED: rows g + 8 added into rows g\n                                "),),
+           T12, CH12, "dQ's unchecked tile adds: the lane's second row (g + 8) added into its first (g)"),
     Mutant("tcb-lse-not-base-2", 12, TCB,
            (("else L * float32(LOG2E)", "else L   # PLANTED: L left in natural log"),),
            T12, CH12, "make_delta_tc: L is not converted to base 2 for P = exp2(S scale log2 e - L log2 e)"),
