@@ -56,7 +56,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from kernels.base.backward_args import check_grouped_args, run_grouped_backward
-from kernels.base.gradient_adds import make_tile_adds
+from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, \
     launch_stream, on_simulator
@@ -128,7 +128,6 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     while NC > 1 and (RG * (ND // NC) < W or ND % NC):
         NC -= 1
     ITEMS = RG * (ND // NC)
-    add_tiles = make_tile_adds(NC)                # a warp's piece of dQ_i, added into dQ
     SD, SB = D + 4, Br + 4                        # shared row strides (words)
     TILE, QTILE = Bc * SD, Br * SD
     QBASE = 2 * TILE + Bc * SB                    # Q_i and dO_i's two buffers start here
@@ -308,7 +307,13 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
                         for e in range(4):
                             acc[u, e] += x[e]
                     kk += U(1)
-                add_tiles(dqh, acc, q0 + int32(rg * U(16)), int32(n0 * U(8)), g, t, scale, n_q, d, aligned)
+                for u in range(NC):
+                    for h in range(2):
+                        row = q0 + int32(rg * U(16) + g) + 8 * h
+                        col = int32((n0 + U(u)) * U(8) + U(2) * t)
+                        x0 = acc[u, 2 * h] * scale
+                        x1 = acc[u, 2 * h + 1] * scale
+                        add_pair_to_dq(dqh, row, col, x0, x1, n_q, d, aligned)
                 item += U(W)
 
         cp_async_wait_all()                           # (the last, empty, group)
