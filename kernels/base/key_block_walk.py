@@ -8,7 +8,7 @@ query tiles before ``first`` see none of its keys and are skipped.
 
 from __future__ import annotations
 
-from numba import cuda
+from numba import cuda, int32, uint32
 
 __all__ = ["query_pairs", "pair_at"]
 
@@ -24,5 +24,8 @@ def query_pairs(k0, diag, causal, n_q, Br, group):
 
 @cuda.jit(device=True, inline=True)
 def pair_at(step, bkv, group, first, n_tiles, Br):
-    """(bh, q0): the query head (of B*H) and first query row of the walk's ``step``-th pair."""
-    return bkv * group + step // n_tiles, (first + step % n_tiles) * Br
+    """(bh, q0): the query head (of B*H) and first query row of the walk's ``step``-th pair.
+    Both counts are non-negative: a 32-bit unsigned division (Python's // on Numba's int64 is
+    a call to a signed 64-bit division, about a hundred instructions a query tile)."""
+    s, n = uint32(step), uint32(n_tiles)
+    return int32(bkv * group) + int32(s // n), (int32(first) + int32(s % n)) * int32(Br)
