@@ -30,7 +30,10 @@ accumulate). K/V tiles outer, as FlashAttention-2's backward:
 The products that sum over queries (dV, dK) take their k-steps straight from the
 accumulators of S and dP: a chunk of 16 queries is one k-step, so P^T and dS^T never leave
 the registers for them. Only dQ, which sums over the block's keys across warps, needs dS
-in shared memory.
+in shared memory. The loop takes two chunks a step (``CC``): each S^T and dP^T tile is a
+chain of D/16 dependent products, and two chunks give a warp 8 independent chains in flight
+instead of 4. dQ's adds go unchecked where a warp's 16 rows and its columns lie inside
+(``kernels.base.gradient_adds.make_tile_adds``).
 
 A kernel ``make_delta_tc`` runs first: D = rowsum(dO o O) a query row, and dQ = 0.
 

@@ -31,7 +31,7 @@
 # 4. the kernel, `kernels/tensor_core_backward.py`;
 # 5. precision (P and dS rounded to fp16 / bf16) and the check against the oracle;
 # 6. grouped-query attention: dK and dV summed over the group inside the block;
-# 7. the H100 results against PyTorch's backwards;
+# 7. the GPU results against PyTorch's backwards;
 # 8. exercises, two of them checked here.
 #
 # **Sources** (numbered as in the README's list): [4] FlashAttention-2, Algorithm 2 (the
@@ -280,10 +280,13 @@ print("here:", tc_backward_tiles(D_HEAD))
 
 
 # %% [markdown]
-# The steps of one chunk, from the kernel's source. First S^T and dP^T; K_w's and V_w's A
-# fragments were loaded once a block, before the walk over the query tiles (at d = 128
-# they would take a thread past 255 registers, so there they are read from shared memory
-# each time):
+# The steps of the query loop, from the kernel's source. A step takes two chunks of 16
+# queries (`CC = 2`): each S^T and dP^T accumulator tile is a chain of D/16 products, each
+# waiting for the one before it, and with two chunks a warp has 8 independent chains in
+# flight instead of 4 (measured on an H200: 5-6% at d = 128, 1% at d = 64). First S^T and
+# dP^T; K_w's and V_w's A fragments were loaded once a block, before the walk over the query
+# tiles (at d = 128 they would take a thread past 255 registers, so there they are read from
+# shared memory each time):
 
 # %%
 def show_step(fn, first, stop):
@@ -299,7 +302,7 @@ show_step(make_backward_tc, "# ---- S^T = K_w Q_c^T", "# ---- P^T and dS^T")
 
 # %% [markdown]
 # P^T and dS^T on the accumulator elements, in base 2 (`exp2`, L already multiplied by
-# log2 e by the pre-pass), with the mask applied only on chunks that cross the end of the
+# log2 e by the pre-pass), with the mask applied only on steps that cross the end of the
 # keys or the causal diagonal:
 
 # %%
@@ -315,7 +318,10 @@ show_step(make_backward_tc, "# ---- dV_w += P^T dO_c", "# ---- dS^T to shared me
 # %% [markdown]
 # Then dS^T to shared memory (the same packed registers, a 32-bit word each), and, once the
 # block has all its query tile's chunks, dQ_i += τ dS K_j by the warps together, and the
-# atomic adds:
+# atomic adds (`add_tiles`, from `kernels.base.gradient_adds.make_tile_adds`: where the
+# warp's 16 rows lie below Nq and its columns below d, one test for the warp sends every
+# pair straight to `red.global.add.v2.f32` with unsigned indices; elsewhere each pair is
+# checked):
 
 # %%
 show_step(make_backward_tc, "# ---- dS^T to shared memory", "# ---- dK_j = scale dK_w")
@@ -412,7 +418,7 @@ print(f"max |kernel dK - sum over the group| = {np.abs(got[1] - exact[1]).max():
       f"max |kernel dK - head 0's alone| = {np.abs(got[1][:, 0] - dk_heads[:, 0]).max():.2f}")
 
 # %% [markdown]
-# ## 7. Results on the H100
+# ## 7. Results on the GPU
 #
 # `python -m kernels --chapters 12` (`kernels/bench/tensor_core_backward.py`): H = 16,
 # d = 64 and 128, B N = 16k tokens, N from 1024 to 16384, fp16, causal and not; at N = 4096
@@ -422,7 +428,9 @@ print(f"max |kernel dK - sum over the group| = {np.abs(got[1] - exact[1]).max():
 # checks its arguments and allocates the gradients). The peers run the backward alone
 # (`torch.autograd.grad` after one forward outside the timed region): SDPA's flash,
 # memory-efficient and cuDNN backends and plain PyTorch. FLOPs are the five products,
-# 10 B H N² d (halved for causal), for every row.
+# 10 B H N² d (halved for causal), for every row. The committed run is on an NVIDIA H200
+# (the H100's chip with 1.4x its memory bandwidth; the chapter's earlier runs were on an
+# H100): the cell prints the device.
 
 # %%
 from kernels.bench.harness import committed_results
@@ -506,10 +514,12 @@ if rows:
 # %% [markdown]
 # ### Where the time goes, and what is left
 #
-# At N = 4096 the kernel runs at 0.55x to 0.68x of SDPA flash's backward (FlashAttention-2)
-# and beats SDPA memory-efficient; cuDNN's backward (Hopper's wgmma, not mma.sync) is 2.1x
-# to 3.4x faster than ours. Nsight Compute on an earlier version of the kernel
-# (`workbook/results/tensor_core_backward_ncu.txt`, d = 64, at 5.0-5.3 ms) says why:
+# At N = 4096 the kernel runs at 0.61x to 0.78x of SDPA flash's backward (FlashAttention-2)
+# and beats SDPA memory-efficient; cuDNN's backward (Hopper's wgmma, not mma.sync) is 2.0x
+# to 2.9x faster than ours. On the H200 plain PyTorch's fp16 backward, bound by memory, is
+# faster than ours at d = 128 without the mask. Nsight Compute on an earlier version of the
+# kernel (`workbook/results/tensor_core_backward_ncu.txt`, H100, d = 64, at 5.0-5.3 ms) says
+# why:
 #
 # - **Few warps.** dK and dV of a warp's 16 keys stay in its registers for the whole run
 #   (D/2 floats each a lane) and the thread needs about 200 registers: one block of 8 warps
@@ -523,14 +533,22 @@ if rows:
 #   counters, and `ldmatrix` at 32-bit shared addresses made once a lane
 #   (`kernels.base.mma.shared_address`, `ldmatrix_at`), which also freed 11 registers at
 #   d = 64 and the spill at d = 128.
+# - **dQ's adds, and the walk.** Read in the compiled code (ptxas for sm_90, no GPU needed),
+#   the 8 atomic adds of a warp's piece of dQ_i took about 250 instructions (bounds tests and
+#   64-bit index arithmetic a pair), more than the 32 products that made them; with one
+#   test a warp and unsigned indices they take about 45. With the two chunks a step, on an
+#   H200, old against new: 4.22 to 3.92 ms at d = 64, 9.06 to 8.15 ms at d = 128. The
+#   walk's (head, query tile) in 32-bit arithmetic (`pair_at`: Python's `//` on int64 is a
+#   call to a 64-bit signed division) took another 1-4%
+#   (`workbook/results/tensor_core_backward_ab.csv`).
 # - **The launcher** binds its two launches once a call shape (chapter 7's
 #   `LaunchTemplate`) and passes data pointers: about 0.3 ms of Python a call, hidden
 #   behind the GPU's work; before, Numba's typing of a dozen arguments cost 0.9 ms.
 #
-# What would help next: dQ's k-steps unrolled (its atomic adds, too, are 64-bit index
-# arithmetic); fewer registers for more warps (dK or dV through shared memory); and, beyond
-# `mma.sync`, Hopper's `wgmma` with the operands in shared memory, as cuDNN and
-# FlashAttention-3 do.
+# What would help next: fewer registers for more warps (dK or dV through shared memory);
+# the per-tile work between the two barriers (staging, L and D, the walk) overlapped with
+# the products; and, beyond `mma.sync`, Hopper's `wgmma` with the operands in shared memory,
+# as cuDNN and FlashAttention-3 do.
 
 # %% [markdown]
 # ## 8. Exercises
