@@ -15,7 +15,7 @@ past a query tile and a key tile, GQA with causal.
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from kernels import reference as ref
@@ -23,8 +23,8 @@ from kernels.base.query_split import choose_query_splits
 from kernels.base.runtime import ArrayKind, on_simulator
 from kernels.base.testing import (Floor, assert_close, case_with, gradient_floor_scales,
                                   grouped_attention_cases, over_group)
-from kernels.tensor_core_backward import (backward_checked, flash_attention_backward_tc, rounded_backward_numpy,
-                                          tc_backward_tiles)
+from kernels.tensor_core_backward import (backward_checked, flash_attention_backward_tc, launch_backward,
+                                          rounded_backward_numpy, tc_backward_tiles)
 from test_flash_tensor_cores import _Bf16Interface, to_input   # chapter 8's inputs (fp16, bf16 bits) and values
 
 SIM = on_simulator()
@@ -77,6 +77,26 @@ class Inputs:
         scale = c.scale if c.scale is not None else 1 / np.sqrt(c.q.shape[-1])
         return backward_checked(ArrayKind(self.q), self.q, self.k, self.v, self.o, self.lse, self.do,
                                 causal=c.causal, scale=scale, bf16=self.bf16, splits=splits)
+
+    def run_chunks(self, chunks):
+        """The bare launches (``launch_backward``) with the query loop taking ``chunks`` 16-query
+        chunks a step (``tiles=(Br, W, 0, chunks)``); Nq, Nk > 0."""
+        from numba import cuda
+
+        c = self.case
+        B, H, n_q, d = self.q.shape
+        n_k = self.k.shape[2]
+        flat = lambda a: cuda.to_device(np.ascontiguousarray(a).reshape(-1, a.shape[-2], a.shape[-1]))   # noqa: E731
+        bits = lambda a: flat(np.ascontiguousarray(a).view(np.uint16))                                    # noqa: E731
+        dq, dk, dv = (cuda.device_array((B * h, n, d), np.float32) for h, n in ((H, n_q), (self.k.shape[1], n_k),
+                                                                                 (self.k.shape[1], n_k)))
+        delta, l2 = (cuda.device_array((B * H, n_q), np.float32) for _ in range(2))
+        o = bits(self.o) if self.o.dtype != np.float32 else flat(self.o)
+        scale = c.scale if c.scale is not None else 1 / np.sqrt(d)
+        launch_backward(bits(self.q), bits(self.k), bits(self.v), o, cuda.to_device(self.lse.reshape(B * H, n_q)),
+                        bits(self.do), delta, l2, dq, dk, dv, scale, int(c.causal), self.bf16,
+                        tiles=(BR, W, 0, chunks))
+        return tuple(g.copy_to_host().reshape(B, -1, g.shape[1], d) for g in (dq, dk, dv))
 
     def check(self, got, floors_from=None):
         """Each gradient under the rule; NaN exactly where the oracle's is (assert_close).
@@ -136,6 +156,17 @@ def test_queries_split_among_blocks_meet_the_same_rule(case, bf16, seed, splits)
     more splits than pairs (empty shares)."""
     x = Inputs(case, bf16, seed)
     x.check(x.run(splits=splits))
+
+
+@given(case=tc_backward_cases(), bf16=st.booleans(), seed=st.integers(0, 2**16))
+@settings(max_examples=2 if SIM else 40)
+@example(case=pinned((1, 2, 19, 16), (1, 1, 23, 16), causal=True), bf16=True, seed=2)              # GQA, causal
+def test_one_chunk_a_step_meets_the_same_rule(case, bf16, seed):
+    """``CC = 1``: the query loop one 16-query chunk a step (the kernel's default takes two
+    wherever Br / 16 is even, as at every tile it chooses) still meets the rule."""
+    assume(case.q.shape[2] > 0 and case.k.shape[2] > 0)      # (the bare launches take no empty sequence)
+    x = Inputs(case, bf16, seed)
+    x.check(x.run_chunks(1))
 
 
 def test_splits_only_where_the_grid_is_too_small():
