@@ -551,6 +551,26 @@ if rows:
 # as cuDNN and FlashAttention-3 do.
 
 # %% [markdown]
+# You can read the compiled code yourself, with no GPU: `kernels.base.sass` compiles a
+# chapter's kernels to PTX, assembles them for sm_90 with the driver's own assembler (in
+# nvJitLink, which the course's packages install) and disassembles them (nvdisasm, which
+# comes with PyTorch's Triton). It prints ptxas's registers and spills, the instructions, the
+# tensor-core instructions (HMMA) and the calls to a 64-bit division, and each loop's
+# instructions an mma. The code is counted, not run: a loop's body once, both sides of its
+# branches (dQ's loop holds the checked adds too, which run only at the edges of Nq and d).
+
+# %%
+import os
+import subprocess
+import sys
+
+env = dict(os.environ, WORKBOOK_DEVICE="gpu")             # compile for the GPU even in the simulator
+env.pop("NUMBA_ENABLE_CUDASIM", None)
+sass_report = subprocess.run([sys.executable, "-m", "kernels.base.sass", "tensor_core_backward", "fp16 Br=128"],
+                             env=env, capture_output=True, text=True, timeout=600)
+print(sass_report.stdout or sass_report.stderr[-2000:])
+
+# %% [markdown]
 # ## 8. Exercises
 #
 # 1. (On paper.) Why do dK and dV need no shared memory, while dQ does? Say which warp holds
