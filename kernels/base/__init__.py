@@ -12,6 +12,8 @@
     io_model       the IO models of every chapter and the measured ceilings (from the committed results)
     testing        the tolerance rule, Hypothesis strategies, the exercise checker
     ptx_check      compiles every chapter's kernels for sm_90 (no GPU needed)
+    sass           what ptxas makes of a kernel (registers, instructions, loops), read with no GPU
+    gradient_adds  dQ's float32 atomic adds in the tensor-core backwards (pairs, and a warp's tiles)
 
 The chapters themselves are the modules one level up (``kernels/flash_forward.py`` ...).
 """
