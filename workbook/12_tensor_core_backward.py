@@ -555,8 +555,8 @@ if rows:
 # %% [markdown]
 # You can read the compiled code yourself, with no GPU: `kernels.base.sass` compiles a
 # chapter's kernels to PTX, assembles them for sm_90 with the driver's own assembler (in
-# nvJitLink, which the course's packages install) and disassembles them (nvdisasm, which
-# comes with PyTorch's Triton). It prints ptxas's registers and spills, the instructions, the
+# nvJitLink, which comes with PyTorch's CUDA libraries) and disassembles them (nvdisasm,
+# which comes with PyTorch's Triton). It prints ptxas's registers and spills, the instructions, the
 # tensor-core instructions (HMMA) and the calls to a 64-bit division, and each loop's
 # instructions an mma. The code is counted, not run: a loop's body once, both sides of its
 # branches (dQ's loop holds the checked adds too, which run only at the edges of Nq and d).

@@ -8,9 +8,9 @@ Numba compiles a kernel to PTX, a virtual instruction set (``kernels.base.ptx_ch
 for sm_90). When a kernel loads, the driver's assembler, ptxas, turns the PTX into SASS for the
 GPU at hand, and that is what runs: register allocation, scheduling and most of the index
 arithmetic are decided there. The same assembler ships in nvJitLink (``nvidia-nvjitlink``,
-which requirements.txt installs with numba-cuda; its version may be newer than a driver's, so
-registers can differ by a few), and a disassembler, nvdisasm, ships with Triton (which
-PyTorch installs). So on any machine with the course's packages:
+which requirements.txt installs with PyTorch's CUDA libraries; its version may be newer than
+a driver's, so registers can differ by a few), and a disassembler, nvdisasm, ships with
+Triton (which PyTorch installs too). So on any machine with the course's packages:
 
     PTX (numba.cuda.compile_ptx)  ->  cubin for sm_90 (nvJitLink)  ->  SASS text (nvdisasm)
 
