@@ -6,11 +6,8 @@ nvdisasm) on chapter 0's block sum, in a subprocess with the simulator off (as
 its tuning bought: no register spills and no call to a 64-bit division (the walk of query
 tiles divides in 32 bits)."""
 
-import os
-import subprocess
-import sys
-
 from kernels.base.sass import Sass, find_loops, parse
+from test_ptx import _run              # python in a process with the simulator off
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -45,10 +42,7 @@ def test_the_listing_is_read_into_instructions_and_loops():
 
 
 def _compile(module, match):
-    env = dict(os.environ, WORKBOOK_DEVICE="gpu")
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    proc = subprocess.run([sys.executable, "-m", "kernels.base.sass", module, match], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = _run(["-m", "kernels.base.sass", module, match], timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     return out

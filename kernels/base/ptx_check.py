@@ -109,13 +109,18 @@ def check_module(name: str, report=print, every_shape: bool = False) -> tuple[in
     return ok, failed, warned
 
 
+def rerun_for_the_gpu_target(module: str, argv) -> int:
+    """``python -m <module> <argv>`` again in a process with the simulator off: compile_ptx
+    needs the real CUDA target (nothing is launched, so no GPU is needed). Its exit status."""
+    env = dict(os.environ, WORKBOOK_DEVICE="gpu")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    return subprocess.call([sys.executable, "-m", module, *argv], env=env)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if on_simulator():
-        # compile_ptx needs the real CUDA target: run again with the simulator off.
-        env = dict(os.environ, WORKBOOK_DEVICE="gpu")
-        env.pop("NUMBA_ENABLE_CUDASIM", None)
-        return subprocess.call([sys.executable, "-m", "kernels.base.ptx_check", *argv], env=env)
+        return rerun_for_the_gpu_target("kernels.base.ptx_check", argv)
     every_shape = "--every-shape" in argv
     names = [a for a in argv if not a.startswith("--")] or kernel_modules()
     print(f"PTX check for sm_90 (numba.cuda.compile_ptx; nothing is launched; "

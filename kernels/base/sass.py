@@ -208,12 +208,10 @@ def compile_kernel(label, dispatcher, signature, cc=SM_90) -> Sass:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from kernels.base.ptx_check import answer_sm_90_without_a_driver, rerun_for_the_gpu_target
+
     if on_simulator():
-        # compile_ptx needs the real CUDA target: run again with the simulator off (nothing is launched).
-        env = dict(os.environ, WORKBOOK_DEVICE="gpu")
-        env.pop("NUMBA_ENABLE_CUDASIM", None)
-        return subprocess.call([sys.executable, "-m", "kernels.base.sass", *argv], env=env)
-    from kernels.base.ptx_check import answer_sm_90_without_a_driver
+        return rerun_for_the_gpu_target("kernels.base.sass", argv)
 
     listing = "--listing" in argv
     words = [a for a in argv if not a.startswith("--")]
