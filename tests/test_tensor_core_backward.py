@@ -129,6 +129,7 @@ ONE_PAST_Q, ONE_PAST_K = BR + 1, BC + 1
 @example(case=pinned((1, 2, 6, 8), (1, 1, 0, 8), causal=True), bf16=False, seed=5)                 # Nk = 0
 @example(case=pinned((1, 2, 0, 8), (1, 2, 7, 8)), bf16=True, seed=6)                               # Nq = 0
 @example(case=pinned((1, 1, BR + 8, 16), (1, 1, BC + 13, 16), causal=True), bf16=False, seed=7)    # skipped tiles
+@example(case=pinned((1, 1, BR + 5, 24), (1, 1, BC + 3, 24)), bf16=True, seed=8)                   # d = 24 < D = 32
 def test_gradients_match_the_oracle(case, bf16, seed):
     """Pinned: N = 1 (dS = 0 up to rounding: the floors decide); Nq > Nk causal (rows 0..7
     see no key: L = -inf, zero gradients); GQA group 2, causal, d = 16 (cp.async copies,
@@ -136,7 +137,8 @@ def test_gradients_match_the_oracle(case, bf16, seed):
     past a query tile (the next tile's copies) and a key tile (a second block, skipping
     the first query tile); empty sequences (zeros of the right shapes, no launch); causal with
     Nk - Nq = 5 over two query and two key tiles (the second key tile is first seen by the
-    last rows of the first query tile, which its walk must not skip)."""
+    last rows of the first query tile, which its walk must not skip); d = 24, D = 32 (the
+    tile copy by column: two chunks a thread, a row tile apart, the chunk past d zeros)."""
     x = Inputs(case, bf16, seed)
     got = x.run()
     x.check(got)

@@ -44,6 +44,10 @@ so any PTX instruction: that is all this module does on the GPU. The device func
                                             offset: a kernel adds constants to an address it made
                                             once (where indexing an array costs 64-bit arithmetic)
     cp_async(dst, drow, dcol, src, srow, scol)   16 bytes global -> shared, asynchronously
+    global_address(a, row, col)             the 64-bit global address of a[row, col] (bytes)
+    cp_async_at(saddr, gaddr, nbytes)       cp.async of 16 bytes from a global address (from
+                                            global_address plus a byte offset) to a shared one:
+                                            the first nbytes (0 or 16) copied, the rest zeros
     cp_async_commit(), cp_async_wait_all(), cp_async_wait_prior()   (all but the last group done)
     cp_async_wait_prior2()                  (all but the last two groups done)
 
@@ -71,7 +75,7 @@ from kernels.base.runtime import on_simulator
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
            "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_at",
-           "load_words", "store_word", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "cp_async_commit", "cp_async_wait_all",
+           "load_words", "store_word", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "global_address", "cp_async_at", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
            "half_bits", "bf16_bits", "tf32_bits", "split_ties", "words_to_halves", "make_output_store",
            "OUTPUT_TYPES", "PTX"]
@@ -234,6 +238,7 @@ PTX = {
     "ldmatrix": "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
     "ldmatrix_trans": "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
     "cp_async": "cp.async.cg.shared.global",
+    "cp_async_at": "cp.async.cg.shared.global",
     "cp_async_commit": "cp.async.commit_group",
     "cp_async_wait_all": "cp.async.wait_all",
     "cp_async_wait_prior": "cp.async.wait_group 1",
@@ -397,12 +402,16 @@ class _SimAddress:
         return _SimAddress(self.array, self.offset + int(nbytes))
 
     def element(self):
-        row, col = divmod(self.offset // self.array.itemsize, self.array.shape[1])
-        return self.array, row, col
+        row, rest = divmod(self.offset, self.array.strides[0])
+        return self.array, row, rest // self.array.itemsize
 
 
 def _sim_shared_address(a, row, col):
     return _SimAddress(a, (int(row) * a.shape[1] + int(col)) * a.itemsize)
+
+
+def _sim_global_address(a, row, col):
+    return _SimAddress(a, int(row) * a.strides[0] + int(col) * a.itemsize)
 
 
 def _sim_ldmatrix_at(trans):
@@ -417,6 +426,16 @@ def _sim_cp_async(dst, drow, dcol, src, srow, scol):
     n = 16 // src.itemsize
     chunk = np.asarray(src[srow, scol:scol + n])          # 16 bytes, copied as bits (float32 into uint32 too)
     dst[drow, dcol:dcol + 16 // dst.itemsize] = chunk.view(dst.dtype) if chunk.dtype != dst.dtype else chunk
+
+
+def _sim_cp_async_at(saddr, gaddr, nbytes):
+    dst, drow, dcol = saddr.element()
+    n = 16 // dst.itemsize
+    if int(nbytes) == 0:
+        dst[drow, dcol:dcol + n] = 0
+    else:
+        src, srow, scol = gaddr.element()
+        _sim_cp_async(dst, drow, dcol, src, srow, scol)
 
 
 def _sim_nothing():
@@ -691,6 +710,33 @@ def _gpu_functions():
 
         return types.void(dst, drow, dcol, src, srow, scol), codegen
 
+    @intrinsic
+    def global_address(typingctx, array, row, col):
+        if not is_2d(array):
+            raise TypeError(f"global_address(a, row, col): expected a 2-D global array, got {array}")
+
+        def codegen(context, builder, sig, args):
+            ptr = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], args[2], sig.args[2])
+            return asm(builder, [ir.IntType(64)], "cvta.to.global.u64 $0, $1;", "=l,l",
+                       [builder.ptrtoint(ptr, ir.IntType(64))])[0]
+
+        return types.uint64(array, row, col), codegen
+
+    @intrinsic
+    def cp_async_at(typingctx, saddr, gaddr, nbytes):
+        if not all(isinstance(x, types.Integer) for x in (saddr, gaddr, nbytes)):
+            raise TypeError(f"cp_async_at(saddr, gaddr, nbytes): expected integers, got {saddr}, {gaddr}, {nbytes}")
+
+        def codegen(context, builder, sig, args):
+            s = context.cast(builder, args[0], sig.args[0], types.uint32)
+            g = context.cast(builder, args[1], sig.args[1], types.uint64)
+            n = context.cast(builder, args[2], sig.args[2], types.uint32)
+            asm(builder, [], "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", [s, g, n],
+                side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(saddr, gaddr, nbytes), codegen
+
     def make_fence(text):
         @intrinsic
         def fence(typingctx):
@@ -722,6 +768,8 @@ def _gpu_functions():
         ldmatrix_at=make_ldmatrix_at("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),
         ldmatrix_trans_at=make_ldmatrix_at("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"),
         cp_async=cp_async,
+        global_address=global_address,
+        cp_async_at=cp_async_at,
         cp_async_commit=make_fence("cp.async.commit_group;"),
         cp_async_wait_all=make_fence("cp.async.wait_all;"),
         cp_async_wait_prior=make_fence("cp.async.wait_group 1;"),
@@ -750,6 +798,8 @@ def _sim_functions():
         ldmatrix_at=_sim_ldmatrix_at(False),
         ldmatrix_trans_at=_sim_ldmatrix_at(True),
         cp_async=_sim_cp_async,
+        global_address=_sim_global_address,
+        cp_async_at=_sim_cp_async_at,
         cp_async_commit=_sim_nothing,
         cp_async_wait_all=_sim_nothing,
         cp_async_wait_prior=_sim_nothing,
@@ -777,6 +827,8 @@ shared_address = _functions["shared_address"]
 ldmatrix_at = _functions["ldmatrix_at"]
 ldmatrix_trans_at = _functions["ldmatrix_trans_at"]
 cp_async = _functions["cp_async"]
+global_address = _functions["global_address"]
+cp_async_at = _functions["cp_async_at"]
 cp_async_commit = _functions["cp_async_commit"]
 cp_async_wait_all = _functions["cp_async_wait_all"]
 cp_async_wait_prior = _functions["cp_async_wait_prior"]

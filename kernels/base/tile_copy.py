@@ -14,7 +14,7 @@ different code, which was not measured.)
 
 from __future__ import annotations
 
-from numba import cuda, uint16, uint32
+from numba import cuda, uint16, uint32, uint64
 
 __all__ = ["make_async_tile_copy"]
 
@@ -25,28 +25,52 @@ def make_async_tile_copy(ROWS: int, D: int, THREADS: int, itemsize: int = 2, dty
     THREADS threads (``tid``: the caller's thread); ``dtype``: the arrays' element type (by
     default 16- or 32-bit unsigned words, as ``itemsize`` says). ``aligned`` (0/1): the rows are 16-byte
     aligned and d a multiple of 16 / itemsize, so that whole chunks may go by cp.async.
-    (Written as the kernels first had it, ``D // E`` and all: a variant with the chunk
-    count precomputed compiles chapter 8's kernel to 8% more PTX.)"""
-    from kernels.base.mma import cp_async
+
+    Where THREADS is a multiple of a row's chunks (D / E) and the tile's chunks a multiple of
+    THREADS, a thread's chunks lie in one column, THREADS / (D / E) rows apart: an aligned
+    tile then goes by addresses made once, a constant added a chunk (``cp_async_at``), and the
+    chunks past ``rows`` or d copy 0 bytes and fill zeros (cp.async's source size): no test
+    and no 64-bit index arithmetic a chunk, where indexing the arrays costs some fifty
+    instructions a chunk (signed 64-bit arithmetic with Python's negative-index wraparound).
+    Otherwise (and unaligned) the chunks go in turn, as the kernels first had it (``D // E``
+    and all: a variant with the chunk count precomputed compiles chapter 8's kernel to 8%
+    more PTX)."""
+    from kernels.base.mma import cp_async, cp_async_at, global_address, shared_address
 
     E = 16 // itemsize                   # elements a chunk
     zero = dtype if dtype is not None else uint16 if itemsize == 2 else uint32
     if D % E:
         raise ValueError(f"D: expected a multiple of {E} (16-byte chunks of {itemsize}-byte words), got {D}")
+    CPR = D // E                         # chunks a row
+    COLUMN = THREADS % CPR == 0 and (ROWS * CPR) % THREADS == 0
+    RS = THREADS // CPR                  # rows between a thread's chunks
+    PER = ROWS * CPR // THREADS          # a thread's chunks
 
     @cuda.jit(device=True, inline=True)
     def stage_in(src, dst, rows, r0, d, tid, aligned):
-        for ch in range(tid, ROWS * (D // E), THREADS):
-            r = ch // (D // E)
-            c = (ch % (D // E)) * E
-            row = r0 + r
-            if aligned != 0 and row < rows and c + E <= d:
-                cp_async(dst, r, c, src, row, c)
-            else:
-                for e in range(E):
-                    x = zero(0)
-                    if row < rows and c + e < d:
-                        x = src[row, c + e]
-                    dst[r, c + e] = x
+        if COLUMN and aligned != 0:
+            r = tid // CPR
+            c = (tid % CPR) * E
+            sa = shared_address(dst, r, c)
+            sstep = uint32(RS * dst.strides[0])
+            ga = global_address(src, r0 + r, c)       # a number until a chunk's row is below rows
+            g0 = global_address(src, 0, 0)            # a valid address for the chunks that copy 0 bytes
+            gstep = uint64(RS * src.strides[0])
+            for k in range(PER):
+                live = c < d and r0 + r + k * RS < rows
+                cp_async_at(sa + uint32(k) * sstep, ga + uint64(k) * gstep if live else g0, uint32(16 if live else 0))
+        else:
+            for ch in range(tid, ROWS * (D // E), THREADS):
+                r = ch // (D // E)
+                c = (ch % (D // E)) * E
+                row = r0 + r
+                if aligned != 0 and row < rows and c + E <= d:
+                    cp_async(dst, r, c, src, row, c)
+                else:
+                    for e in range(E):
+                        x = zero(0)
+                        if row < rows and c + e < d:
+                            x = src[row, c + e]
+                        dst[r, c + e] = x
 
     return stage_in
