@@ -152,7 +152,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     (int32: rows of q, k, v, dO and dQ 16-byte aligned, d % 8 == 0: cp.async copies, and
     dQ's adds in pairs). ``CP``: dQ's 16-column pairs a warp takes at once (0: up to 2);
     ``CC``: 16-query chunks a step of the query loop takes (0: 2 where Br / 16 is even)."""
-    from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
+    from kernels.base.mma import (cp_async_commit, cp_async_wait_all,
                                   ldmatrix_at, ldmatrix_trans_at, mma_bf16, mma_f16, pack_bf16, pack_f16,
                                   shared_address, store_word)
     from kernels.base.query_split import make_block_steps, make_gradient_store
@@ -263,8 +263,9 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
             step = s_first + i
             buf = i % 2
             bh, q0 = pair_at(step, bkv, group, first, n_tiles, Br)
-            cuda.syncthreads()                        # every warp is done with the other buffer and dS
-            if step + 1 < s_end:                      # the next pair's copies fly during this one
+            cp_async_wait_all()                       # this pair's Q_i and dO_i (the one group in flight)
+            cuda.syncthreads()                        # have landed for every warp; every warp is done with
+            if step + 1 < s_end:                      # the other buffer and dS. The next pair's copies fly
                 nbh, nq0 = pair_at(step + 1, bkv, group, first, n_tiles, Br)
                 nb = 1 - buf
                 stage_queries(q[nbh], shared_view(smem, 2 * TILE + Bc * SB + 2 * nb * QTILE, (Br, SD)), n_q, nq0,
@@ -275,9 +276,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                     row = nq0 + r
                     Ls[nb, r] = l2[nbh, row] if row < n_q else DEAD
                     Ds[nb, r] = delta[nbh, row] if row < n_q else float32(0.0)
-            cp_async_commit()
-            cp_async_wait_prior()                     # this pair's Q_i and dO_i have landed
-            cuda.syncthreads()
+            cp_async_commit()                         # during this one
 
             ubuf = U(buf)                             # unsigned indices: no negative-index wraparound
             ut2 = U(2 * t)
