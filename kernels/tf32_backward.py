@@ -108,7 +108,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     the pre-pass); dq (B*H, Nq, d) float32, zeroed; dk, dv (B*Hkv, Nk, d) float32; scale
     (float32), causal (int32 0/1), group (int32: H / Hkv), aligned (int32: rows of q, k, v,
     dO and dQ 16-byte aligned and d % 4 == 0: cp.async copies, and dQ's adds in pairs)."""
-    from kernels.base.mma import (cp_async_commit, cp_async_wait_all, cp_async_wait_prior,
+    from kernels.base.mma import (cp_async_commit, cp_async_wait_all,
                                   shared_address, split_tf32_at)
     from kernels.base.query_split import make_block_steps, make_gradient_store
     from kernels.base.shared_memory import shared_view
@@ -221,14 +221,13 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
             step = s0 + i
             buf = i % 2
             bh, q0 = pair_at(step, bkv, group, first, n_tiles, Br)
-            cuda.syncthreads()                        # every warp is done with the other buffer and dS
-            if step + 1 < s1:                         # the next pair's copies fly during this one
+            cp_async_wait_all()                       # this pair's Q_i and dO_i (and K_j, V_j), the groups
+            cuda.syncthreads()                        # in flight, have landed for every warp; every warp is
+            if step + 1 < s1:                         # done with the other buffer and dS. The next pair's
                 nb = 1 - buf
                 nbh, nq0 = pair_at(step + 1, bkv, group, first, n_tiles, Br)
                 stage_pair(q, do, lse, delta, smem, Ls, Ds, nb, nbh, nq0, n_q, d, tid, aligned)
-            cp_async_commit()
-            cp_async_wait_prior()                     # this pair's Q_i and dO_i (and K_j, V_j) have landed
-            cuda.syncthreads()
+            cp_async_commit()                         # copies fly during this one
 
             ubuf = U(buf)
             Qv = shared_view(smem, QBASE + 2 * buf * QTILE, (Br, SD))
