@@ -80,7 +80,9 @@ class Inputs:
 
     def run_chunks(self, chunks):
         """The bare launches (``launch_backward``) with the query loop taking ``chunks`` 16-query
-        chunks a step (``tiles=(Br, W, 0, chunks)``); Nq, Nk > 0."""
+        chunks a step (``tiles=(Br, W, 0, chunks)``, Br and W as the launcher takes them at
+        this d: at d = 128 the d = 16 tiles' Br = 128 would ask more shared memory than a
+        block has); Nq, Nk > 0."""
         from numba import cuda
 
         c = self.case
@@ -95,7 +97,7 @@ class Inputs:
         scale = c.scale if c.scale is not None else 1 / np.sqrt(d)
         launch_backward(bits(self.q), bits(self.k), bits(self.v), o, cuda.to_device(self.lse.reshape(B * H, n_q)),
                         bits(self.do), delta, l2, dq, dk, dv, scale, int(c.causal), self.bf16,
-                        tiles=(BR, W, 0, chunks))
+                        tiles=tc_backward_tiles(d)[:2] + (0, chunks))    # the tiles the launcher takes at d
         return tuple(g.copy_to_host().reshape(B, -1, g.shape[1], d) for g in (dq, dk, dv))
 
     def check(self, got, floors_from=None):
