@@ -541,16 +541,27 @@ if rows:
 #   walk's (head, query tile) in 32-bit arithmetic (`pair_at`: Python's `//` on int64 is a
 #   call to a 64-bit signed division) took another 1-4%
 #   (`workbook/results/tensor_core_backward_ab.csv`).
+# - **The staging of each query tile.** Q_i's and dO_i's copies (`kernels.base.tile_copy`)
+#   took about 50 instructions for each 16-byte `cp.async` (a bounds test and 64-bit index
+#   arithmetic a chunk), 8 a thread a tile at d = 64: about 400 instructions against about
+#   1,600 for the tile's products. Where a block's threads are a multiple of a row's chunks,
+#   a thread's chunks lie in one column, a fixed number of rows apart: the copy makes its
+#   two addresses once (`global_address`, `shared_address`) and adds a constant a chunk, and
+#   the chunks past the rows or past d copy 0 bytes, which `cp.async` fills with zeros
+#   (`cp_async_at`, its source size): no test a chunk. With one barrier a step where two
+#   were (wait for the pair's copies, then one `syncthreads` says both that they landed and
+#   that the other buffer and dS are free), old against new on the H200: 3.89 to 3.31 ms at
+#   d = 64, 8.30 to 6.79 ms at d = 128 (causal 2.19 to 1.94 and 4.39 to 3.78), 0.73x-0.88x
+#   of SDPA flash's backward in the same processes (`tensor_core_backward_ab.csv`, run r5).
+#   The table above is the kernel before these steps.
 # - **The launcher** binds its two launches once a call shape (chapter 7's
 #   `LaunchTemplate`) and passes data pointers: about 0.3 ms of Python a call, hidden
 #   behind the GPU's work; before, Numba's typing of a dozen arguments cost 0.9 ms.
 #
-# What would help next: the staging of each query tile (`kernels.base.tile_copy`): its
-# fast path takes about 50 instructions for one 16-byte `cp.async` (a bounds test and 64-bit
-# index arithmetic each), and a thread makes 8 of them a tile at d = 64, about 400
-# instructions against about 1,600 for the tile's products and dQ's adds; fewer registers for
-# more warps (dK or dV through shared memory); and, beyond `mma.sync`, Hopper's `wgmma` with
-# the operands in shared memory, as cuDNN and FlashAttention-3 do.
+# What would help next: fewer registers for more warps (dK or dV through shared memory, so
+# that two blocks share an SM and one's barriers hide behind the other's products); and,
+# beyond `mma.sync`, Hopper's `wgmma` with the operands in shared memory, as cuDNN and
+# FlashAttention-3 do.
 
 # %% [markdown]
 # You can read the compiled code yourself, with no GPU: `kernels.base.sass` compiles a
