@@ -10,7 +10,7 @@ fragment laid out wrongly must fail.
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
-from numba import cuda
+from numba import cuda, uint32, uint64
 
 from kernels.base import mma
 
@@ -285,17 +285,34 @@ def _copy_kernel(src, out):
     for i in range(4):
         out[4 + t // 8, (t % 8) * 4 + i] = w[i] & 0xFFFF
         out[4 + t // 8, 32 + (t % 8) * 4 + i] = w[i] >> 16
+    # cp_async_at: row r of s2 from src's row 3 - r, by addresses; each row's last chunk copies
+    # 0 bytes and must leave zeros over the sentinel
+    r, c = t // 8, (t % 8) * 8
+    s2 = cuda.shared.array((4, 64), np.float16)
+    for e in range(8):
+        s2[r, c + e] = 7.0
+    cuda.syncthreads()
+    g = mma.global_address(src, 0, 0) + uint64((3 - r) * src.strides[0] + c * 2)
+    mma.cp_async_at(mma.shared_address(s2, r, 0) + uint32(c * 2), g, uint32(0 if t % 8 == 7 else 16))
+    mma.cp_async_commit()
+    mma.cp_async_wait_all()
+    cuda.syncthreads()
+    for e in range(8):
+        out[8 + r, c + e] = s2[r, c + e]
 
 
 def test_cp_async_and_wide_words_copy_rows():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, 64)).astype(np.float16)
-    out = np.zeros((8, 64), np.float32)
+    out = np.zeros((12, 64), np.float32)
     _copy_kernel[1, 32](x, out)
+    expected = x[::-1].astype(np.float32)
+    expected[:, 56:] = 0.0
+    np.testing.assert_array_equal(out[8:], expected)           # cp_async_at: by address, 0 bytes = zeros
     np.testing.assert_array_equal(out[:4], x.astype(np.float32))
     words = x.view(np.uint32)                             # (4, 32): 2 halves a word
-    np.testing.assert_array_equal(out[4:, :32].reshape(4, 8, 4), (words & 0xFFFF).reshape(4, 8, 4))
-    np.testing.assert_array_equal(out[4:, 32:].reshape(4, 8, 4), (words >> 16).reshape(4, 8, 4))
+    np.testing.assert_array_equal(out[4:8, :32].reshape(4, 8, 4), (words & 0xFFFF).reshape(4, 8, 4))
+    np.testing.assert_array_equal(out[4:8, 32:].reshape(4, 8, 4), (words >> 16).reshape(4, 8, 4))
 
 
 # --------------------------------------------------------------------------- the PTX

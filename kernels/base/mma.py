@@ -238,7 +238,7 @@ PTX = {
     "ldmatrix": "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
     "ldmatrix_trans": "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
     "cp_async": "cp.async.cg.shared.global",
-    "cp_async_at": "cp.async.cg.shared.global",
+    "cp_async_at": "cp.async.cg.shared.global [%r",     # a 32-bit shared address, then the source size
     "cp_async_commit": "cp.async.commit_group",
     "cp_async_wait_all": "cp.async.wait_all",
     "cp_async_wait_prior": "cp.async.wait_group 1",
