@@ -1,15 +1,21 @@
 """Rows of a tile from global to shared memory by cp.async, as the tensor-core kernels stage them.
 
 Chapter 8's forward (K_j, V_j and Q_i) and chapter 12's backward (K_j, V_j, Q_i and dO_i)
-copy 16-bit tiles the same way (chapter 11's fp32 backward, 32-bit ones): the block's threads take the tile's 16-byte chunks in
-turn; a chunk wholly inside the array goes by ``cp_async`` (``kernels.base.mma``: it lands
-later, after the kernel's commit and wait); a chunk that crosses the last row or the head
-dim d is copied element by element, zeros past them, so that padded rows and the columns
-from d to D add nothing to the products.
+copy 16-bit tiles the same way (chapter 11's fp32 backward, 32-bit ones), in 16-byte
+chunks that land later, after the kernel's commit and wait (``kernels.base.mma``), with
+zeros past the last row and past the head dim d, so that padded rows and the columns from d
+to D add nothing to the products. Two ways:
 
-(Chapter 11 copies 32-bit words the same way with its own loop: this factory's form, with
-the chunk count as an expression of D rather than a constant, compiles its kernel to
-different code, which was not measured.)
+- by column, where the block's threads are a multiple of a row's chunks and the rows are
+  aligned: a thread's chunks lie in one column, a fixed number of rows apart, so it makes
+  its shared and global addresses once and adds a constant a chunk (``cp_async_at``); a
+  chunk past the rows or d copies 0 bytes and cp.async fills its 16 with zeros;
+- otherwise, chunk by chunk in turn: a chunk wholly inside the array by ``cp_async``, one
+  that crosses the last row or d element by element.
+
+(Chapter 11's forward copies 32-bit words with its own loop: this factory's form, with the
+chunk count as an expression of D rather than a constant, compiles its kernel to different
+code, which was not measured.)
 """
 
 from __future__ import annotations
