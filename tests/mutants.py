@@ -447,6 +447,8 @@ MUTANTS += [
 # ---- the backward on tensor cores (chapter 12)
 TCB = "kernels.tensor_core_backward"
 T12 = ("tests/test_tensor_core_backward.py",)
+TCOPY = ("tests/test_tile_copy.py",)                  # the tile copy chapters 8, 11 and 12 share
+CHCOPY = "test_the_tile_holds_the_rows_and_zeros_past_them"
 CH12 = "test_gradients_match_the_oracle"
 MUTANTS += [
     Mutant("tcb-dk-unscaled", 12, TCB,
@@ -483,12 +485,12 @@ MUTANTS += [
            T12, CH12, "dQ's unchecked tile adds: the lane's second row (g + 8) added into its first (g)"),
     Mutant("tcb-copy-past-d-not-zeros", 12, "kernels.base.tile_copy",   # the copy chapters 8, 11, 12 share
            (("uint32(16 if live else 0))", "uint32(16))   # PLANTED: chunks past rows or d copy row 0, not zeros"),),
-           T12, CH12, "the tile copy by column: a chunk past d (or past the rows) copies 16 bytes of row 0 "
+           TCOPY, CHCOPY, "the tile copy by column: a chunk past d (or past the rows) copies 16 bytes of row 0 "
                       "instead of filling zeros"),
     Mutant("tcb-copy-rows-not-stepped", 12, "kernels.base.tile_copy",
            (("ga + uint64(k) * gstep if live", "ga if live   # PLANTED: every chunk of a thread reads its first row\n"
              "                               "),),
-           T12, CH12, "the tile copy by column: each of a thread's chunks reads the thread's first row"),
+           TCOPY, CHCOPY, "the tile copy by column: each of a thread's chunks reads the thread's first row"),
     Mutant("tcb-lse-not-base-2", 12, TCB,
            (("else L * float32(LOG2E)", "else L   # PLANTED: L left in natural log"),),
            T12, CH12, "make_delta_tc: L is not converted to base 2 for P = exp2(S scale log2 e - L log2 e)"),
