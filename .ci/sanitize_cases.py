@@ -111,7 +111,8 @@ def main(only):
     if want("flash_tensor_cores") and (m := have("flash_tensor_cores")):
         from kernels.base.mma import bf16_bits
 
-        for b, h, nq, nk, d in shapes + [(1, 1, 200, 130, 100)]:     # d = 100: 128 rows a block
+        # d = 100: 128 rows a block; d = 24: the tile copy by column with a chunk past d
+        for b, h, nq, nk, d in shapes + [(1, 1, 200, 130, 100), (1, 1, 77, 291, 24)]:
             for causal in (False, True):
                 q, k, v = rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d)
                 m.flash_attention_tc(*(x.astype(np.float16) for x in (q, k, v)), causal=causal)
@@ -120,9 +121,10 @@ def main(only):
     if want("tensor_core_backward") and (m := have("tensor_core_backward")):
         from kernels.base.mma import bf16_bits
 
-        # ragged tiles, d padded (40, 100: odd column pairs; 13: scalar atomics), GQA, Nq != Nk
+        # ragged tiles, d padded (40, 100: odd column pairs; 13: scalar atomics; 24: the tile copy by
+        # column with a chunk past d), GQA, Nq != Nk
         for b, h, hkv, nq, nk, d in [(1, 2, 1, 150, 133, 64), (1, 1, 1, 70, 200, 128), (1, 2, 2, 33, 20, 40),
-                                     (1, 4, 2, 129, 129, 100), (2, 1, 1, 1, 1, 13)]:
+                                     (1, 4, 2, 129, 129, 100), (2, 1, 1, 1, 1, 13), (1, 1, 1, 77, 291, 24)]:
             for causal in (False, True):
                 q, do = rand(rng, b, h, nq, d), rand(rng, b, h, nq, d)
                 k, v = rand(rng, b, hkv, nk, d), rand(rng, b, hkv, nk, d)
@@ -133,9 +135,10 @@ def main(only):
                                               bf16_bits(do).astype(np.uint16), causal=causal, bf16=True)
         ran.append("tensor_core_backward")
     if want("tf32_backward") and (m := have("tf32_backward")):
-        # ragged tiles, d padded (13, 100; 13 and 30: d % 4 != 0, element-wise copies, scalar atomics), GQA
+        # ragged tiles, d padded (13, 100; 13 and 30: d % 4 != 0, element-wise copies, scalar atomics;
+        # 24: the tile copy by column with chunks past d), GQA
         for b, h, hkv, nq, nk, d in [(1, 2, 1, 150, 133, 64), (1, 1, 1, 70, 200, 128), (1, 2, 2, 33, 20, 30),
-                                     (1, 4, 2, 129, 129, 100), (2, 1, 1, 1, 1, 13)]:
+                                     (1, 4, 2, 129, 129, 100), (2, 1, 1, 1, 1, 13), (1, 1, 1, 77, 291, 24)]:
             for causal in (False, True):
                 q, do, o = rand(rng, b, h, nq, d), rand(rng, b, h, nq, d), rand(rng, b, h, nq, d)
                 k, v = rand(rng, b, hkv, nk, d), rand(rng, b, hkv, nk, d)
