@@ -406,11 +406,8 @@ class _SimAddress:
         return self.array, row, rest // self.array.itemsize
 
 
-def _sim_shared_address(a, row, col):
-    return _SimAddress(a, (int(row) * a.shape[1] + int(col)) * a.itemsize)
-
-
-def _sim_global_address(a, row, col):
+def _sim_address(a, row, col):
+    """shared_address and global_address in the simulator: the array and a byte offset."""
     return _SimAddress(a, int(row) * a.strides[0] + int(col) * a.itemsize)
 
 
@@ -595,17 +592,33 @@ def _gpu_functions():
 
         return result(array, row, col), codegen
 
-    @intrinsic
-    def shared_address(typingctx, array, row, col):
-        if not is_2d(array):
-            raise TypeError(f"shared_address(s, row, col): expected a 2-D shared array, got {array}")
+    def make_address(name, space, bits):
+        """``name(a, row, col)``: the address of a[row, col] in the ``space`` state space (bytes),
+        ``bits`` wide (shared: 32, what ldmatrix and cp.async take; global: 64)."""
+        i64 = ir.IntType(64)
+        if bits == 32:
+            out, result, constraints = i32, types.uint32, "=r,l"
+            body = f"{{ .reg .u64 s; cvta.to.{space}.u64 s, $1; cvt.u32.u64 $0, s; }}"
+        else:
+            out, result, constraints = i64, types.uint64, "=l,l"
+            body = f"cvta.to.{space}.u64 $0, $1;"
 
-        def codegen(context, builder, sig, args):
-            ptr = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], args[2], sig.args[2])
-            body = "{ .reg .u64 s; cvta.to.shared.u64 s, $1; cvt.u32.u64 $0, s; }"
-            return asm(builder, [i32], body, "=r,l", [builder.ptrtoint(ptr, ir.IntType(64))])[0]
+        @intrinsic
+        def address(typingctx, array, row, col):
+            if not is_2d(array):
+                raise TypeError(f"{name}(a, row, col): expected a 2-D {space} array, got {array}")
 
-        return types.uint32(array, row, col), codegen
+            def codegen(context, builder, sig, args):
+                ptr = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], args[2],
+                                      sig.args[2])
+                return asm(builder, [out], body, constraints, [builder.ptrtoint(ptr, i64)])[0]
+
+            return result(array, row, col), codegen
+
+        return address
+
+    shared_address = make_address("shared_address", "shared", 32)
+    global_address = make_address("global_address", "global", 64)
 
     @intrinsic
     def split_tf32_at(typingctx, addr):
@@ -711,18 +724,6 @@ def _gpu_functions():
         return types.void(dst, drow, dcol, src, srow, scol), codegen
 
     @intrinsic
-    def global_address(typingctx, array, row, col):
-        if not is_2d(array):
-            raise TypeError(f"global_address(a, row, col): expected a 2-D global array, got {array}")
-
-        def codegen(context, builder, sig, args):
-            ptr = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], args[2], sig.args[2])
-            return asm(builder, [ir.IntType(64)], "cvta.to.global.u64 $0, $1;", "=l,l",
-                       [builder.ptrtoint(ptr, ir.IntType(64))])[0]
-
-        return types.uint64(array, row, col), codegen
-
-    @intrinsic
     def cp_async_at(typingctx, saddr, gaddr, nbytes):
         if not all(isinstance(x, types.Integer) for x in (saddr, gaddr, nbytes)):
             raise TypeError(f"cp_async_at(saddr, gaddr, nbytes): expected integers, got {saddr}, {gaddr}, {nbytes}")
@@ -794,11 +795,11 @@ def _sim_functions():
         red_add_pair=_sim_red_add_pair,
         ldmatrix=_sim_ldmatrix(False),
         ldmatrix_trans=_sim_ldmatrix(True),
-        shared_address=_sim_shared_address,
+        shared_address=_sim_address,
         ldmatrix_at=_sim_ldmatrix_at(False),
         ldmatrix_trans_at=_sim_ldmatrix_at(True),
         cp_async=_sim_cp_async,
-        global_address=_sim_global_address,
+        global_address=_sim_address,
         cp_async_at=_sim_cp_async_at,
         cp_async_commit=_sim_nothing,
         cp_async_wait_all=_sim_nothing,
