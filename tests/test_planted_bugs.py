@@ -3,7 +3,7 @@
 A tolerance is honest when it catches real bugs and passes the real kernels with margin.
 For each mutant (a dropped rescale, a shifted diagonal, a skipped ragged tile, a wrong L,
 a P rounded to fp16, a P only 4x less accurate than float32's, ...) this runs the
-chapter's own property tests in a child process with the bug planted
+chapter's own property tests in a child process (a fork of a warm one: ``tests/fork_runner.py``) with the bug planted
 (``WORKBOOK_MUTANT=<id>``, see ``tests/conftest.py``) and the ``mutants`` Hypothesis
 profile (the pinned examples, then a fixed set of drawn ones, no shrinking), and asserts
 that they fail with an assertion error: not an import or syntax error of a stale mutant,
@@ -16,16 +16,14 @@ marked ``escapes`` is a known gap of the chapter's tests, expected to escape (st
 
 import os
 import re
-import subprocess
-import sys
-
 import pytest
 
 from kernels.base.runtime import on_simulator
+from fork_runner import ForkRunner
 from mutants import MUTANTS, ROOT, MutantError
 
-# A child runs a few seconds: Python, Numba's simulator and the chapter's tests up to the
-# first failing example. A mutant the tests cannot see runs them all (25 examples each).
+# A child runs a few seconds: the chapter's tests up to the first failing example. A mutant
+# the tests cannot see runs them all (25 examples each). Past this the child is killed.
 TIMEOUT_S = 300
 
 
@@ -41,18 +39,27 @@ def test_each_snippet_occurs_exactly_once(mutant):
     compile(mutant.mutated_source(), str(mutant.path), "exec")    # the mutant itself is valid Python
 
 
-def run_with_mutant(mutant):
+@pytest.fixture(scope="module")
+def fork_runner():
+    """Children forked from one warm process (``tests/fork_runner.py``): each starts with
+    NumPy, Numba, Hypothesis and pytest imported, and imports the kernels itself."""
+    runner = ForkRunner()
+    yield runner
+    runner.close()
+
+
+def run_with_mutant(mutant, runner, log):
     env = dict(os.environ, WORKBOOK_MUTANT=mutant.id, HYPOTHESIS_PROFILE="mutants")
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS", "WORKBOOK_TOLERANCE_LOG"):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-p", "no:cacheprovider",
-           "-p", "no:nbmake", "-p", "no:xdist", "-o", "addopts=", *mutant.tests, "-k", mutant.select]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    return proc.returncode, proc.stdout + proc.stderr
+    args = ["-x", "-q", "--tb=short", "-p", "no:cacheprovider", "-p", "no:nbmake", "-p", "no:xdist",
+            "-W", "ignore::pytest.PytestAssertRewriteWarning", "-o", "addopts=", *mutant.tests, "-k", mutant.select]
+    rc = runner.run(args, env, ROOT, log, TIMEOUT_S)
+    return rc, log.read_text()
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.id)
-def test_mutant_is_caught(mutant, request):
+def test_mutant_is_caught(mutant, request, fork_runner, tmp_path):
     if mutant.gpu_only and on_simulator():
         pytest.skip(f"needs a GPU: {mutant.gpu_only}")
     if not on_simulator() and not mutant.gpu_only and os.environ.get("WORKBOOK_MUTANTS_ON_GPU") != "all":
@@ -64,7 +71,7 @@ def test_mutant_is_caught(mutant, request):
         mutant.mutated_source()
     except MutantError as exc:
         pytest.fail(str(exc))
-    rc, out = run_with_mutant(mutant)
+    rc, out = run_with_mutant(mutant, fork_runner, tmp_path / "pytest.log")
     tail = "\n".join(out.strip().splitlines()[-25:])
     summary = out.strip().splitlines()[-1] if out.strip() else ""
     assert rc != 0, f"planted bug {mutant.id} ({mutant.bug}) was NOT caught by {mutant.select}:\n{tail}"
