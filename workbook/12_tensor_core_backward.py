@@ -514,11 +514,12 @@ if rows:
 # %% [markdown]
 # ### Where the time goes, and what is left
 #
-# At N = 4096 the kernel runs at 0.61x to 0.78x of SDPA flash's backward (FlashAttention-2)
-# and beats SDPA memory-efficient; cuDNN's backward (Hopper's wgmma, not mma.sync) is 2.0x
-# to 2.9x faster than ours. On the H200 plain PyTorch's fp16 backward, bound by memory, is
-# faster than ours at d = 128 without the mask. Nsight Compute on an earlier version of the
-# kernel (`workbook/results/tensor_core_backward_ncu.txt`, H100, d = 64, at 5.0-5.3 ms) says
+# At N = 4096 the kernel runs at 0.71x to 0.84x of SDPA flash's backward (FlashAttention-2)
+# and beats SDPA memory-efficient; cuDNN's backward (Hopper's wgmma, not mma.sync) is 1.8x
+# to 2.5x faster than ours. On the H200 plain PyTorch's fp16 backward, bound by memory, is
+# still a little faster than ours at d = 128 without the mask (ours 0.93x-0.97x of it).
+# Nsight Compute on an earlier version of the kernel
+# (`workbook/results/tensor_core_backward_ncu.txt`, H100, d = 64, at 5.0-5.3 ms) says
 # why:
 #
 # - **Few warps.** dK and dV of a warp's 16 keys stay in its registers for the whole run
@@ -553,7 +554,7 @@ if rows:
 #   that the other buffer and dS are free), old against new on the H200: 3.89 to 3.31 ms at
 #   d = 64, 8.30 to 6.79 ms at d = 128 (causal 2.19 to 1.94 and 4.39 to 3.78), 0.73x-0.88x
 #   of SDPA flash's backward in the same processes (`tensor_core_backward_ab.csv`, run r5).
-#   The table above is the kernel before these steps.
+#   The table and plot above are this kernel.
 # - **The launcher** binds its two launches once a call shape (chapter 7's
 #   `LaunchTemplate`) and passes data pointers: about 0.3 ms of Python a call, hidden
 #   behind the GPU's work; before, Numba's typing of a dozen arguments cost 0.9 ms.
