@@ -19,7 +19,6 @@ snippets replaced.
 """
 
 import os
-import sys
 
 if os.environ.get("WORKBOOK_MUTANT"):
     import mutants  # tests/mutants.py (pytest puts tests/ on sys.path for this conftest)
@@ -37,10 +36,6 @@ else:
     LEARNER = None
 
 from hypothesis import HealthCheck, Phase, settings
-
-# Simulated threads are Python threads; switching between them more often makes
-# simulated barriers several times faster.
-sys.setswitchinterval(1e-4)
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # ci: 5 drawn cases a test, derandomized (the same cases every run), besides each test's

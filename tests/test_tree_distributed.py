@@ -85,7 +85,6 @@ def run_ranks(cases_path, out_dir):
             mutants.install(planted)
     from mpi4py import MPI
 
-    sys.setswitchinterval(1e-4)        # as tests/conftest.py: simulated barriers several times faster
     td = _load_module()
     world = MPI.COMM_WORLD
     rank = world.Get_rank()

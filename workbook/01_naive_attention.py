@@ -55,7 +55,6 @@
 # %%
 import inspect
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -80,8 +79,6 @@ from kernels.naive_attention import (
 from kernels.base.runtime import device_name, on_simulator, time_fn
 from kernels.base.testing import assert_close, attention_cases, case_with, check_exercise
 
-if on_simulator():
-    sys.setswitchinterval(1e-4)  # simulated threads are Python threads: switch often, barriers go faster
 print("running on:", device_name())
 
 # %% tags=["parameters"]

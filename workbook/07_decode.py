@@ -50,7 +50,6 @@
 # %%
 import functools
 import inspect
-import sys
 from dataclasses import dataclass, replace
 
 import matplotlib.pyplot as plt
@@ -80,8 +79,6 @@ from kernels.base.runtime import device_name, on_simulator
 from kernels.base.notebook import show_source
 from kernels.base.testing import assert_close, check_exercise, random_array
 
-if on_simulator():
-    sys.setswitchinterval(1e-4)  # simulated threads are Python threads: switch often, barriers go faster
 print("running on:", device_name())
 
 # %% tags=["parameters"]

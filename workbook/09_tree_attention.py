@@ -63,8 +63,6 @@ from kernels.tree_attention import (make_tree_reduce, prepare_tree_decode, shard
                                     tree_levels, tree_reduce_numpy)
 from kernels.tree_distributed import reduce_allgather, reduce_packed, reduce_tree, ring_bytes, shard_bounds, tree_bytes
 
-if on_simulator():
-    sys.setswitchinterval(1e-4)
 print("running on:", device_name())
 
 # %% [markdown]
