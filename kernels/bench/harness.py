@@ -83,6 +83,8 @@ class Context:
         self.progress(f"  ch{chapter} {kernel:<34} {config}")
         timing = time_fn(fn, input_sets, warmup=self.warmup if warmup is None else warmup,
                          repeat=self.repeat if repeat is None else repeat)
+        # (said as it is measured: a run cut short still leaves its times in the log)
+        self.progress(f"      {timing.median_ms:.4g} ms (p10 {timing.p10_ms:.4g}, p90 {timing.p90_ms:.4g})")
         peak = measure_peak_memory_mb(fn, input_sets[0]) if (peak_memory and not self.simulator) else float("nan")
         seconds = timing.median_ms / 1e3
         tflops = flops / seconds / 1e12 if seconds > 0 else float("nan")
