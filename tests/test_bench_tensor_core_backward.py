@@ -54,3 +54,17 @@ def test_a_configuration_differs_only_in_n_across_the_sweep():
     assert len(set(names)) == 3 and len({_without_n(c) for c in names}) == 1
     assert names[0] == "B=16k/N H=16 N=1024 d=64 fp16 causal=True"
     assert bench.config_name(16, 1, 8, 16, "bf16", False) == "B=16/N H=1 N=8 d=16 bf16 causal=False"
+
+
+def test_the_tile_sweep_checks_each_candidate_and_reports_one_it_cannot_run():
+    from kernels.bench.harness import Context
+
+    lines = []
+    ctx = Context(quick=False, warmup=0, repeat=1, progress=lines.append)
+    results = bench.tile_sweep(ctx, candidates=[(32, 2), (24, 2), (32, 1, 0, 1)])
+    # (24, 2): Br not a multiple of 16, refused by the kernel's factory: said, and skipped
+    assert [r.extra["tiles"] for r in results] == ["32x2", "32x1x0x1"] * 2
+    assert [r.extra["causal"] for r in results] == [False, False, True, True]
+    assert sum("tiles (24, 2) failed: ValueError" in line for line in lines) == 2
+    for r in results:                     # each row's gradients checked against float64 (NumPy here)
+        assert 0 < r.extra["max_error"] < 1e-2 and 0.5 < r.extra["dq_error_vs_rounded"] < 2

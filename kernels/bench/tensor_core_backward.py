@@ -28,6 +28,13 @@ dQ, dK, dV float32 written once), the same for every row: an effective GB/s.
 In the simulator: 16 tokens, H = 1, N = 8 and 16, d = 16, one input set, one timed run a
 row (a simulated launch of the backward takes seconds), the launcher once (N = 16, fp16,
 not causal), no PyTorch; head (0, 0) checked with NumPy (the float64 oracle).
+
+``python -m kernels.bench.tensor_core_backward --tiles``: the tile sweep alone, not part of
+the tour. The bare launch at B = 4, H = 16, N = 4096, fp16, d = 64 and 128, causal and not,
+with each candidate of ``TILE_CANDIDATES`` (Br query rows, W warps = Bc / 16 keys, CP, CC:
+``launch_backward``'s ``tiles``), SDPA flash's backward on the same inputs in the same run;
+each row's head (0, 0) checked as above. Writes ``tensor_core_backward_tiles.csv`` (in the
+simulator: B = H = 1, N = 16, d = 16, two candidates, into ``bench-out/``).
 """
 
 from __future__ import annotations
@@ -292,6 +299,105 @@ def run(ctx) -> list[Result]:
     return results
 
 
+# (Br, W) or (Br, W, CP, CC): the launcher's choice first. Four warps (Bc = 64) let two blocks
+# share an SM (registers and shared memory both fit twice), at twice the dQ adds per key.
+TILE_CANDIDATES = {64: [(128, 8), (128, 4), (64, 8), (64, 4), (128, 8, 0, 1)],
+                   128: [(64, 8), (64, 4), (32, 8), (32, 4), (64, 8, 0, 1)]}
+
+
+def tile_sweep(ctx, dims=(64, 128), candidates=None) -> list[Result]:
+    """The bare launch with each candidate tile configuration (``--tiles``; see the module's
+    docstring), SDPA flash's backward on the same inputs in the same run."""
+    from numba import cuda
+
+    torch = torch_or_none()
+    b, h, n = (1, 1, 16) if ctx.simulator else (4, 16, 4 * K)
+    dims = (16,) if ctx.simulator else dims
+    once = dict(repeat=1, warmup=0) if ctx.simulator else {}
+    results = []
+    for d in dims:
+        tried = candidates or ([tc_backward_tiles(d)[:2], (32, 1)] if ctx.simulator else TILE_CANDIDATES[d])
+        size = b * h * n * d
+        sets = _inputs(size, 1 if ctx.simulator else 2, False)
+        shaped = [tuple(x.reshape(b, h, n, d) for x in s) for s in sets]
+        outs = [cuda.device_array((b * h, n), np.float32) for _ in range(2)] + \
+            [cuda.device_array((b * h, n, d), np.float32) for _ in range(3)]       # D, L2, dQ, dK, dV
+        scale = 1.0 / math.sqrt(d)
+        for causal in (False, True):
+            config = f"B={b} H={h} N={n} d={d} fp16 causal={causal}"
+            flops = 10.0 * b * h * n * n * d / (2 if causal else 1)
+            full = []
+            for q, k, v, do in shaped:
+                o, lse = flash_attention_tc(q, k, v, causal=causal)
+                full.append((q, k, v, o, lse, do))
+            bits = lambda x: x.view(np.uint16).reshape(b * h, n, d)        # noqa: E731
+            bare_sets = [(bits(q), bits(k), bits(v), o.reshape(b * h, n, d), lse.reshape(b * h, n), bits(do))
+                         for q, k, v, o, lse, do in full]
+            for tiles in tried:
+                def bare(q, k, v, o, lse, do, c=causal, t=tuple(tiles)):
+                    launch_backward(q, k, v, o, lse, do, *outs, scale, c, False, tiles=t)
+
+                extra = {"N": n, "B": b, "H": h, "d": d, "causal": causal, "dtype": "fp16",
+                         "tiles": "x".join(map(str, tiles)), "part": "tile sweep"}
+                try:
+                    r = ctx.measure(CHAPTER, f"bare, tiles {tuple(tiles)}", config, bare, bare_sets, flops=flops,
+                                    model_bytes=_model_bytes(b, h, n, d), peak_memory=False, extra=extra, **once,
+                                    note="bare launch_backward; tiles (Br, W[, CP, CC]): Bc = 16 W")
+                except Exception as exc:     # a candidate the device cannot run: report, keep sweeping
+                    ctx.progress(f"  tiles {tuple(tiles)} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                    continue
+                bare(*bare_sets[0])                       # the gradients of set 0
+                results.append(_with_errors(r, check_head(torch, bare_sets[0], outs[2:], causal, False,
+                                                          ctx.progress), "fp16"))
+            if torch is not None:
+                tsets = [tuple(torch.as_tensor(x, device="cuda") for x in s) for s in full]
+                tsets = [(q.view(torch.float16), k.view(torch.float16), v.view(torch.float16), o, lse,
+                          do.view(torch.float16)) for q, k, v, o, lse, do in tsets]
+
+                def measure(kernel, fn, sets_, **kw):
+                    r = ctx.measure(CHAPTER, kernel, config, fn, sets_, flops=flops,
+                                    model_bytes=_model_bytes(b, h, n, d),
+                                    extra={"N": n, "B": b, "H": h, "d": d, "causal": causal, "dtype": "fp16",
+                                           "part": "tile sweep"}, **kw)
+                    results.append(r)
+                    return r
+
+                _torch_peers(ctx, measure, torch, tsets, causal, peers=("SDPA flash",))
+                del tsets
+            del full, bare_sets
+            gc.collect()
+        del sets, shaped, outs
+    return results
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from kernels.base.runtime import on_simulator
+    from kernels.bench import harness
+
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.tensor_core_backward",
+                                     description="chapter 12's tile sweep (the tour runs the rest)")
+    parser.add_argument("--tiles", action="store_true", help="the tile sweep -> tensor_core_backward_tiles.csv")
+    parser.add_argument("--d", type=int, nargs="+", default=[64, 128], help="head dims (default: 64 128)")
+    parser.add_argument("--out", default=None, help="results folder (default: workbook/results on a GPU, "
+                                                    "bench-out in the simulator)")
+    args = parser.parse_args(argv)
+    if not args.tiles:
+        parser.print_help(sys.stderr)
+        return 2
+    ctx = harness.Context(quick=False, warmup=3, repeat=20)
+    out = Path(args.out) if args.out else (Path(__file__).resolve().parents[2] /
+                                           ("bench-out" if on_simulator() else "workbook/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = tile_sweep(ctx, dims=tuple(args.d))
+    harness.write_csv(out / "tensor_core_backward_tiles.csv", results, harness.environment())
+    print(harness.format_table(results, simulator=ctx.simulator))
+    return 0
+
+
 def _chapter_5(ctx, measure, torch, full, causal):
     """Chapter 5's fp32 backward (its launcher) on float32 copies of the same inputs."""
     from numba import cuda
@@ -357,3 +463,9 @@ def _torch_peers(ctx, measure, torch, tsets, causal, peers=PEERS):
             del graphs
             gc.collect()
             torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
