@@ -214,6 +214,28 @@ def _with_errors(r, errors, kind):
     return r
 
 
+def _forward_sets(shaped, causal, bf16):
+    """Each (q, k, v, dO) set (B, H, N, d) with its O and L from chapter 8's forward, as a
+    training step would have them, and the same as the bare launch takes them (B H first,
+    16-bit inputs as uint16 bits): (full, bare)."""
+    full = []
+    for q, k, v, do in shaped:
+        o, lse = flash_attention_tc(q, k, v, causal=causal, bf16=bf16)
+        full.append((q, k, v, o, lse, do))
+    b, h, n, d = shaped[0][0].shape
+    bits = lambda x: x.view(np.uint16).reshape(b * h, n, d)        # noqa: E731
+    bare = [(bits(q), bits(k), bits(v), o.reshape(b * h, n, d), lse.reshape(b * h, n), bits(do))
+            for q, k, v, o, lse, do in full]
+    return full, bare
+
+
+def _torch_sets(torch, full, bf16):
+    """The sets as PyTorch CUDA tensors, the 16-bit ones in their PyTorch type."""
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    tsets = [tuple(torch.as_tensor(x, device="cuda") for x in s) for s in full]
+    return [(q.view(dtype), k.view(dtype), v.view(dtype), o, lse, do.view(dtype)) for q, k, v, o, lse, do in tsets]
+
+
 # --------------------------------------------------------------------------- the run
 
 def run(ctx) -> list[Result]:
@@ -249,14 +271,7 @@ def run(ctx) -> list[Result]:
                         results.append(r)
                         return r
 
-                    # O and L from chapter 8's forward, as a training step would have them
-                    full = []
-                    for q, k, v, do in shaped:
-                        o, lse = flash_attention_tc(q, k, v, causal=causal, bf16=bf16)
-                        full.append((q, k, v, o, lse, do))
-                    bits = lambda x: x.view(np.uint16).reshape(b * h, n, d)        # noqa: E731
-                    bare_sets = [(bits(q), bits(k), bits(v), o.reshape(b * h, n, d), lse.reshape(b * h, n), bits(do))
-                                 for q, k, v, o, lse, do in full]
+                    full, bare_sets = _forward_sets(shaped, causal, bf16)   # O and L from chapter 8's forward
 
                     def bare(q, k, v, o, lse, do, c=causal, out=(delta, l2, dq, dk, dv)):
                         launch_backward(q, k, v, o, lse, do, *out, scale, c, bf16)
@@ -270,9 +285,7 @@ def run(ctx) -> list[Result]:
 
                     if torch is not None:
                         dtype = torch.bfloat16 if bf16 else torch.float16
-                        tsets = [tuple(torch.as_tensor(x, device="cuda") for x in s) for s in full]
-                        tsets = [(q.view(dtype), k.view(dtype), v.view(dtype), o, lse, do.view(dtype))
-                                 for q, k, v, o, lse, do in tsets]
+                        tsets = _torch_sets(torch, full, bf16)
                         measure(LAUNCHER_TORCH,
                                 lambda q, k, v, o, lse, do, c=causal: flash_attention_backward_tc(
                                     q, k, v, o, lse, do, causal=c, bf16=bf16), tsets,
@@ -326,13 +339,7 @@ def tile_sweep(ctx, dims=(64, 128), candidates=None) -> list[Result]:
         for causal in (False, True):
             config = f"B={b} H={h} N={n} d={d} fp16 causal={causal}"
             flops = 10.0 * b * h * n * n * d / (2 if causal else 1)
-            full = []
-            for q, k, v, do in shaped:
-                o, lse = flash_attention_tc(q, k, v, causal=causal)
-                full.append((q, k, v, o, lse, do))
-            bits = lambda x: x.view(np.uint16).reshape(b * h, n, d)        # noqa: E731
-            bare_sets = [(bits(q), bits(k), bits(v), o.reshape(b * h, n, d), lse.reshape(b * h, n), bits(do))
-                         for q, k, v, o, lse, do in full]
+            full, bare_sets = _forward_sets(shaped, causal, False)
             for tiles in tried:
                 def bare(q, k, v, o, lse, do, c=causal, t=tuple(tiles)):
                     launch_backward(q, k, v, o, lse, do, *outs, scale, c, False, tiles=t)
@@ -350,9 +357,7 @@ def tile_sweep(ctx, dims=(64, 128), candidates=None) -> list[Result]:
                 results.append(_with_errors(r, check_head(torch, bare_sets[0], outs[2:], causal, False,
                                                           ctx.progress), "fp16"))
             if torch is not None:
-                tsets = [tuple(torch.as_tensor(x, device="cuda") for x in s) for s in full]
-                tsets = [(q.view(torch.float16), k.view(torch.float16), v.view(torch.float16), o, lse,
-                          do.view(torch.float16)) for q, k, v, o, lse, do in tsets]
+                tsets = _torch_sets(torch, full, False)
 
                 def measure(kernel, fn, sets_, **kw):
                     r = ctx.measure(CHAPTER, kernel, config, fn, sets_, flops=flops,
