@@ -62,16 +62,16 @@ from numba import cuda, float32, int32, uint16, uint32
 from kernels.base.backward_args import check_grouped_args, run_grouped_backward
 from kernels.base.gradient_adds import make_tile_adds
 from kernels.base.fused import FASTMATH, LOG2E, make_row_reductions
-from kernels.base.key_block_walk import pair_at, query_pairs
+from kernels.base.key_block_walk import next_pair, pair_at, query_pairs
 from kernels.base.query_split import add_zero_gradients, query_splits_for
-from kernels.base.tile_copy import make_async_tile_copy
+from kernels.base.tile_copy import make_async_tile_copy, make_async_word_copy
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, LaunchCache, cdiv, check_flag, \
     array_dtype, check_scale, is_bf16_array, launch_stream, on_simulator
 
 __all__ = ["flash_attention_backward_tc", "BackwardLaunches", "launch_backward", "make_backward_tc", "make_delta_tc",
            "rounded_backward_numpy", "tc_backward_tiles", "shared_halves", "ptx_targets"]
 
-# The "logsumexp" (base 2) of a dead row (past Nq, or L = -inf): exp2(S - DEAD) = 0.
+# The "logsumexp" (base 2) of a row that sees no key (L = -inf): exp2(S - DEAD) = 0.
 DEAD = float32(1.0e30)
 
 
@@ -191,6 +191,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
     add_tiles = make_tile_adds(DQT)                         # added into dQ
     stage_keys = make_async_tile_copy(Bc, D, THREADS)       # K_j, V_j: Bc rows
     stage_queries = make_async_tile_copy(Br, D, THREADS)     # Q_i, dO_i: Br rows
+    stage_rows = make_async_word_copy(Br, THREADS)           # L_i, D_i: Br words
 
     @cuda.jit(fastmath=FASTMATH)
     def backward_tc(q, k, v, do, l2, delta, dq, dk, dv, scale, causal, group, aligned):
@@ -249,34 +250,33 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
         first, n_tiles, steps = query_pairs(k0, diag, causal, n_q, Br, group)
         s_first, s_end = block_steps(steps)         # this block's pairs: all, or its split's share
 
+        # Each pair's Q_i, dO_i, L_i and D_i go by cp.async, zeros past n_q: such a query row
+        # adds nothing (Q_i's zero row makes S = 0 and P = 1 there, but dO_i's zero row makes
+        # dP = 0, dS = 0 and P^T dO = 0; dQ is not written past n_q)
+        bh, q0 = int32(0), int32(0)
         if s_end > s_first:                           # the first pair's copies
             bh, q0 = pair_at(s_first, bkv, group, first, n_tiles, Br)
             stage_queries(q[bh], shared_view(smem, 2 * TILE + Bc * SB, (Br, SD)), n_q, q0, d, tid, aligned)
             stage_queries(do[bh], shared_view(smem, 2 * TILE + Bc * SB + QTILE, (Br, SD)), n_q, q0, d, tid,
                           aligned)
-            for r in range(tid, Br, THREADS):
-                row = q0 + r
-                Ls[0, r] = l2[bh, row] if row < n_q else DEAD
-                Ds[0, r] = delta[bh, row] if row < n_q else float32(0.0)
+            stage_rows(l2, bh, Ls, 0, n_q, q0, tid)
+            stage_rows(delta, bh, Ds, 0, n_q, q0, tid)
         cp_async_commit()
         for i in range(s_end - s_first):
             step = s_first + i
             buf = i % 2
-            bh, q0 = pair_at(step, bkv, group, first, n_tiles, Br)
             cp_async_wait_all()                       # this pair's Q_i and dO_i (the one group in flight)
             cuda.syncthreads()                        # have landed for every warp; every warp is done with
-            if step + 1 < s_end:                      # the other buffer and dS. The next pair's copies fly
-                nbh, nq0 = pair_at(step + 1, bkv, group, first, n_tiles, Br)
+            nbh, nq0 = next_pair(bh, q0, first, n_tiles, Br)     # the other buffer and dS. The next
+            if step + 1 < s_end:                      # pair's copies fly during this one
                 nb = 1 - buf
                 stage_queries(q[nbh], shared_view(smem, 2 * TILE + Bc * SB + 2 * nb * QTILE, (Br, SD)), n_q, nq0,
                               d, tid, aligned)
                 stage_queries(do[nbh], shared_view(smem, 2 * TILE + Bc * SB + (2 * nb + 1) * QTILE, (Br, SD)), n_q,
                               nq0, d, tid, aligned)
-                for r in range(tid, Br, THREADS):
-                    row = nq0 + r
-                    Ls[nb, r] = l2[nbh, row] if row < n_q else DEAD
-                    Ds[nb, r] = delta[nbh, row] if row < n_q else float32(0.0)
-            cp_async_commit()                         # during this one
+                stage_rows(l2, nbh, Ls, nb, n_q, nq0, tid)
+                stage_rows(delta, nbh, Ds, nb, n_q, nq0, tid)
+            cp_async_commit()
 
             ubuf = U(buf)                             # unsigned indices: no negative-index wraparound
             ut2 = U(2 * t)
@@ -401,6 +401,7 @@ def make_backward_tc(Br: int, W: int, D: int, bf16: bool = False, dynamic: bool 
                     kk += U(1)
                 add_tiles(dqh, acc, q0 + int32(rg * U(16)), int32(cp0 * U(16)), g, t, scale, n_q, d, aligned)
                 item += U(W)
+            bh, q0 = nbh, nq0
 
         cp_async_wait_all()                           # (the last, empty, group)
 

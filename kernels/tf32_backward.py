@@ -60,7 +60,7 @@ from kernels.base.gradient_adds import add_pair_to_dq
 from kernels.base.fused import FASTMATH, LOG2E
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, \
     launch_stream, on_simulator
-from kernels.base.key_block_walk import pair_at, query_pairs
+from kernels.base.key_block_walk import next_pair, pair_at, query_pairs
 from kernels.base.query_split import add_zero_gradients, query_splits_for
 from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.tile_copy import make_async_tile_copy
@@ -213,6 +213,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
         first, n_tiles, steps = query_pairs(k0, diag, causal, n_q, Br, group)
         s0, s1 = block_steps(steps)                 # this block's pairs: all, or its split's share
 
+        bh, q0 = int32(0), int32(0)
         if s1 > s0:                                   # the first pair's copies
             bh, q0 = pair_at(s0, bkv, group, first, n_tiles, Br)
             stage_pair(q, do, lse, delta, smem, Ls, Ds, 0, bh, q0, n_q, d, tid, aligned)
@@ -220,12 +221,11 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
         for i in range(s1 - s0):
             step = s0 + i
             buf = i % 2
-            bh, q0 = pair_at(step, bkv, group, first, n_tiles, Br)
             cp_async_wait_all()                       # this pair's Q_i and dO_i (and K_j, V_j), the groups
             cuda.syncthreads()                        # in flight, have landed for every warp; every warp is
+            nbh, nq0 = next_pair(bh, q0, first, n_tiles, Br)
             if step + 1 < s1:                         # done with the other buffer and dS. The next pair's
                 nb = 1 - buf
-                nbh, nq0 = pair_at(step + 1, bkv, group, first, n_tiles, Br)
                 stage_pair(q, do, lse, delta, smem, Ls, Ds, nb, nbh, nq0, n_q, d, tid, aligned)
             cp_async_commit()                         # copies fly during this one
 
@@ -314,6 +314,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
                         x1 = acc[u, 2 * h + 1] * scale
                         add_pair_to_dq(dqh, row, col, x0, x1, n_q, d, aligned)
                 item += U(W)
+            bh, q0 = nbh, nq0
 
         cp_async_wait_all()                           # (the last, empty, group)
 

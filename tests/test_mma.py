@@ -315,6 +315,32 @@ def test_cp_async_and_wide_words_copy_rows():
     np.testing.assert_array_equal(out[4:8, 32:].reshape(4, 8, 4), (words >> 16).reshape(4, 8, 4))
 
 
+@cuda.jit
+def _word_copy_kernel(src, out):
+    # cp_async_word_at: word t of a shared row from src[1, 31 - t]; odd lanes copy 0 bytes and
+    # must leave a zero over the sentinel
+    t = cuda.threadIdx.x
+    s = cuda.shared.array((1, 32), np.float32)
+    s[0, t] = 7.0
+    cuda.syncthreads()
+    live = t % 2 == 0
+    g = mma.global_address(src, 1, 31 - t) if live else mma.global_address(src, 0, 0)
+    mma.cp_async_word_at(mma.shared_address(s, 0, t), g, uint32(4 if live else 0))
+    mma.cp_async_commit()
+    mma.cp_async_wait_all()
+    cuda.syncthreads()
+    out[t] = s[0, t]
+
+
+def test_cp_async_word_copies_one_word_or_a_zero():
+    x = np.random.default_rng(6).standard_normal((2, 32)).astype(np.float32)
+    out = np.full(32, np.nan, np.float32)
+    _word_copy_kernel[1, 32](x, out)
+    expected = x[1, ::-1].copy()
+    expected[1::2] = 0.0
+    np.testing.assert_array_equal(out, expected)
+
+
 # --------------------------------------------------------------------------- the PTX
 
 def test_each_function_emits_its_instruction():
@@ -330,6 +356,7 @@ def test_each_function_emits_its_instruction():
         "               (t._pack_kernel, 'void(float32[::1], uint32[:, ::1])'),\n"
         "               (t._ldmatrix_kernel, 'void(float16[:, ::1], uint32[:, ::1], boolean)'),\n"
         "               (t._copy_kernel, 'void(float16[:, ::1], float32[:, ::1])'),\n"
+        "               (t._word_copy_kernel, 'void(float32[:, ::1], float32[::1])'),\n"
         "               (t._split_kernel, 'void(float32[::1], uint32[:, ::1])')]:\n"
         "    ptx += cuda.compile_ptx(f.py_func, sig, cc=(9, 0))[0]\n"
         "print(ptx)\n")

@@ -4,13 +4,18 @@ K/V tiles outer (FlashAttention-2's backward): a block holds the keys k0 .. k0 +
 one KV head and visits, in order, every (query head of its group, query tile) pair that can
 see them: with the causal mask (query i sees key j when j <= i + diag, diag = Nk - Nq) the
 query tiles before ``first`` see none of its keys and are skipped.
+
+A block finds its first pair by division (``pair_at``: a split of the walk starts anywhere)
+and steps to each next one by a comparison (``next_pair``): every warp of the block computes
+the pair right after the barrier that starts a step, all at once, so a division's chain of
+dependent instructions (some twenty, with a reciprocal) there is time no warp can hide.
 """
 
 from __future__ import annotations
 
 from numba import cuda, int32, uint32
 
-__all__ = ["query_pairs", "pair_at"]
+__all__ = ["query_pairs", "pair_at", "next_pair"]
 
 
 @cuda.jit(device=True, inline=True)
@@ -29,3 +34,13 @@ def pair_at(step, bkv, group, first, n_tiles, Br):
     a call to a signed 64-bit division, about a hundred instructions a query tile)."""
     s, n = uint32(step), uint32(n_tiles)
     return int32(bkv * group) + int32(s // n), (int32(first) + int32(s % n)) * int32(Br)
+
+
+@cuda.jit(device=True, inline=True)
+def next_pair(bh, q0, first, n_tiles, Br):
+    """The pair after (bh, q0) in the walk: the next query tile of the head, or, after its
+    last, the next query head's tile ``first``. int32 in, int32 out."""
+    nq0 = int32(q0 + Br)
+    if nq0 >= int32((first + n_tiles) * Br):
+        return int32(bh + 1), int32(first * Br)
+    return int32(bh), nq0

@@ -48,6 +48,7 @@ so any PTX instruction: that is all this module does on the GPU. The device func
     cp_async_at(saddr, gaddr, nbytes)       cp.async of 16 bytes from a global address (from
                                             global_address plus a byte offset) to a shared one:
                                             the first nbytes (0 or 16) copied, the rest zeros
+    cp_async_word_at(saddr, gaddr, nbytes)  the same for one 4-byte word (nbytes 0 or 4)
     cp_async_commit(), cp_async_wait_all(), cp_async_wait_prior()   (all but the last group done)
     cp_async_wait_prior2()                  (all but the last two groups done)
 
@@ -75,7 +76,7 @@ from kernels.base.runtime import on_simulator
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
            "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_at",
-           "load_words", "store_word", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "global_address", "cp_async_at", "cp_async_commit", "cp_async_wait_all",
+           "load_words", "store_word", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "global_address", "cp_async_at", "cp_async_word_at", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
            "half_bits", "bf16_bits", "tf32_bits", "split_ties", "words_to_halves", "make_output_store",
            "OUTPUT_TYPES", "PTX"]
@@ -239,6 +240,7 @@ PTX = {
     "ldmatrix_trans": "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
     "cp_async": "cp.async.cg.shared.global",
     "cp_async_at": "cp.async.cg.shared.global [%r",     # a 32-bit shared address, then the source size
+    "cp_async_word_at": "cp.async.ca.shared.global [%r",  # 4 bytes (.cg takes 16 only)
     "cp_async_commit": "cp.async.commit_group",
     "cp_async_wait_all": "cp.async.wait_all",
     "cp_async_wait_prior": "cp.async.wait_group 1",
@@ -433,6 +435,17 @@ def _sim_cp_async_at(saddr, gaddr, nbytes):
     else:
         src, srow, scol = gaddr.element()
         _sim_cp_async(dst, drow, dcol, src, srow, scol)
+
+
+def _sim_cp_async_word_at(saddr, gaddr, nbytes):
+    dst, drow, dcol = saddr.element()
+    if dst.itemsize != 4:
+        raise TypeError(f"cp_async_word_at: expected a 4-byte shared array, got {dst.dtype}")
+    if int(nbytes) == 0:
+        dst[drow, dcol] = 0
+    else:
+        src, srow, scol = gaddr.element()
+        dst[drow, dcol:dcol + 1] = np.asarray(src[srow, scol:scol + 1]).view(dst.dtype)
 
 
 def _sim_nothing():
@@ -738,6 +751,22 @@ def _gpu_functions():
 
         return types.void(saddr, gaddr, nbytes), codegen
 
+    @intrinsic
+    def cp_async_word_at(typingctx, saddr, gaddr, nbytes):
+        if not all(isinstance(x, types.Integer) for x in (saddr, gaddr, nbytes)):
+            raise TypeError(f"cp_async_word_at(saddr, gaddr, nbytes): expected integers, got {saddr}, {gaddr}, "
+                            f"{nbytes}")
+
+        def codegen(context, builder, sig, args):
+            s = context.cast(builder, args[0], sig.args[0], types.uint32)
+            g = context.cast(builder, args[1], sig.args[1], types.uint64)
+            n = context.cast(builder, args[2], sig.args[2], types.uint32)
+            asm(builder, [], "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r,~{memory}", [s, g, n],
+                side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(saddr, gaddr, nbytes), codegen
+
     def make_fence(text):
         @intrinsic
         def fence(typingctx):
@@ -771,6 +800,7 @@ def _gpu_functions():
         cp_async=cp_async,
         global_address=global_address,
         cp_async_at=cp_async_at,
+        cp_async_word_at=cp_async_word_at,
         cp_async_commit=make_fence("cp.async.commit_group;"),
         cp_async_wait_all=make_fence("cp.async.wait_all;"),
         cp_async_wait_prior=make_fence("cp.async.wait_group 1;"),
@@ -801,6 +831,7 @@ def _sim_functions():
         cp_async=_sim_cp_async,
         global_address=_sim_address,
         cp_async_at=_sim_cp_async_at,
+        cp_async_word_at=_sim_cp_async_word_at,
         cp_async_commit=_sim_nothing,
         cp_async_wait_all=_sim_nothing,
         cp_async_wait_prior=_sim_nothing,
@@ -830,6 +861,7 @@ ldmatrix_trans_at = _functions["ldmatrix_trans_at"]
 cp_async = _functions["cp_async"]
 global_address = _functions["global_address"]
 cp_async_at = _functions["cp_async_at"]
+cp_async_word_at = _functions["cp_async_word_at"]
 cp_async_commit = _functions["cp_async_commit"]
 cp_async_wait_all = _functions["cp_async_wait_all"]
 cp_async_wait_prior = _functions["cp_async_wait_prior"]

@@ -13,6 +13,9 @@ to D add nothing to the products. Two ways:
 - otherwise, chunk by chunk in turn: a chunk wholly inside the array by ``cp_async``, one
   that crosses the last row or d element by element.
 
+A row of 4-byte words (a query tile's L and D in chapter 12's backward) goes by
+``make_async_word_copy``: one cp.async of 4 bytes a word, zeros past the last element.
+
 (Chapter 11's forward copies 32-bit words with its own loop: this factory's form, with the
 chunk count as an expression of D rather than a constant, compiles its kernel to different
 code, which was not measured.)
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from numba import cuda, uint16, uint32, uint64
 
-__all__ = ["make_async_tile_copy"]
+__all__ = ["make_async_tile_copy", "make_async_word_copy"]
 
 
 def make_async_tile_copy(ROWS: int, D: int, THREADS: int, itemsize: int = 2, dtype=None):
@@ -80,3 +83,22 @@ def make_async_tile_copy(ROWS: int, D: int, THREADS: int, itemsize: int = 2, dty
                         dst[r, c + e] = x
 
     return stage_in
+
+
+def make_async_word_copy(ROWS: int, THREADS: int):
+    """Device function ``stage_words(src, i, dst, j, n, r0, tid)``: src[i, r0 + r] -> dst[j, r]
+    for r < ROWS, 4-byte words (float32), one cp.async each by the block's first ROWS threads
+    (of THREADS), a zero where r0 + r >= n. Like the tiles, the words land after the kernel's
+    commit and wait: a thread that loads them itself waits for global memory right there
+    (chapter 12's backward measured that wait, and the barrier the other warps then wait at)."""
+    from kernels.base.mma import cp_async_word_at, global_address, shared_address
+
+    @cuda.jit(device=True, inline=True)
+    def stage_words(src, i, dst, j, n, r0, tid):
+        g0 = global_address(src, i, 0)                # a valid address for the words that copy 0 bytes
+        for r in range(tid, ROWS, THREADS):
+            live = r0 + r < n
+            cp_async_word_at(shared_address(dst, j, r), global_address(src, i, r0 + r) if live else g0,
+                             uint32(4 if live else 0))
+
+    return stage_words
