@@ -514,10 +514,10 @@ if rows:
 # %% [markdown]
 # ### Where the time goes, and what is left
 #
-# At N = 4096 the kernel runs at 0.71x to 0.84x of SDPA flash's backward (FlashAttention-2)
-# and beats SDPA memory-efficient; cuDNN's backward (Hopper's wgmma, not mma.sync) is 1.8x
-# to 2.5x faster than ours. On the H200 plain PyTorch's fp16 backward, bound by memory, is
-# still a little faster than ours at d = 128 without the mask (ours 0.93x-0.97x of it).
+# At N = 4096 the kernel runs at 0.74x to 0.99x of SDPA flash's backward (FlashAttention-2)
+# and beats SDPA memory-efficient; cuDNN's backward (Hopper's wgmma, not mma.sync) is 1.5x
+# to 2.4x faster than ours. On the H200 plain PyTorch's fp16 backward, bound by memory, is
+# level with ours at d = 128 without the mask (its time over ours: 0.99 to 1.04).
 # Nsight Compute on an earlier version of the kernel
 # (`workbook/results/tensor_core_backward_ncu.txt`, H100, d = 64, at 5.0-5.3 ms) says
 # why:
@@ -554,15 +554,28 @@ if rows:
 #   that the other buffer and dS are free), old against new on the H200: 3.89 to 3.31 ms at
 #   d = 64, 8.30 to 6.79 ms at d = 128 (causal 2.19 to 1.94 and 4.39 to 3.78), 0.73x-0.88x
 #   of SDPA flash's backward in the same processes (`tensor_core_backward_ab.csv`, run r5).
-#   The table and plot above are this kernel.
+# - **Waiting at the start of a step.** Nsight Compute's source counters say where each
+#   warp waits, instruction by instruction
+#   (`workbook/results/tensor_core_backward_ncu_h200.txt`, d = 128, H200): the query loop
+#   held 80% of the products and 48% of the stall samples, dQ's loop 20% and 23%, and the
+#   rest of a step, with no products at all, 25%. There, 6.6% were warps waiting at a
+#   barrier: the first two warps loaded the tile's L and D from global memory, waited for
+#   them, and reached the barrier after dS^T late; and 5.4% were the walk's two 32-bit
+#   divisions a pair, which all eight warps compute at once right after the step's barrier,
+#   so no warp has other work to hide their chain. Now L and D go by `cp.async` with Q_i
+#   and dO_i (`make_async_word_copy`: 4 bytes each, zeros past Nq) and the next pair is the
+#   current one plus a comparison (`next_pair`): 3.31 to 3.22 ms at d = 64, 6.88 to 6.57 at
+#   d = 128 (run r6). The table and plot above are this kernel.
 # - **The launcher** binds its two launches once a call shape (chapter 7's
 #   `LaunchTemplate`) and passes data pointers: about 0.3 ms of Python a call, hidden
 #   behind the GPU's work; before, Numba's typing of a dozen arguments cost 0.9 ms.
 #
-# What would help next: fewer registers for more warps (dK or dV through shared memory, so
-# that two blocks share an SM and one's barriers hide behind the other's products); and,
-# beyond `mma.sync`, Hopper's `wgmma` with the operands in shared memory, as cuDNN and
-# FlashAttention-3 do.
+# What would help next: the query loop itself (3.8 instructions an mma, its stalls the
+# products' own latency and the `ldmatrix` results'), and, beyond `mma.sync`, Hopper's
+# `wgmma` with the operands in shared memory, as cuDNN and FlashAttention-3 do. More warps
+# by smaller blocks did not help: two blocks of 4 warps an SM measured 4-14% slower than
+# one of 8 (`python -m kernels.bench.tensor_core_backward --tiles`,
+# `workbook/results/TUNING.md`).
 
 # %% [markdown]
 # You can read the compiled code yourself, with no GPU: `kernels.base.sass` compiles a
