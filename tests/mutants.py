@@ -487,6 +487,16 @@ MUTANTS += [
            (("uint32(16 if live else 0))", "uint32(16))   # PLANTED: chunks past rows or d copy row 0, not zeros"),),
            TCOPY, CHCOPY, "the tile copy by column: a chunk past d (or past the rows) copies 16 bytes of row 0 "
                       "instead of filling zeros"),
+    Mutant("tcb-walk-next-head-from-tile-0", 12, "kernels.base.key_block_walk",   # the walk chapters 11, 12 share
+           (("return int32(bh + 1), int32(first * Br)",
+             "return int32(bh + 1), int32(0)   # PLANTED: the next head's walk from tile 0"),),
+           ("tests/test_key_block_walk.py",), "test_the_walk_visits_the_pairs_in_order",
+           "causal GQA: after a query head's last tile, the next head's walk starts at tile 0, not at the first "
+           "tile that sees the keys"),
+    Mutant("tcb-words-one-past-n", 12, "kernels.base.tile_copy",
+           (("live = r0 + r < n\n", "live = r0 + r <= n   # PLANTED: one word past the row's end\n"),),
+           TCOPY, "test_the_word_copy_holds_the_row_and_zeros_past_n",
+           "the word copy (L and D of a query tile): the word just past n is copied instead of a zero"),
     Mutant("tcb-copy-rows-not-stepped", 12, "kernels.base.tile_copy",
            (("ga + uint64(k) * gstep if live", "ga if live   # PLANTED: every chunk of a thread reads its first row\n"
              "                               "),),

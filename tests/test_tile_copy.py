@@ -5,7 +5,8 @@ D (a row padded by 8 words, as the kernels pad theirs) filled first with a senti
 writes the tile out. Wherever the row lies below ``rows`` and the column below d the tile
 must hold the array's bits; past them, up to D, zeros; the padding keeps the sentinel.
 Both ways are drawn: by column (THREADS a multiple of a row's 16-byte chunks, the tile's
-chunks a multiple of THREADS, aligned) and chunk by chunk.
+chunks a multiple of THREADS, aligned) and chunk by chunk. The word copy (a query tile's L
+and D in chapter 12) likewise: row i's words r0 .. r0 + ROWS - 1, zeros past n.
 """
 
 import functools
@@ -16,7 +17,7 @@ from numba import cuda, float32, uint16
 
 from kernels.base import mma
 from kernels.base.runtime import cdiv, on_simulator
-from kernels.base.tile_copy import make_async_tile_copy
+from kernels.base.tile_copy import make_async_tile_copy, make_async_word_copy
 
 SIM = on_simulator()
 PAD = 8
@@ -101,3 +102,43 @@ def test_both_ways_are_pinned():
     """The pinned cases above take both ways of the copy (so neither goes untested)."""
     assert _by_column(32, 32, 64, 2) and _by_column(16, 64, 32, 2)
     assert not _by_column(16, 24, 32, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _word_kernel(ROWS, THREADS):
+    stage = make_async_word_copy(ROWS, THREADS)
+
+    @cuda.jit
+    def copy(src, i, out, n, r0):
+        tid = cuda.threadIdx.x
+        row = cuda.shared.array((2, ROWS), float32)
+        for r in range(tid, ROWS, THREADS):
+            row[0, r] = SENTINEL
+            row[1, r] = SENTINEL
+        cuda.syncthreads()
+        stage(src, i, row, 1, n, r0, tid)
+        mma.cp_async_commit()
+        mma.cp_async_wait_all()
+        cuda.syncthreads()
+        for r in range(tid, ROWS, THREADS):
+            out[0, r] = row[0, r]
+            out[1, r] = row[1, r]
+
+    return copy
+
+
+@given(ROWS=st.sampled_from([16, 64, 128]), THREADS=st.sampled_from([32, 64, 256]),
+       n=st.integers(1, 300), tile=st.integers(0, 4), seed=st.integers(0, 2**16))
+@settings(max_examples=6 if SIM else 60)
+@example(ROWS=64, THREADS=256, n=70, tile=1, seed=0)           # 6 words live, 58 zeros
+def test_the_word_copy_holds_the_row_and_zeros_past_n(ROWS, THREADS, n, tile, seed):
+    r0 = ROWS * min(tile, (n - 1) // ROWS)                      # a tile that starts inside the row
+    src = np.random.default_rng(seed).standard_normal((3, n)).astype(np.float32)
+    src[2, :] = np.nan                                            # the row after must not leak in
+    out = np.zeros((2, ROWS), np.float32)
+    _word_kernel(ROWS, THREADS)[1, THREADS](src, 1, out, n, r0)
+    expected = np.zeros(ROWS, np.float32)
+    live = min(ROWS, n - r0)
+    expected[:live] = src[1, r0:r0 + live]
+    np.testing.assert_array_equal(out[0], np.full(ROWS, SENTINEL, np.float32))    # the other buffer untouched
+    np.testing.assert_array_equal(out[1].view(np.uint32), expected.view(np.uint32))
