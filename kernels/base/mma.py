@@ -736,36 +736,27 @@ def _gpu_functions():
 
         return types.void(dst, drow, dcol, src, srow, scol), codegen
 
-    @intrinsic
-    def cp_async_at(typingctx, saddr, gaddr, nbytes):
-        if not all(isinstance(x, types.Integer) for x in (saddr, gaddr, nbytes)):
-            raise TypeError(f"cp_async_at(saddr, gaddr, nbytes): expected integers, got {saddr}, {gaddr}, {nbytes}")
+    def make_cp_async_at(name, text):
+        """``name(saddr, gaddr, nbytes)``: cp.async by addresses, ``text`` the instruction up to
+        its source size (cp.async.cg copies 16 bytes only, .ca also 4 and 8)."""
+        @intrinsic
+        def copy_at(typingctx, saddr, gaddr, nbytes):
+            if not all(isinstance(x, types.Integer) for x in (saddr, gaddr, nbytes)):
+                raise TypeError(f"{name}(saddr, gaddr, nbytes): expected integers, got {saddr}, {gaddr}, {nbytes}")
 
-        def codegen(context, builder, sig, args):
-            s = context.cast(builder, args[0], sig.args[0], types.uint32)
-            g = context.cast(builder, args[1], sig.args[1], types.uint64)
-            n = context.cast(builder, args[2], sig.args[2], types.uint32)
-            asm(builder, [], "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", [s, g, n],
-                side_effect=True)
-            return context.get_dummy_value()
+            def codegen(context, builder, sig, args):
+                s = context.cast(builder, args[0], sig.args[0], types.uint32)
+                g = context.cast(builder, args[1], sig.args[1], types.uint64)
+                n = context.cast(builder, args[2], sig.args[2], types.uint32)
+                asm(builder, [], text + ", $2;", "r,l,r,~{memory}", [s, g, n], side_effect=True)
+                return context.get_dummy_value()
 
-        return types.void(saddr, gaddr, nbytes), codegen
+            return types.void(saddr, gaddr, nbytes), codegen
 
-    @intrinsic
-    def cp_async_word_at(typingctx, saddr, gaddr, nbytes):
-        if not all(isinstance(x, types.Integer) for x in (saddr, gaddr, nbytes)):
-            raise TypeError(f"cp_async_word_at(saddr, gaddr, nbytes): expected integers, got {saddr}, {gaddr}, "
-                            f"{nbytes}")
+        return copy_at
 
-        def codegen(context, builder, sig, args):
-            s = context.cast(builder, args[0], sig.args[0], types.uint32)
-            g = context.cast(builder, args[1], sig.args[1], types.uint64)
-            n = context.cast(builder, args[2], sig.args[2], types.uint32)
-            asm(builder, [], "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r,~{memory}", [s, g, n],
-                side_effect=True)
-            return context.get_dummy_value()
-
-        return types.void(saddr, gaddr, nbytes), codegen
+    cp_async_at = make_cp_async_at("cp_async_at", "cp.async.cg.shared.global [$0], [$1], 16")
+    cp_async_word_at = make_cp_async_at("cp_async_word_at", "cp.async.ca.shared.global [$0], [$1], 4")
 
     def make_fence(text):
         @intrinsic
