@@ -555,8 +555,9 @@ if rows:
 #   d = 64, 8.30 to 6.79 ms at d = 128 (causal 2.19 to 1.94 and 4.39 to 3.78), 0.73x-0.88x
 #   of SDPA flash's backward in the same processes (`tensor_core_backward_ab.csv`, run r5).
 # - **Waiting at the start of a step.** Nsight Compute's source counters say where each
-#   warp waits, instruction by instruction
-#   (`workbook/results/tensor_core_backward_ncu_h200.txt`, d = 128, H200): the query loop
+#   warp waits, instruction by instruction; `python -m kernels.bench.ncu_source` sums them
+#   by the kernel's loops (`workbook/results/tensor_core_backward_ncu_h200.txt`, d = 128,
+#   H200, and the cell below): the query loop
 #   held 80% of the products and 48% of the stall samples, dQ's loop 20% and 23%, and the
 #   rest of a step, with no products at all, 25%. There, 6.6% were warps waiting at a
 #   barrier: the first two warps loaded the tile's L and D from global memory, waited for
@@ -576,6 +577,23 @@ if rows:
 # by smaller blocks did not help: two blocks of 4 warps an SM measured 4-14% slower than
 # one of 8 (`python -m kernels.bench.tensor_core_backward --tiles`,
 # `workbook/results/TUNING.md`).
+
+# %% [markdown]
+# The profile itself, summed by loop from the page Nsight Compute recorded (no GPU needed to
+# read it): each loop's share of the instructions, the mmas and the stall samples, and the
+# instructions the warps were most often found waiting at. `short_sb` waits for a shared-memory
+# result (`ldmatrix`), `wait` for an arithmetic one, `barrier` at a `syncthreads`, `long_sb` for
+# global memory. At the top, 0x0c360: the first product of each k-step, waiting for its
+# `ldmatrix`es (the k-step loop, 0x0c230, stayed a loop at d = 128).
+
+# %%
+from pathlib import Path
+
+from kernels.bench import ncu_source
+
+recorded = Path(ncu_source.__file__).resolve().parents[2] / "tests" / "ncu_recorded" / \
+    "source_backward_tc_d128_h200.csv.gz"
+print(ncu_source.summarize(ncu_source.read_source_csv(recorded), top=6))
 
 # %% [markdown]
 # You can read the compiled code yourself, with no GPU: `kernels.base.sass` compiles a
