@@ -68,3 +68,12 @@ def test_the_tile_sweep_checks_each_candidate_and_reports_one_it_cannot_run():
     assert sum("tiles (24, 2) failed: ValueError" in line for line in lines) == 2
     for r in results:                     # each row's gradients checked against float64 (NumPy here)
         assert 0 < r.extra["max_error"] < 1e-2 and 0.5 < r.extra["dq_error_vs_rounded"] < 2
+
+
+def test_once_runs_the_profilers_call(capsys):
+    """``--once D``: the call a profiler watches (chapter 8's forward, the backward twice); in
+    the simulator at B = H = 1, N = 16. A bad D is the launcher's clear error."""
+    assert bench.main(["--once", "16", "--causal"]) == 0
+    assert "backward twice, B=1 H=1 N=16 d=16 fp16 causal=True" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="head dim d in 1..128, got 0"):
+        bench.main(["--once", "0"])
