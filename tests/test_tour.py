@@ -102,6 +102,16 @@ def test_tour_finds_the_real_chapters():
     assert "gpu_basics" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_every_bench_module_is_a_chapter_or_a_named_helper():
+    """A helper module added to kernels/bench/ without a place in NOT_CHAPTERS fails the tour
+    (it lists it as a broken chapter and exits 1): say so here, before the tour does."""
+    from kernels.bench.tour import discover
+
+    found, broken = discover()
+    assert broken == [], broken
+    assert len(found) >= 14
+
+
 def test_chapter_0_bench_runs_in_the_simulator(tmp_path):
     env = dict(os.environ, WORKBOOK_DEVICE="sim", MPLBACKEND="Agg")
     proc = subprocess.run([sys.executable, "-m", "kernels", "--chapters", "0", "--quick", "--out", str(tmp_path)],
