@@ -39,29 +39,22 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernels.base.sass import TENSOR_CORE, Instruction
+
 __all__ = ["SourceRow", "read_source_csv", "find_loops", "summarize", "main"]
 
-TENSOR_CORE = ("HMMA", "HGMMA", "IMMA", "DMMA")
 EXECUTED = "Instructions Executed"
 SAMPLES = "Warp Stall Sampling (All Samples)"
 _BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+(0x[0-9a-fA-F]+)")
 
 
 @dataclass
-class SourceRow:
-    address: int           # as ncu prints it (absolute)
-    offset: int            # bytes from the kernel's first instruction
-    text: str              # the SASS, predicate included
-    executed: int          # warp-level executions
-    samples: int           # stall samples at this instruction (all reasons)
+class SourceRow(Instruction):
+    """An instruction (``kernels.base.sass``: offset, text, opcode) with what ncu counted there."""
+    address: int = 0       # as ncu prints it (absolute)
+    executed: int = 0      # warp-level executions
+    samples: int = 0       # stall samples at this instruction (all reasons)
     stalls: dict = field(default_factory=dict)   # reason -> samples
-
-    @property
-    def opcode(self) -> str:
-        words = self.text.split()
-        if words and words[0].startswith("@"):
-            words = words[1:]
-        return words[0].split(".")[0] if words else ""
 
 
 def read_source_csv(path) -> list[SourceRow]:
@@ -84,7 +77,7 @@ def read_source_csv(path) -> list[SourceRow]:
     for r in reader:
         address = int(r["Address"], 16)
         stalls = {c[len("stall_"):]: _int(r[c]) for c in reasons if _int(r[c])}
-        rows.append(SourceRow(address, address - (rows[0].address if rows else address), r["Source"].strip(),
+        rows.append(SourceRow(address - (rows[0].address if rows else address), r["Source"].strip(), address,
                               _int(r[EXECUTED]), _int(r[SAMPLES]), stalls))
     if not rows:
         raise ValueError(f"{path}: no instructions")
