@@ -71,9 +71,9 @@ def test_the_tile_sweep_checks_each_candidate_and_reports_one_it_cannot_run():
 
 
 def test_once_runs_the_profilers_call(capsys):
-    """``--once D``: the call a profiler watches (chapter 8's forward, the backward twice); in
+    """``--once D``: the call a profiler watches (chapter 8's forward, the backward once); in
     the simulator at B = H = 1, N = 16. A bad D is the launcher's clear error."""
     assert bench.main(["--once", "16", "--causal"]) == 0
-    assert "backward twice, B=1 H=1 N=16 d=16 fp16 causal=True" in capsys.readouterr().out
+    assert "backward, B=1 H=1 N=16 d=16 fp16 causal=True" in capsys.readouterr().out
     with pytest.raises(ValueError, match="head dim d in 1..128, got 0"):
         bench.main(["--once", "0"])

@@ -37,7 +37,7 @@ each row's head (0, 0) checked as above. Writes ``tensor_core_backward_tiles.csv
 simulator: B = H = 1, N = 16, d = 16, two candidates, into ``bench-out/``).
 
 ``python -m kernels.bench.tensor_core_backward --once D [--causal]``: one call shape for a
-profiler (chapter 8's forward, then the launcher's backward twice at B = 4, H = 16,
+profiler (chapter 8's forward, then the launcher's backward once at B = 4, H = 16,
 N = 4096, fp16, head dim D), the target of ``.ci/gpu-check sources``
 (``kernels.bench.ncu_source``).
 """
@@ -389,10 +389,11 @@ def main(argv=None) -> int:
     from kernels.bench import harness
 
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.tensor_core_backward",
-                                     description="chapter 12's tile sweep (the tour runs the rest)")
+                                     description="chapter 12's tile sweep, or one call for a profiler "
+                                                 "(the tour runs the rest)")
     parser.add_argument("--tiles", action="store_true", help="the tile sweep -> tensor_core_backward_tiles.csv")
     parser.add_argument("--once", type=int, metavar="D", default=None,
-                        help="chapter 8's forward, then the backward twice, at B=4 H=16 N=4096 fp16 and head dim D "
+                        help="chapter 8's forward, then the backward once, at B=4 H=16 N=4096 fp16 and head dim D "
                              "(B=H=1, N=16 in the simulator): a target for a profiler (kernels.bench.ncu_source)")
     parser.add_argument("--causal", action="store_true", help="with --once: the causal mask")
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128], help="head dims (default: 64 128)")
@@ -417,8 +418,9 @@ def main(argv=None) -> int:
 
 def once(d: int, causal: bool = False) -> None:
     """One call shape for a profiler: chapter 8's forward for O and L, then the public
-    launcher's backward twice (the second is the one to profile when the first compiles), on
-    device arrays, at the bench's reference size (tiny in the simulator)."""
+    launcher's backward once (its first launch of the dK/dV/dQ kernel is the one ``gpu-check
+    sources`` profiles; compiling happens on the host, before it), on device arrays, at the
+    bench's reference size (tiny in the simulator)."""
     from numba import cuda
 
     from kernels.base.runtime import on_simulator
@@ -426,10 +428,9 @@ def once(d: int, causal: bool = False) -> None:
     b, h, n = (1, 1, 16) if on_simulator() else (4, 16, 4 * K)
     q, k, v, do = (x.reshape(b, h, n, d) for x in _inputs(b * h * n * d, 1, False)[0])
     o, lse = flash_attention_tc(q, k, v, causal=causal)
-    for _ in range(2):
-        flash_attention_backward_tc(q, k, v, o, lse, do, causal=causal)
+    flash_attention_backward_tc(q, k, v, o, lse, do, causal=causal)
     cuda.synchronize()
-    print(f"ran: chapter 12's backward twice, B={b} H={h} N={n} d={d} fp16 causal={causal}")
+    print(f"ran: chapter 12's backward, B={b} H={h} N={n} d={d} fp16 causal={causal}")
 
 
 def _chapter_5(ctx, measure, torch, full, causal):
