@@ -514,10 +514,10 @@ if rows:
 # %% [markdown]
 # ### Where the time goes, and what is left
 #
-# At N = 4096 the kernel runs at 0.74x to 0.99x of SDPA flash's backward (FlashAttention-2)
+# At N = 4096 the kernel runs at 0.77x to 0.93x of SDPA flash's backward (FlashAttention-2)
 # and beats SDPA memory-efficient; cuDNN's backward (Hopper's wgmma, not mma.sync) is 1.5x
 # to 2.4x faster than ours. On the H200 plain PyTorch's fp16 backward, bound by memory, is
-# level with ours at d = 128 without the mask (its time over ours: 0.99 to 1.04).
+# level with ours at d = 128 without the mask (its time over ours: 0.94 to 1.08).
 # Nsight Compute on an earlier version of the kernel
 # (`workbook/results/tensor_core_backward_ncu.txt`, H100, d = 64, at 5.0-5.3 ms) says
 # why:
@@ -566,7 +566,14 @@ if rows:
 #   so no warp has other work to hide their chain. Now L and D go by `cp.async` with Q_i
 #   and dO_i (`make_async_word_copy`: 4 bytes each, zeros past Nq) and the next pair is the
 #   current one plus a comparison (`next_pair`): 3.31 to 3.22 ms at d = 64, 6.88 to 6.57 at
-#   d = 128 (run r6). The table and plot above are this kernel.
+#   d = 128 (run r6).
+# - **A loop the compiler kept.** The profile's top instruction (below, 0x0c360) was the
+#   first product of each k-step of S^T and dP^T, waiting for that k-step's `ldmatrix`: at
+#   D = 128 the compiler left the `range()` loop rolled, so no load could run ahead of the
+#   products before it. Written as a `while` loop on an unsigned counter it is unrolled
+#   whole (250 registers, no spills): 1-5% at d = 128 in the mean of three runs each (runs
+#   r7, r8), about the size of the noise between one process and the next. The table and
+#   plot above are this kernel.
 # - **The launcher** binds its two launches once a call shape (chapter 7's
 #   `LaunchTemplate`) and passes data pointers: about 0.3 ms of Python a call, hidden
 #   behind the GPU's work; before, Numba's typing of a dozen arguments cost 0.9 ms.
@@ -584,7 +591,8 @@ if rows:
 # instructions the warps were most often found waiting at. `short_sb` waits for a shared-memory
 # result (`ldmatrix`), `wait` for an arithmetic one, `barrier` at a `syncthreads`, `long_sb` for
 # global memory. At the top, 0x0c360: the first product of each k-step, waiting for its
-# `ldmatrix`es (the k-step loop, 0x0c230, stayed a loop at d = 128).
+# `ldmatrix`es (the k-step loop, 0x0c230, was still a loop at d = 128 when this page was
+# recorded; it is unrolled now).
 
 # %%
 from pathlib import Path
