@@ -49,8 +49,8 @@ import numpy as np
 
 from kernels.base.fused import MAX_GRID_Y
 from kernels.base.masks import BlockMask
-from kernels.base.runtime import ArrayKind, check_scale, current_context, has_tf32_tensor_cores, on_simulator, \
-    on_stream
+from kernels.base.runtime import ArrayKind, check_flag, check_scale, current_context, has_tf32_tensor_cores, \
+    on_simulator, on_stream
 
 try:
     import torch
@@ -278,12 +278,13 @@ class FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal=False, scale=None, block_mask=None):
         _check_inputs(q, k, v)
         _check_block_mask(block_mask)
+        causal = check_flag(causal, "causal")     # (bool("no") is True: a flag is a bool or nothing)
         scale = check_scale(scale, q.shape[3])
         q, k, v = (x.detach().contiguous() for x in (q, k, v))    # a model's strided views: copied once, here
         with _launching(q):
-            o, lse = _forward(q, k, v, bool(causal), scale, block_mask)
+            o, lse = _forward(q, k, v, causal, scale, block_mask)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.options = (bool(causal), scale, block_mask)
+        ctx.options = (causal, scale, block_mask)
         return o
 
     @staticmethod
@@ -321,6 +322,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          "(a kernels.base.masks.BlockMask)")
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: expected 0.0 (no dropout), got {dropout_p!r}")
+    is_causal, enable_gqa = check_flag(is_causal, "is_causal"), check_flag(enable_gqa, "enable_gqa")
     three_d = isinstance(query, torch.Tensor) and query.dim() == 3
     if three_d:
         query, key, value = (x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in (query, key, value))
@@ -331,7 +333,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if is_causal and query.shape[2] != key.shape[2]:
         raise ValueError(f"is_causal: with Nq = {query.shape[2]} != Nk = {key.shape[2]} PyTorch aligns the mask "
                          "top-left and the kernels bottom-right; use attention(..., causal=True) for bottom-right")
-    out = FlashAttention.apply(query, key, value, bool(is_causal), scale, block_mask)
+    out = FlashAttention.apply(query, key, value, is_causal, scale, block_mask)
     return out.squeeze(0) if three_d else out
 
 

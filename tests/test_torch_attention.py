@@ -241,12 +241,24 @@ def _t(*shape, dtype=torch.float32):
     (dict(block_mask=np.ones((1, 1), bool)), TypeError, "block_mask"),
     (dict(query=_t(2, 32768, 0, 8), key=_t(2, 32768, 4, 8), value=_t(2, 32768, 4, 8)), ValueError, "query.*B\\*H"),
     (dict(scale=-1.0), ValueError, "scale"),
+    (dict(is_causal="no"), TypeError, "is_causal"),          # bool("no") is True: refused, not read as a mask
+    (dict(is_causal=None), TypeError, "is_causal"),
+    (dict(enable_gqa=1), TypeError, "enable_gqa"),
 ])
 def test_bad_input_is_named(kwargs, error, words):
     args = dict(query=_t(1, 2, 4, 8), key=_t(1, 2, 4, 8), value=_t(1, 2, 4, 8))
     args.update(kwargs)
     with pytest.raises(error, match=words):
         scaled_dot_product_attention(**args)
+
+
+@pytest.mark.parametrize("causal", ["no", None, 1, 0.0])
+def test_attention_refuses_a_causal_that_is_not_a_flag(causal):
+    """``causal`` is True or False (NumPy's bool too): anything else is refused by name before any launch,
+    where ``bool()`` would have turned "no" into a causal mask and None into none."""
+    with pytest.raises(TypeError, match="^causal: expected True or False"):
+        attention(_t(1, 1, 4, 8), _t(1, 1, 4, 8), _t(1, 1, 4, 8), causal=causal)
+    assert attention(_t(1, 1, 4, 8), _t(1, 1, 4, 8), _t(1, 1, 4, 8), causal=np.bool_(True)).shape == (1, 1, 4, 8)
 
 
 # --------------------------------------------------------------------------- a GPU: SDPA, streams, allocator
