@@ -544,7 +544,7 @@ MUTANTS += [
            T13, CH13, "grouped-query attention: a KV head's gradient averaged over its group of query heads, "
                       "not summed"),
     Mutant("ta-backward-not-causal", 13, TA,
-           (("ctx.options = (bool(causal), scale, block_mask)", "ctx.options = (False, scale, block_mask)   # PLANTED"),),
+           (("ctx.options = (causal, scale, block_mask)", "ctx.options = (False, scale, block_mask)   # PLANTED"),),
            T13, CH13, "the backward forgets the causal mask the forward used"),
 ]
 
