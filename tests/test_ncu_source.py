@@ -69,6 +69,13 @@ def test_a_branch_forward_is_not_a_loop(tmp_path):
     assert ns.find_loops(ns.read_source_csv(page(tmp_path, rows))) == []
 
 
+def test_a_branch_to_itself_is_not_a_loop(tmp_path):
+    """The branch to itself after EXIT closes nothing (as in ``kernels.base.sass``, whose loop
+    finder this page's is)."""
+    rows = [(0x1000, "NOP", 1, 1, 0, 0, 0), (0x1010, "EXIT", 1, 1, 0, 0, 0), (0x1020, "BRA 0x1020", 0, 0, 0, 0, 0)]
+    assert ns.find_loops(ns.read_source_csv(page(tmp_path, rows))) == []
+
+
 def test_the_recorded_page_gives_the_committed_summary():
     rows = ns.read_source_csv(RECORDED)
     loops = ns.find_loops(rows)

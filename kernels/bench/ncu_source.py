@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernels.base.sass import TENSOR_CORE, Instruction
+from kernels.base.sass import find_loops as sass_find_loops
 
 __all__ = ["SourceRow", "read_source_csv", "find_loops", "summarize", "main"]
 
@@ -90,14 +91,12 @@ def _int(text) -> int:
 
 
 def find_loops(rows: list[SourceRow]) -> list[tuple[int, int]]:
-    """(first, last) offsets of each loop, outer before inner: a branch whose target lies
-    at or before the branch (ncu prints targets as absolute addresses)."""
+    """(first, last) offsets of each loop, outer before inner: ``kernels.base.sass.find_loops``
+    on the page's branches, whose targets ncu prints as absolute addresses."""
     base = rows[0].address
-    loops = set()
-    for row in rows:
-        m = _BRANCH.search(row.text)
-        if m and base <= int(m.group(1), 16) <= row.address:
-            loops.add((int(m.group(1), 16) - base, row.offset))
+    branches = [(row.offset, int(m.group(1), 16) - base) for row in rows if (m := _BRANCH.search(row.text))]
+    labels = {target: target for _, target in branches if target >= 0}
+    loops = {(loop.start, loop.end) for loop in sass_find_loops(rows, labels, branches)}
     return sorted(loops, key=lambda lo: (lo[0], -lo[1]))
 
 
