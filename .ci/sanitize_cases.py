@@ -111,10 +111,13 @@ def main(only):
     if want("flash_tensor_cores") and (m := have("flash_tensor_cores")):
         from kernels.base.mma import bf16_bits
 
-        # d = 100: 128 rows a block; d = 24: the tile copy by column with a chunk past d
-        for b, h, nq, nk, d in shapes + [(1, 1, 200, 130, 100), (1, 1, 77, 291, 24)]:
+        # d = 100: 128 rows a block; d = 24: the tile copy by column with a chunk past d; GQA (the
+        # last two: 4 query heads on 2 KV heads, 3 on 1)
+        for b, h, hkv, nq, nk, d in ([(b, h, h, nq, nk, d) for b, h, nq, nk, d in shapes]
+                                     + [(1, 1, 1, 200, 130, 100), (1, 1, 1, 77, 291, 24), (2, 4, 2, 70, 150, 64),
+                                        (1, 3, 1, 33, 20, 128)]):
             for causal in (False, True):
-                q, k, v = rand(rng, b, h, nq, d), rand(rng, b, h, nk, d), rand(rng, b, h, nk, d)
+                q, k, v = rand(rng, b, h, nq, d), rand(rng, b, hkv, nk, d), rand(rng, b, hkv, nk, d)
                 m.flash_attention_tc(*(x.astype(np.float16) for x in (q, k, v)), causal=causal)
                 m.flash_attention_tc(*(bf16_bits(x).astype(np.uint16) for x in (q, k, v)), causal=causal, bf16=True)
         ran.append("flash_tensor_cores")

@@ -128,8 +128,10 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads (Br = Bc or 2 Bc: Q is staged through
     the K and V buffers). Arguments: q (B*H, Nq, d), k and v
-    (B*H, Nk, d) uint16 (fp16 or bf16 bits); o (B*H, Nq, d) and lse (B*H, Nq) float32;
-    scale (float32), causal (int32 0/1), aligned (int32: rows 16-byte aligned, d % 8 == 0,
+    (B*Hkv, Nk, d) uint16 (fp16 or bf16 bits); o (B*H, Nq, d) and lse (B*H, Nq) float32;
+    scale (float32), causal (int32 0/1), kv_group (int32: H / Hkv, query heads a KV head;
+    query head row bh = b H + h reads KV row bh // kv_group = b Hkv + h // kv_group: grouped-query
+    attention with no copy of K and V), aligned (int32: rows 16-byte aligned, d % 8 == 0,
     so whole 16-byte chunks go by cp.async). ``split``: the keys split among gridDim.z
     blocks (``kernels.base.key_split``), each writing its partial O and L to row
     blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq). ``o16`` (unsplit): O
@@ -158,7 +160,7 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
     registers = {"max_registers": 128} if D <= 64 and Br >= 128 and not on_simulator() else {}
 
     @cuda.jit(fastmath=True, **registers)
-    def flash_forward_mma(q, k, v, o, lse, scale, causal, aligned):
+    def flash_forward_mma(q, k, v, o, lse, scale, causal, kv_group, aligned):
         bh = int32(cuda.blockIdx.y)
         tid = int32(cuda.threadIdx.x)
         warp = tid // 32
@@ -166,7 +168,10 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
         group = lane // 4
         t = lane % 4
         q0 = (int32(cuda.gridDim.x) - 1 - int32(cuda.blockIdx.x)) * Br     # heaviest causal tiles first
-        qh, kh, vh = q[bh], k[bh], v[bh]
+        # this query head's KV head (grouped-query): a 32-bit unsigned division (// on Numba's
+        # int32 is a signed 64-bit one, a call of about a hundred instructions)
+        kvh = int32(uint32(bh) // uint32(kv_group))
+        qh, kh, vh = q[bh], k[kvh], v[kvh]
         n_q, n_k, d = int32(q.shape[1]), int32(k.shape[1]), int32(q.shape[2])
         Ks = cuda.shared.array((Bc, SD), uint16, alignment=16)
         Vs = cuda.shared.array((Bc, SD), uint16, alignment=16)
@@ -338,8 +343,9 @@ def p_to_a_registers(p, bf16: bool = False) -> np.ndarray:
 # --------------------------------------------------------------------------- the launcher
 
 def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
-    """Attention forward on tensor cores. q (B, H, Nq, d), k and v (B, H, Nk, d), d <= 128:
-    float16 arrays; with ``bf16=True``, bfloat16 device arrays (PyTorch bf16 CUDA tensors)
+    """Attention forward on tensor cores. q (B, H, Nq, d), k and v (B, Hkv, Nk, d) with H a
+    multiple of Hkv (grouped-query attention: query head h reads KV head h // (H / Hkv), with
+    no copy), d <= 128: float16 arrays; with ``bf16=True``, bfloat16 device arrays (PyTorch bf16 CUDA tensors)
     or uint16 arrays of bf16 bit patterns (NumPy has no bf16). Returns
     (o, lse): o (B, H, Nq, d) float32 and lse (B, H, Nq) float32 (natural log; -inf for a
     row that sees no key). NumPy in, NumPy out; device arrays in, device arrays out."""
@@ -358,8 +364,10 @@ def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
     (B, H, n_q, d), ks, vs = shapes
     if ks != vs:
         raise ValueError(f"v: expected the shape of k {ks}, got {vs}")
-    if ks[:2] != (B, H) or ks[3] != d:
-        raise ValueError(f"k: expected (B, H, Nk, d) = ({B}, {H}, Nk, {d}) like q, got {ks}")
+    if ks[0] != B or ks[3] != d:
+        raise ValueError(f"k: expected (B, Hkv, Nk, d) = ({B}, Hkv, Nk, {d}) like q, got {ks}")
+    if ks[1] == 0 or H % ks[1]:
+        raise ValueError(f"k: expected a number of heads Hkv dividing q's H = {H} (grouped-query), got {ks[1]}")
     if not 1 <= d <= 128:
         raise ValueError(f"q: expected head dim d in 1..128, got {d}")
     causal = check_flag(causal, "causal")
@@ -378,15 +386,15 @@ _launches = LaunchCache()          # the launcher's bound launches, by call shap
 
 def forward_checked(kind, q, k, v, *, causal, scale, bf16, splits=None, o=None):
     """What ``flash_attention_tc`` runs once its checks pass, for callers that made them
-    (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, H, Nk, d)
-    C-contiguous 16-bit device arrays (PyTorch fp16/bf16 tensors as they are), ``scale`` a
+    (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, Hkv, Nk, d), H a
+    multiple of Hkv, C-contiguous 16-bit device arrays (PyTorch fp16/bf16 tensors as they are), ``scale`` a
     float. (o, lse) float32 from ``kind``'s allocator (an ``ArrayKind``). ``splits``: the
     keys split among that many blocks a query tile, their partials merged after
     (``kernels.base.key_split``); None: split only where the grid would not fill the GPU.
     ``o``: a C-contiguous array like q, of q's 16-bit type, for O in that type (rounded
     once, in the kernel: no float32 O, no cast after); it is the o returned."""
     B, H, n_q, d = q.shape
-    n_k = k.shape[2]
+    hkv, n_k = k.shape[1], k.shape[2]
     o16 = o is not None
     if o16:
         if tuple(o.shape) != (B, H, n_q, d) or array_dtype(o).itemsize != 2:
@@ -400,18 +408,18 @@ def forward_checked(kind, q, k, v, *, causal, scale, bf16, splits=None, o=None):
         splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc) if splits is None else int(splits)
         arrays = dict(q=q, k=k, v=v, o=o, lse=lse)
         arrays.update(partials(kind, splits, B * H, n_q, d))
-        run_bound(_launches, (B, H, n_q, n_k, d, bf16, causal, scale, splits, o16), arrays,
-                  lambda arrays: _views(arrays, B * H, n_q, n_k, d),
+        run_bound(_launches, (B, H, hkv, n_q, n_k, d, bf16, causal, scale, splits, o16), arrays,
+                  lambda arrays: _views(arrays, B * H, B * hkv, n_q, n_k, d),
                   lambda views, aligned: _bind_forward(views, d, bf16, causal, scale, aligned, splits, o16),
                   aligned_names="qkv", aligned_d=d % 8 == 0)
     return o, lse
 
 
-def _views(arrays, BH, n_q, n_k, d):
-    """The kernel's views: q (B*H, Nq, d), k, v (B*H, Nk, d) as 16-bit patterns, o, lse (and
+def _views(arrays, BH, BHkv, n_q, n_k, d):
+    """The kernel's views: q (B*H, Nq, d), k, v (B*Hkv, Nk, d) as 16-bit patterns, o, lse (and
     the splits' partials, as they are)."""
-    rows = dict(q=n_q, k=n_k, v=n_k, o=n_q)
-    views = {name: device_bits16(as_bits16(arrays[name]), name).reshape(BH, rows[name], d) for name in rows}
+    rows = dict(q=(BH, n_q), k=(BHkv, n_k), v=(BHkv, n_k), o=(BH, n_q))
+    views = {name: device_bits16(as_bits16(arrays[name]), name).reshape(*rows[name], d) for name in rows}
     views["lse"] = to_device(arrays["lse"], "lse").reshape(BH, n_q)
     views.update(partial_views(arrays))
     return views
@@ -422,10 +430,12 @@ def _bind_forward(views, d, bf16, causal, scale, aligned, splits=1, o16=False):
     > 1, the split forward into the partials and then their merge (which writes O in the
     inputs' type with ``o16``)."""
     BH, n_q, _ = views["q"].shape
+    kv_group = BH // views["k"].shape[0]
     Br, Bc, D = tc_tiles(d)
     kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16), split=splits > 1, o16=o16 and splits == 1)
     names = ("q", "k", "v", *output_names(splits))
-    args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
+    args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(kv_group),
+                                             np.int32(aligned))
     launches = [(kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, 0)]
     slots = [{n: i for i, n in enumerate(names)}]
     add_combine(launches, slots, views, splits, ("bf16" if bf16 else "f16") if o16 else None)
@@ -438,7 +448,7 @@ def ptx_targets(every_shape: bool = False):
     """The kernel at the GPU tiles, d = 64 and 128, fp16 (``every_shape``: bf16 too; its code
     differs in the two instructions' names only)."""
     sig = ("void(uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
-           "float32, int32, int32)")
+           "float32, int32, int32, int32)")
     out = []
     for D in (64, 128):
         for bf16 in (False, True) if every_shape else (False,):

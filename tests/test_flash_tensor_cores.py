@@ -4,7 +4,8 @@ The oracle runs on the inputs as rounded to fp16 or bf16. The yardstick is a flo
 reference that rounds P to the input type before P V, as the kernel (and FlashAttention-2)
 does: the kernel's error is at most 2x that reference's, plus the floor of chapter 4's
 exponents (``forward_floor_scales``). Drawn shapes: ragged N, Nq != Nk, d not a multiple
-of 16 (padded), causal rows that see no key, large logits pinned.
+of 16 (padded), causal rows that see no key, grouped-query heads (k, v with H / 2 heads,
+read by the kernel with no copy; the oracle sees them repeated), large logits pinned.
 """
 
 import numpy as np
@@ -60,8 +61,8 @@ def rounded_p_reference(q, k, v, causal, scale, bf16):
 
 
 def tc_cases():
-    """B and H of 1 or 2, ragged N to MAX_N, d from HEAD_DIMS (one KV head a query head)."""
-    return grouped_attention_cases(max_n=MAX_N, head_dims=HEAD_DIMS, small=False, groups=(1,))
+    """B and Hkv of 1 or 2, one or two query heads a KV head, ragged N to MAX_N, d from HEAD_DIMS."""
+    return grouped_attention_cases(max_n=MAX_N, head_dims=HEAD_DIMS, small=False, groups=(1, 2))
 
 
 def pinned(q_shape, k_shape, *, causal=False, magnitude=1.0, seed=0):
@@ -78,7 +79,9 @@ PINNED = [
     pinned((1, 1, 17, 16), (1, 1, 17, 16), magnitude=12.0),         # logits of several hundred
     pinned((1, 1, 0, 8), (1, 1, 5, 8)),                             # Nq = 0
     pinned((1, 1, 6, 8), (1, 1, 0, 8)),                             # Nk = 0: O = 0, L = -inf
+    pinned((2, 6, 19, 24), (2, 2, 23, 24), causal=True),            # grouped-query: 3 query heads a KV head
 ]
+PINNED_IDS = ["N=1", "ragged", "Nq>Nk", "large-logits", "Nq=0", "Nk=0", "GQA"]
 
 
 def run_split(q, k, v, causal, scale, bf16, splits):
@@ -101,6 +104,8 @@ def check(case, bf16, splits=None):
         o, lse = run_split(q, k, v, case.causal, case.scale, bf16, splits)
     assert o.dtype == np.float32 and o.shape == case.q.shape and lse.shape == case.q.shape[:3]
     scale = case.scale if case.scale is not None else 1 / np.sqrt(case.q.shape[-1])
+    group = case.q.shape[1] // case.k.shape[1]          # query head h reads KV head h // group
+    kx, vx = (np.repeat(x, group, axis=1) for x in (kx, vx))
     exact_o, exact_l = ref.attention(qx, kx, vx, causal=case.causal, scale=scale)
     base_o, base_l = rounded_p_reference(qx, kx, vx, case.causal, scale, bf16)
     fs_o, fs_l = forward_floor_scales(qx, kx, vx, scale, causal=case.causal)
@@ -205,7 +210,7 @@ def test_keys_split_among_blocks_meet_the_same_rule(case, splits, bf16):
     check(case, bf16, splits)
 
 
-@pytest.mark.parametrize("case", PINNED, ids=["N=1", "ragged", "Nq>Nk", "large-logits", "Nq=0", "Nk=0"])
+@pytest.mark.parametrize("case", PINNED, ids=PINNED_IDS)
 def test_pinned_cases_split(case):
     check(case, True, splits=3)
 
@@ -247,7 +252,7 @@ def test_splits_only_where_the_grid_is_too_small():
     assert choose_splits(8, 128, 64, sms=132) == 1              # 2 key tiles: no split
 
 
-@pytest.mark.parametrize("case", PINNED, ids=range(len(PINNED)))
+@pytest.mark.parametrize("case", PINNED, ids=PINNED_IDS)
 def test_pinned_cases(case):
     check(case, False)
 
@@ -266,6 +271,11 @@ def test_bad_inputs_name_the_argument():
         flash_attention_tc(q, q, q[..., :3, :])
     with pytest.raises(ValueError, match="head dim"):
         flash_attention_tc(*(np.zeros((1, 1, 4, 130), np.float16),) * 3)
+    kv = np.zeros((1, 2, 4, 8), np.float16)              # 2 KV heads do not divide q's 3 heads
+    with pytest.raises(ValueError, match=r"^k: expected a number of heads Hkv dividing q's H = 3"):
+        flash_attention_tc(np.zeros((1, 3, 4, 8), np.float16), kv, kv)
+    with pytest.raises(ValueError, match=r"^k: expected \(B, Hkv, Nk, d\)"):
+        flash_attention_tc(q, np.zeros((2, 1, 4, 8), np.float16), np.zeros((2, 1, 4, 8), np.float16))
 
 
 class _Bf16Interface:

@@ -590,7 +590,7 @@ def grouped_attention_cases(draw, *, max_n, head_dims, small, dtype=np.float64, 
     """q (B, H, Nq, d), k and v (B, Hkv, Nk, d) with H = group Hkv (grouped-query attention,
     a group from ``groups``), ragged Nq and Nk from 0 to ``max_n``, d from ``head_dims``,
     causal, scale, logit spreads; ``small``: B * H <= 2 (the simulator). The tensor-core
-    chapters' cases (8: groups=(1,); 11 and 12's backwards: groups of 1 and 2)."""
+    chapters' cases (8's forward and 11 and 12's backwards: groups of 1 and 2)."""
     group = draw(st.sampled_from(list(groups)))
     if small:
         b, hkv = (1, 1) if group == 2 else draw(st.sampled_from([(1, 1), (1, 2), (2, 1)]))

@@ -104,7 +104,7 @@ def _call_rows(ctx, torch, results):
 
                 def bare(q, k, v):
                     kernel[(cdiv(n, Br), b * h), kernel.threads](q, k, v, o, lse, np.float32(1.0 / math.sqrt(d)),
-                                                                  np.int32(causal), np.int32(1))
+                                                                  np.int32(causal), np.int32(1), np.int32(1))
                 note = "chapter 8: the mma.sync forward kernel on preallocated O, L"
             measure("forward kernel (bare)", bare, views, fwd_flops, peak_memory=False, note=note)
 

@@ -92,7 +92,7 @@ def bare_launch(b, h, n, d, bf16, o, lse):
 
     def launch(q, k, v, causal):
         q, k, v = (x.view(np.uint16).reshape(b * h, n, d) for x in (q, k, v))   # the bits
-        kernel[grid, threads](q, k, v, o, lse, scale, np.int32(causal), aligned)
+        kernel[grid, threads](q, k, v, o, lse, scale, np.int32(causal), np.int32(1), aligned)   # kv_group 1
 
     launch.tiles = (Br, Bc)
     return launch
