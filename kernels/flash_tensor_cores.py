@@ -112,17 +112,18 @@ EXERCISES = {"make_load_a_fragment": "test_load_a_fragment or test_pinned_cases 
              "make_p_to_a": "test_p_to_a or test_pinned_cases or test_bf16_pinned_causal_case"}
 
 
-def make_flash_forward_mma(Br: int, Bc: int, D: int, bf16: bool = False, split: bool = False, o16: bool = False):
+def make_flash_forward_mma(Br: int, Bc: int, D: int, bf16: bool = False, split: bool = False, o16: bool = False,
+                           grouped: bool = False):
     """The forward kernel (``make_flash_forward_mma_from``) with the module's two fragment
     hooks as they are now: a learner's ``make_load_a_fragment`` or ``make_p_to_a`` put in
     their place gets its own kernel, never the course's cached one."""
     return make_flash_forward_mma_from(Br, Bc, D, bool(bf16), make_load_a_fragment, make_p_to_a, bool(split),
-                                       bool(o16))
+                                       bool(o16), bool(grouped))
 
 
 @functools.lru_cache(maxsize=None)
 def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment_factory, p_to_a_factory,
-                                split: bool = False, o16: bool = False):
+                                split: bool = False, o16: bool = False, grouped: bool = False):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D, Q's
     A fragments loaded by ``a_fragment_factory()`` and P repacked by ``p_to_a_factory(bf16)``.
 
@@ -131,7 +132,8 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
     (B*Hkv, Nk, d) uint16 (fp16 or bf16 bits); o (B*H, Nq, d) and lse (B*H, Nq) float32;
     scale (float32), causal (int32 0/1), kv_group (int32: H / Hkv, query heads a KV head;
     query head row bh = b H + h reads KV row bh // kv_group = b Hkv + h // kv_group: grouped-query
-    attention with no copy of K and V), aligned (int32: rows 16-byte aligned, d % 8 == 0,
+    attention with no copy of K and V; read only by the ``grouped`` kernel, which the launcher
+    takes where Hkv < H, so that the MHA kernel's code is the one measured before), aligned (int32: rows 16-byte aligned, d % 8 == 0,
     so whole 16-byte chunks go by cp.async). ``split``: the keys split among gridDim.z
     blocks (``kernels.base.key_split``), each writing its partial O and L to row
     blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq). ``o16`` (unsplit): O
@@ -146,6 +148,7 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
     p_to_a = p_to_a_factory(bf16)
     W = Br // 16
     THREADS = 32 * W
+    GROUPED = bool(grouped)
     KS, NS, KP, ND = D // 16, Bc // 8, Bc // 16, D // 8
     SD = D + 8                                    # shared row stride (halves): ldmatrix rows in distinct banks
     o_type = ("bf16" if bf16 else "f16") if o16 and not split else None
@@ -168,9 +171,9 @@ def make_flash_forward_mma_from(Br: int, Bc: int, D: int, bf16: bool, a_fragment
         group = lane // 4
         t = lane % 4
         q0 = (int32(cuda.gridDim.x) - 1 - int32(cuda.blockIdx.x)) * Br     # heaviest causal tiles first
-        # this query head's KV head (grouped-query): a 32-bit unsigned division (// on Numba's
-        # int32 is a signed 64-bit one, a call of about a hundred instructions)
-        kvh = int32(uint32(bh) // uint32(kv_group))
+        kvh = bh
+        if GROUPED:      # this query head's KV head: a 32-bit unsigned division (// on Numba's int32
+            kvh = int32(uint32(bh) // uint32(kv_group))     # is a signed 64-bit one, about 100 instructions)
         qh, kh, vh = q[bh], k[kvh], v[kvh]
         n_q, n_k, d = int32(q.shape[1]), int32(k.shape[1]), int32(q.shape[2])
         Ks = cuda.shared.array((Bc, SD), uint16, alignment=16)
@@ -432,7 +435,8 @@ def _bind_forward(views, d, bf16, causal, scale, aligned, splits=1, o16=False):
     BH, n_q, _ = views["q"].shape
     kv_group = BH // views["k"].shape[0]
     Br, Bc, D = tc_tiles(d)
-    kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16), split=splits > 1, o16=o16 and splits == 1)
+    kernel = make_flash_forward_mma(Br, Bc, D, bool(bf16), split=splits > 1, o16=o16 and splits == 1,
+                                    grouped=kv_group > 1)
     names = ("q", "k", "v", *output_names(splits))
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(kv_group),
                                              np.int32(aligned))
@@ -446,7 +450,7 @@ def _bind_forward(views, d, bf16, causal, scale, aligned, splits=1, o16=False):
 
 def ptx_targets(every_shape: bool = False):
     """The kernel at the GPU tiles, d = 64 and 128, fp16 (``every_shape``: bf16 too; its code
-    differs in the two instructions' names only)."""
+    differs in the two instructions' names only), and the grouped-query kernel."""
     sig = ("void(uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
            "float32, int32, int32, int32)")
     out = []
@@ -454,4 +458,6 @@ def ptx_targets(every_shape: bool = False):
         for bf16 in (False, True) if every_shape else (False,):
             out.append((f"flash fwd tensor cores {'bf16' if bf16 else 'fp16'} Br=128 Bc=64 D={D}",
                         make_flash_forward_mma(128, 64, D, bf16), sig))    # tc_tiles on a GPU
+        out.append((f"flash fwd tensor cores fp16 grouped-query Br=128 Bc=64 D={D}",
+                    make_flash_forward_mma(128, 64, D, False, grouped=True), sig))
     return out

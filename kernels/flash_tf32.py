@@ -97,16 +97,20 @@ def split_blocks(n: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False,
-                            max_registers: int | None = None, split: bool = False, raw_kv: bool = False):
+                            max_registers: int | None = None, split: bool = False, raw_kv: bool = False,
+                            grouped: bool = False):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
     the registers a thread (None: the compiler's choice).
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d) float32;
-    k_hi, k_lo, v_hi, v_lo (B*H, Nk, d) uint32, K and V split by ``make_split``; o (B*H, Nq,
-    d) and lse (B*H, Nq) float32; scale (float32), causal (int32 0/1), aligned (int32: rows
-    16-byte aligned and d % 4 == 0, so whole 16-byte chunks go by cp.async). ``split``: the
+    k_hi, k_lo, v_hi, v_lo (B*Hkv, Nk, d) uint32, K and V split by ``make_split``; o (B*H, Nq,
+    d) and lse (B*H, Nq) float32; scale (float32), causal (int32 0/1), kv_group (int32: H /
+    Hkv; query head row bh reads KV row bh // kv_group, grouped-query attention with no
+    copy; read only by the ``grouped`` kernel, which the launchers take where Hkv < H, so that
+    the MHA kernel's code is the one measured before), aligned (int32: rows 16-byte aligned and d % 4 == 0, so whole 16-byte chunks go by
+    cp.async). ``split``: the
     keys split among gridDim.z blocks (``kernels.base.key_split``), each writing its partial
     O and L to row blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq).
     ``raw_kv``: the arguments are q, k, v (float32, not split), o, lse, ...: each block splits
@@ -131,6 +135,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     SHARED = 0 if dynamic else 4 * TILE
     THREE = passes == 3
     RAW = bool(raw_kv)
+    GROUPED = bool(grouped)
     split4, _, product = make_tf32_product(passes)      # 3xTF32 (or plain TF32) k-steps
     scale_and_mask, online_softmax, write_rows = make_fragment_softmax(NS, ND, THREADS)
 
@@ -180,7 +185,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     caps = {"max_registers": max_registers} if max_registers and not on_simulator() else {}
 
     @cuda.jit(device=True, inline=True)
-    def attend(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, aligned):
+    def attend(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, kv_group, aligned):
         """The kernel's body: with ``raw_kv``, k_hi and v_hi are K and V in float32 (k_lo
         and v_lo unused)."""
         bh = int32(cuda.blockIdx.y)
@@ -196,7 +201,10 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         Kl = shared_view(smem, TILE, (Bc, SD))
         Vh = shared_view(smem, 2 * TILE, (Bc, SD))
         Vl = shared_view(smem, 3 * TILE, (Bc, SD))
-        khh, klh, vhh, vlh = k_hi[bh], k_lo[bh], v_hi[bh], v_lo[bh]
+        kvh = bh
+        if GROUPED:                                  # its KV head (a 32-bit division: // on int32 is 64-bit)
+            kvh = int32(uint32(bh) // uint32(kv_group))
+        khh, klh, vhh, vlh = k_hi[kvh], k_lo[kvh], v_hi[kvh], v_lo[kvh]
         wrow0 = q0 + warp * 16                       # this warp's first query row
 
         # ---- Q_i's A fragments, straight from HBM (each element once), kept as fp32:
@@ -294,20 +302,20 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
     if raw_kv:
         @cuda.jit(fastmath=True, **caps)
-        def flash_forward_tf32(q, k, v, o, lse, scale, causal, aligned):
-            attend(q, k, k, v, v, o, lse, scale, causal, aligned)
+        def flash_forward_tf32(q, k, v, o, lse, scale, causal, kv_group, aligned):
+            attend(q, k, k, v, v, o, lse, scale, causal, kv_group, aligned)
     else:
         @cuda.jit(fastmath=True, **caps)
-        def flash_forward_tf32(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, aligned):
-            attend(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, aligned)
+        def flash_forward_tf32(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, kv_group, aligned):
+            attend(q, k_hi, k_lo, v_hi, v_lo, o, lse, scale, causal, kv_group, aligned)
 
     flash_forward_tf32.threads = THREADS
     return flash_forward_tf32
 
 
 def split_kv(k, v, BH, n_k, d, kind):
-    """(k_hi, k_lo, v_hi, v_lo): K and V split once (``make_split``), (B*H, Nk, d) uint32,
-    from the caller's allocator where it has one."""
+    """(k_hi, k_lo, v_hi, v_lo): K and V split once (``make_split``), (B*H, Nk, d) uint32
+    (B*Hkv heads for grouped-query K and V), from the caller's allocator where it has one."""
     parts = [kind.empty((BH, n_k, d), np.uint32) for _ in range(4)]
     n = BH * n_k * d
     if n:
@@ -316,8 +324,9 @@ def split_kv(k, v, BH, n_k, d, kind):
 
 
 def launch_forward(qd, parts, o, lse, scale, causal, passes, tiles=None, max_registers=None):
-    """The forward on device views: qd (B*H, Nq, d) float32, ``parts`` from ``split_kv``,
-    into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default ``tf32_tiles``."""
+    """The forward on device views: qd (B*H, Nq, d) float32, ``parts`` from ``split_kv``
+    ((B*Hkv, Nk, d), Hkv dividing H), into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc),
+    by default ``tf32_tiles``."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory, STATIC_LIMIT_BYTES
 
     BH, n_q, d = qd.shape
@@ -326,10 +335,11 @@ def launch_forward(qd, parts, o, lse, scale, causal, passes, tiles=None, max_reg
         Br, Bc = tiles
     nbytes = 4 * shared_words(Bc, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers)
+    kv_group = BH // parts[0].shape[0]
+    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, grouped=kv_group > 1)
     aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, *parts))) \
         if not on_simulator() else int(d % 4 == 0)
-    args = (qd, *parts, o, lse, np.float32(scale), np.int32(causal), np.int32(aligned))
+    args = (qd, *parts, o, lse, np.float32(scale), np.int32(causal), np.int32(kv_group), np.int32(aligned))
     if dynamic:
         allow_dynamic_shared_memory(kernel, args, nbytes)
     kernel[(cdiv(n_q, Br), BH), kernel.threads, launch_stream(), nbytes if dynamic else 0](*args)
@@ -337,13 +347,14 @@ def launch_forward(qd, parts, o, lse, scale, causal, passes, tiles=None, max_reg
 
 def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
     """Attention forward on tensor cores for float32 inputs. q (B, H, Nq, d), k and v
-    (B, H, Nk, d) float32, d <= 128; ``passes`` = 3 (3xTF32, about fp32's accuracy) or 1
+    (B, Hkv, Nk, d) float32 with H a multiple of Hkv (grouped-query attention: query head h
+    reads KV head h // (H / Hkv), with no copy), d <= 128; ``passes`` = 3 (3xTF32, about fp32's accuracy) or 1
     (plain TF32, ~2^-11 relative). Returns (o, lse) like chapter 4's ``flash_attention``:
     o (B, H, Nq, d) and lse (B, H, Nq) float32 (natural log; -inf for a row that sees no
     key). NumPy in, NumPy out; device arrays (and PyTorch tensors) in, device arrays out."""
     if isinstance(passes, bool) or passes not in PASSES:
         raise ValueError(f"passes: expected 3 (3xTF32) or 1 (plain TF32), got {passes!r}")
-    B, H, n_q, n_k, d, _ = check_qkv(q, k, v, dtypes=(np.float32,), max_head_dim=128)
+    B, H, n_q, n_k, d, _ = check_qkv(q, k, v, dtypes=(np.float32,), max_head_dim=128, grouped=True)
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
     BH = B * H
@@ -366,14 +377,14 @@ def split_before(n_q: int, Br: int) -> bool:
 
 def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, before=None):
     """What ``flash_attention_tf32`` runs once its checks pass, for callers that made them
-    (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, H, Nk, d)
-    C-contiguous float32 device arrays, ``scale`` a float. (o, lse) from ``kind``'s
+    (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, Hkv, Nk, d), H a
+    multiple of Hkv, C-contiguous float32 device arrays, ``scale`` a float. (o, lse) from ``kind``'s
     allocator (an ``ArrayKind``); K and V are split into their TF32 parts each call, before
     the forward or in it (``before``; None: ``split_before``). ``splits``: the keys split
     among that many blocks a query tile, their partials merged after
     (``kernels.base.key_split``); None: split only where the grid would not fill the GPU."""
     B, H, n_q, d = q.shape
-    n_k = k.shape[2]
+    hkv, n_k = k.shape[1], k.shape[2]
     o = kind.new((B, H, n_q, d), np.float32)           # the caller's allocator where it has one
     lse = kind.new((B, H, n_q), np.float32)
     if B * H and n_q and n_k:
@@ -382,11 +393,11 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, befo
         before = split_before(n_q, Br) if before is None else bool(before)
         arrays = dict(q=q, k=k, v=v)
         if before:
-            arrays.update(zip(SPLIT, kind.new_parts(4, (B, H, n_k, d), np.uint32)))   # K, V split once a call
+            arrays.update(zip(SPLIT, kind.new_parts(4, (B, hkv, n_k, d), np.uint32)))   # K, V split once a call
             arrays.update((name + "_flat", arrays[name]) for name in ("k", "v", *SPLIT))  # the split's 1-D views
         arrays.update(partials(kind, splits, B * H, n_q, d))
-        run_bound(_launches, (B, H, n_q, n_k, d, causal, scale, int(passes), splits, before),
-                  dict(arrays, o=o, lse=lse), lambda a: _views(a, B * H, n_q, n_k, d),
+        run_bound(_launches, (B, H, hkv, n_q, n_k, d, causal, scale, int(passes), splits, before),
+                  dict(arrays, o=o, lse=lse), lambda a: _views(a, B * H, B * hkv, n_q, n_k, d),
                   lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits, before),
                   aligned_names=("q", *(SPLIT if before else ("k", "v"))), aligned_d=d % 4 == 0)
     elif B * H and n_q:          # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
@@ -399,13 +410,15 @@ SPLIT = ("k_hi", "k_lo", "v_hi", "v_lo")
 _launches = LaunchCache()          # the launcher's bound launches, by call shape
 
 
-def _views(arrays, BH, n_q, n_k, d):
-    """The kernels' views: (B*H, N, d) for q, k, v, the split parts and o; (B*H, Nq) for
-    lse; 1-D for the split kernel's ``*_flat``."""
-    rows = dict(q=n_q, o=n_q, k=n_k, v=n_k, **{name: n_k for name in SPLIT if name in arrays})
-    views = {name: to_device(arrays[name], name).reshape(BH, rows[name], d) for name in rows}
+def _views(arrays, BH, BHkv, n_q, n_k, d):
+    """The kernels' views: (B*H, Nq, d) for q and o, (B*Hkv, Nk, d) for k, v and the split
+    parts; (B*H, Nq) for lse; 1-D for the split kernel's ``*_flat``."""
+    rows = dict(q=(BH, n_q), o=(BH, n_q), k=(BHkv, n_k), v=(BHkv, n_k),
+                **{name: (BHkv, n_k) for name in SPLIT if name in arrays})
+    views = {name: to_device(arrays[name], name).reshape(*rows[name], d) for name in rows}
     views["lse"] = to_device(arrays["lse"], "lse").reshape(BH, n_q)
-    views.update((name + "_flat", views[name].reshape(BH * n_k * d)) for name in ("k", "v", *SPLIT) if name in rows)
+    views.update((name + "_flat", views[name].reshape(BHkv * n_k * d)) for name in ("k", "v", *SPLIT)
+                 if name in rows)
     views.update(partial_views(arrays))
     return views
 
@@ -420,9 +433,12 @@ def _bind_forward(views, causal, scale, passes, aligned, splits=1, before=True):
     Br, Bc, D = tf32_tiles(d)
     nbytes = 4 * shared_words(Bc, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, split=splits > 1, raw_kv=not before)
+    kv_group = BH // views["k"].shape[0]
+    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, split=splits > 1, raw_kv=not before,
+                                     grouped=kv_group > 1)
     names = ("q", *(SPLIT if before else ("k", "v")), *output_names(splits))
-    args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(aligned))
+    args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(kv_group),
+                                             np.int32(aligned))
     if dynamic:
         allow_dynamic_shared_memory(kernel, args, nbytes)
     launches, slots = [], []
@@ -438,11 +454,11 @@ def _bind_forward(views, causal, scale, passes, aligned, splits=1, before=True):
 
 def ptx_targets(every_shape: bool = False):
     """The kernel at the GPU tiles, d = 64 and 128, 3xTF32 (``every_shape``: plain TF32 too),
-    and the split."""
+    its grouped-query form, and the split."""
     sig = ("void(float32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], "
-           "float32[:, :, ::1], float32[:, ::1], float32, int32, int32)")
+           "float32[:, :, ::1], float32[:, ::1], float32, int32, int32, int32)")
     raw_sig = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
-               "float32[:, ::1], float32, int32, int32)")
+               "float32[:, ::1], float32, int32, int32, int32)")
     out = [("split K and V into tf32 hi and lo", make_split(),
             "void(float32[::1], float32[::1], uint32[::1], uint32[::1], uint32[::1], uint32[::1])")]
     for D, Bc in ((64, 64), (128, 32)):
@@ -454,4 +470,6 @@ def ptx_targets(every_shape: bool = False):
         if every_shape:                                # K and V split as they land (short queries)
             out.append((f"flash fwd 3xTF32 raw K V Br={Br} Bc={Bc} D={D}",
                         make_flash_forward_tf32(Br, Bc, D, 3, dynamic, raw_kv=True), raw_sig))
+        out.append((f"flash fwd 3xTF32 grouped-query Br={Br} Bc={Bc} D={D}",
+                    make_flash_forward_tf32(Br, Bc, D, 3, dynamic, grouped=True), sig))
     return out

@@ -29,10 +29,10 @@ A library's manners:
       so such a view is copied once, in the forward (``contiguous``: one read and one write
       of q, k and v, (B*H*Nq + 2*B*Hkv*Nk) * d * itemsize bytes each way), and the copies
       are what the backward reads (dO, if strided, is copied there too);
-    * grouped-query heads (k, v with Hkv < H heads) run natively in chapter 8's forward and
-      the backwards of chapters 11 and 12; the float32 forwards (and the float32 backward
-      without TF32 tensor cores: the simulator, GPUs before sm_80) and the block-sparse
-      kernels read k and v repeated to H heads (a copy of B*H*Nk*d elements each);
+    * grouped-query heads (k, v with Hkv < H heads) run natively in the forwards of chapters
+      8 and 11 and the backwards of chapters 11 and 12; chapters 4 and 5's float32 kernels
+      (where there are no TF32 tensor cores: the simulator, GPUs before sm_80) and the
+      block-sparse ones read k and v repeated to H heads (a copy of B*H*Nk*d elements each);
     * CPU tensors run through NumPy (on the GPU, or on the simulator without one), so a
       model trains on a laptop, slowly, with the same code.
 
@@ -180,23 +180,23 @@ def _checked_entries(q, block_mask) -> bool:
 def _forward(q, k, v, causal, scale, block_mask):
     """(o in q's dtype, lse float32) for q (B, H, Nq, d), k, v (B, Hkv, Nk, d)."""
     group = q.shape[1] // k.shape[1]
-    if q.dtype != torch.float32 and block_mask is None:      # chapter 8: grouped-query heads native
-        if _checked_entries(q, block_mask):
-            from kernels.flash_tensor_cores import forward_checked
+    if _checked_entries(q, block_mask):                  # grouped-query heads native in both forwards
+        if q.dtype == torch.float32:
+            from kernels.flash_tf32 import forward_checked
 
-            # O in q's 16-bit type, rounded in the kernel: no float32 O and no cast after
-            return forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale,
-                                   bf16=q.dtype == torch.bfloat16, o=torch.empty_like(q))
+            return forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale)
+        from kernels.flash_tensor_cores import forward_checked
+
+        # O in q's 16-bit type, rounded in the kernel: no float32 O and no cast after
+        return forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale, bf16=q.dtype == torch.bfloat16,
+                               o=torch.empty_like(q))
+    if q.dtype != torch.float32 and block_mask is None:   # chapter 8's launcher: grouped heads native
         from kernels.flash_tensor_cores import flash_attention_tc
 
         o, lse = flash_attention_tc(*(kernel_array(x) for x in (q, k, v)), causal=causal, scale=scale,
                                     bf16=q.dtype == torch.bfloat16)
         return as_tensor_like(o, q).to(q.dtype), as_tensor_like(lse, q)
     k, v = _repeat_heads(k, group), _repeat_heads(v, group)
-    if _checked_entries(q, block_mask):
-        from kernels.flash_tf32 import forward_checked
-
-        return forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale)
     if block_mask is not None:
         from kernels.block_sparse import block_sparse_attention
 

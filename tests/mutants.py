@@ -384,7 +384,7 @@ MUTANTS += [
            (("lse[bh, row] = (m[h] + math.log2(total)) * float32(LN2)", "lse[bh, row] = m[h] + math.log2(total)"),),
            T8, CH8, "L left in base 2 (the scores' base), not the natural log"),
     Mutant("tc-gqa-wrong-kv-head", 8, TC,
-           (("        kvh = int32(uint32(bh) // uint32(kv_group))", "        kvh = int32(uint32(bh) % uint32(k.shape[0]))"),),
+           (("            kvh = int32(uint32(bh) // uint32(kv_group))     # is a", "            kvh = int32(uint32(bh) % uint32(k.shape[0]))     # is a"),),
            T8, CH8, "grouped-query: query head row bh reads KV row bh mod B*Hkv (heads interleaved), not bh // group"),
     Mutant("tc-o16-truncated", 8, "kernels.base.mma",
            (("        a[i, j, k] = uint16(pack(x, float32(0.0)) & uint32(0xFFFF))",
@@ -419,6 +419,10 @@ MUTANTS += [
            T11, "test_k_and_v_split_before_or_as_they_land",
            "K and V split as they land: the lo parts of the chunks cp.async brought are never written (the "
            "last tile's, or zeros, stand in)"),
+    Mutant("tf32-gqa-wrong-kv-head", 11, TF32,
+           (("            kvh = int32(uint32(bh) // uint32(kv_group))\n", "            kvh = int32(uint32(bh) % uint32(k_hi.shape[0]))\n"),),
+           T11, "test_matches_oracle", "grouped-query: query head row bh reads KV row bh mod B*Hkv (heads interleaved), "
+                                       "not bh // group"),
     Mutant("tf32-p-keys-not-renumbered", 11, TF32,
            (("split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])", "split4(pv[kp, 0], pv[kp, 1], pv[kp, 2], pv[kp, 3])"),),
            T11, "test_matches_oracle", "P's accumulator tile used as P V's A operand as it lies: keys 2t + 1 and t + 4 "

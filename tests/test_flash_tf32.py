@@ -4,8 +4,9 @@ The kernel takes float32 inputs, so it is held to the fp32 tolerance rule of cha
 (``kernels.base.testing.assert_close``: at most 2x the error of float32 NumPy, plus the
 floor of the exponents), not a looser one. Plain TF32 (``passes=1``) must fail that rule
 on ordinary inputs: the test that shows the rule can tell the two apart. Drawn shapes:
-ragged N, Nq != Nk, d not a multiple of 8 (padded), causal rows that see no key; large
-logits, N = 0 and 1 pinned.
+ragged N, Nq != Nk, d not a multiple of 8 (padded), causal rows that see no key,
+grouped-query heads (k, v with H / 2 heads, read in place; the oracle sees them repeated);
+large logits, N = 0 and 1 pinned.
 """
 
 import numpy as np
@@ -16,7 +17,8 @@ from numba import cuda
 
 from kernels import reference as ref
 from kernels.base.runtime import ArrayKind, is_device_array, on_simulator
-from kernels.base.testing import assert_close, attention_cases, case_with, forward_floor_scales
+from kernels.base.testing import assert_close, attention_cases, case_with, forward_floor_scales, \
+    grouped_attention_cases
 from kernels.flash_tf32 import flash_attention_tf32, forward_checked, make_flash_forward_tf32, split_before, \
     tf32_tiles
 
@@ -35,10 +37,12 @@ def check(case, passes=3, splits=None, before=None):
                                          for x in (case.q, case.k, case.v)),
                                  causal=case.causal, scale=scale, passes=passes, splits=splits, before=before)
         o, lse = kind.result(o), kind.result(lse)
-    exact_o, exact_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale)
-    base_o, base_l = ref.attention(case.q, case.k, case.v, causal=case.causal, scale=case.scale, dtype=np.float32)
-    assert o.dtype == np.float32 and lse.dtype == np.float32
-    fs_o, fs_l = forward_floor_scales(case.q, case.k, case.v, case.scale, causal=case.causal)
+    group = case.q.shape[1] // case.k.shape[1]          # query head h reads KV head h // group
+    k, v = (np.repeat(x, group, axis=1) for x in (case.k, case.v))
+    exact_o, exact_l = ref.attention(case.q, k, v, causal=case.causal, scale=case.scale)
+    base_o, base_l = ref.attention(case.q, k, v, causal=case.causal, scale=case.scale, dtype=np.float32)
+    assert o.dtype == np.float32 and lse.dtype == np.float32 and o.shape == case.q.shape
+    fs_o, fs_l = forward_floor_scales(case.q, k, v, case.scale, causal=case.causal)
     assert_close(o, exact_o, base_o, name="O", floor_scale=fs_o)
     assert_close(lse, exact_l, base_l, name="L", floor_scale=fs_l)
     return o, lse
@@ -46,8 +50,14 @@ def check(case, passes=3, splits=None, before=None):
 
 def tf32_cases():
     """Chapter 4's drawn cases (``kernels.base.testing.attention_cases``: ragged N, Nq != Nk,
-    empty sequences, drawn scales and logit spreads), at this chapter's sizes and head dims."""
-    return attention_cases(max_n=MAX_N, head_dims=HEAD_DIMS)
+    empty sequences, drawn scales and logit spreads), at this chapter's sizes and head dims,
+    and grouped-query ones (two query heads a KV head)."""
+    return st.one_of(attention_cases(max_n=MAX_N, head_dims=HEAD_DIMS),
+                     grouped_attention_cases(max_n=MAX_N, head_dims=HEAD_DIMS, small=SIM, dtype=np.float32,
+                                             groups=(2,)))
+
+
+GQA = case_with((2, 6, 19, 13), (2, 2, 23, 13), causal=True)     # 3 query heads a KV head, ragged d
 
 
 ONE_PAST = tf32_tiles(16)[0] + 1          # one past a block's query rows
@@ -59,6 +69,7 @@ ONE_PAST = tf32_tiles(16)[0] + 1          # one past a block's query rows
 @example(case=case_with((1, 1, 9, 5), (1, 1, 4, 5), causal=True))                     # Nq > Nk: rows see nothing
 @example(case=case_with((1, 1, ONE_PAST, 16), (1, 1, 7, 16), causal=True))            # one past a block
 @example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0))                # logits ~ +-1e4
+@example(case=GQA)
 def test_matches_oracle(case):
     check(case)
 
@@ -77,6 +88,8 @@ def test_keys_split_among_blocks_meet_the_same_rule(case, splits):
 @settings(max_examples=4 if SIM else 100)
 @example(case=case_with((1, 1, ONE_PAST, 13), (1, 1, 40, 13), causal=True), before=False, splits=1)  # ragged d
 @example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0), before=False, splits=1)       # large logits
+@example(case=GQA, before=True, splits=3)
+@example(case=GQA, before=False, splits=1)
 def test_k_and_v_split_before_or_as_they_land_meet_the_same_rule(case, before, splits):
     """K and V split into their TF32 parts by a launch before the forward, or by each block
     in shared memory as its tiles land (``raw_kv``): the same rule either way."""
@@ -165,6 +178,10 @@ GOOD = np.zeros((1, 1, 4, 8), np.float32)
     (dict(passes=True), ValueError, "passes"),
     (dict(causal="yes"), TypeError, "causal"),
     (dict(scale=-1.0), ValueError, "scale"),
+    (dict(q=np.zeros((1, 3, 4, 8), np.float32), k=np.zeros((1, 2, 4, 8), np.float32),
+          v=np.zeros((1, 2, 4, 8), np.float32)), ValueError, "^k: expected a number of heads Hkv dividing q's H = 3"),
+    (dict(k=np.zeros((2, 1, 4, 8), np.float32), v=np.zeros((2, 1, 4, 8), np.float32)), ValueError,
+     "^k: expected batch B = 1"),
 ])
 def test_bad_inputs_name_the_argument(change, exc, name):
     args = dict(q=GOOD, k=GOOD, v=GOOD)

@@ -93,8 +93,9 @@ show_source(FlashAttention, "def forward", "return dq, dk, dv, None, None, None"
 #
 # Grouped-query attention (k and v with fewer heads than q) runs natively in the backwards of
 # chapters 11 and 12, which sum each KV head's dK and dV over its group inside the kernel, and
-# in chapter 8's forward (fp16, bf16), whose query head h reads KV head h // (H / Hkv); the
-# float32 forwards read K and V repeated to H heads (a copy). `_forward` and `_backward` hold the routing:
+# in the forwards of chapters 8 and 11, whose query head h reads KV head h // (H / Hkv); chapters
+# 4 and 5's FMA kernels (the float32 path without TF32 tensor cores, as in the simulator) read K
+# and V repeated to H heads (a copy). `_forward` and `_backward` hold the routing:
 
 # %%
 show_source(ta._backward, "if block_mask is not None:", "group = 1", more=12)

@@ -409,8 +409,9 @@ def check_array(x, name: str, *, ndim: int | None = None, dtypes=(np.float32,)):
     return tuple(shape), np.dtype(dtype)
 
 
-def check_qkv(q, k, v, *, dtypes=(np.float32,), max_head_dim: int = 128):
-    """Validate attention inputs (B, H, N, d). Returns (B, H, Nq, Nk, d, dtype)."""
+def check_qkv(q, k, v, *, dtypes=(np.float32,), max_head_dim: int = 128, grouped: bool = False):
+    """Validate attention inputs (B, H, N, d); ``grouped``: k and v may have Hkv heads, Hkv
+    dividing H (grouped-query attention). Returns (B, H, Nq, Nk, d, dtype)."""
     qs, qd = check_array(q, "q", ndim=4, dtypes=dtypes)
     ks, kd = check_array(k, "k", ndim=4, dtypes=dtypes)
     vs, vd = check_array(v, "v", ndim=4, dtypes=dtypes)
@@ -418,7 +419,13 @@ def check_qkv(q, k, v, *, dtypes=(np.float32,), max_head_dim: int = 128):
         raise TypeError(f"q, k, v: expected one dtype, got {qd}, {kd}, {vd}")
     if ks != vs:
         raise ValueError(f"v: expected the shape of k {ks}, got {vs}")
-    if qs[:2] != ks[:2]:
+    if grouped:
+        if qs[0] != ks[0]:
+            raise ValueError(f"k: expected batch B = {qs[0]} like q, got {ks[0]}")
+        if ks[1] == 0 or qs[1] % ks[1]:
+            raise ValueError(f"k: expected a number of heads Hkv dividing q's H = {qs[1]} (grouped-query), "
+                             f"got {ks[1]}")
+    elif qs[:2] != ks[:2]:
         raise ValueError(f"k: expected batch and heads (B, H) = {qs[:2]} like q, got {ks[:2]}")
     if qs[3] != ks[3]:
         raise ValueError(f"k: expected head dim d = {qs[3]} like q, got {ks[3]}")
