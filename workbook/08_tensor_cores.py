@@ -133,6 +133,25 @@ show_source(make_flash_forward_mma_from, "# V_j has landed", "acc[2 * dt + 1, e]
 # Precision: S and O accumulate in fp32; P is rounded to the input type before P V, as in
 # FlashAttention-2 (fp16: a relative error of 2^-11 a weight, bf16: 2^-8). The tests hold
 # the kernel to twice the error of a float32 reference that rounds P the same way.
+#
+# Grouped-query attention (k and v with Hkv heads, H a multiple of Hkv, as Llama-style models
+# keep their KV cache small) costs the kernel one line: the block of query head row
+# bh = b H + h reads KV row bh // (H / Hkv) = b Hkv + h // (H / Hkv), the same K and V tiles for
+# every query head of a group, with no copy. The division is 32-bit and unsigned (Numba's
+# `//` on int32 is a signed 64-bit division, a call of about a hundred instructions), once
+# a block, and compiled in only where Hkv < H (`grouped=`), so the MHA kernel is unchanged:
+
+# %%
+show_source(make_flash_forward_mma_from, "kvh = bh", "qh, kh, vh = q[bh], k[kvh], v[kvh]")
+
+# %%
+rng_gqa = np.random.default_rng(80)
+q_g = rng_gqa.standard_normal((1, 4, NQ, D_HEAD)).astype(np.float16)                            # 4 query heads
+k_g, v_g = (rng_gqa.standard_normal((1, 2, NK, D_HEAD)).astype(np.float16) for _ in range(2))   # on 2 KV heads
+o_g, _ = flash_attention_tc(q_g, k_g, v_g, causal=True)
+exact_g, _ = ref.attention(q_g.astype(np.float64), *(np.repeat(x, 2, axis=1).astype(np.float64) for x in (k_g, v_g)),
+                           causal=True)
+print(f"GQA 4 query heads on 2 KV heads: max |O - oracle (K, V repeated)| = {np.abs(o_g - exact_g).max():.1e}")
 
 # %% [markdown]
 # ## 3. Check against the oracle
@@ -159,11 +178,12 @@ exact, _ = ref.attention(*values, causal=True)
 print(f"bf16 causal=True: max |O - oracle| = {np.abs(o - exact).max():.1e}")
 
 # %% [markdown]
-# The property tests (`tests/test_flash_tensor_cores.py`) draw shapes, scales and logit
-# spreads, pin the awkward cases (N = 1, ragged tiles, rows that see no key, Nq = 0,
-# Nk = 0, large logits), and compare O and L with the tolerance rule; four planted bugs
-# (O not rescaled, P's two tiles swapped, the causal diagonal shifted, L in base 2) fail
-# them (`tests/mutants.py`).
+# The property tests (`tests/test_flash_tensor_cores.py`) draw shapes (one or two query
+# heads a KV head), scales and logit spreads, pin the awkward cases (N = 1, ragged tiles,
+# rows that see no key, Nq = 0, Nk = 0, large logits, three query heads a KV head), and
+# compare O and L with the tolerance rule; planted bugs (O not rescaled, P's two tiles
+# swapped, the causal diagonal shifted, L in base 2, KV heads interleaved) fail them
+# (`tests/mutants.py`).
 #
 # ## 4. Results on the H100
 #
