@@ -9,6 +9,11 @@ same: B = 16k / N), so that every N does the same work per key:
 * at N = 4096 (B = 4), fp16 and bf16: the same, plus SDPA memory-efficient,
   FlexAttention (``torch.compile``d; causal by a block mask) and chapter 4's fp32-FMA
   kernel (fp16 inputs only);
+* grouped-query heads at N = 4096 (B = 4, 16 query heads on 4 KV heads), fp16 and bf16,
+  causal and not: the launcher reading each KV head in place, the same launcher on K and V
+  repeated to 16 heads first (``repeat_interleave``: what a kernel without grouped heads
+  needs), and SDPA flash with ``enable_gqa=True`` (in the simulator: 4 query heads on 2, the
+  launcher alone);
 * the mma.sync ceiling (``kernels.bench.mma_ceiling``: independent m16n8k16 per warp, no
   memory), fp16 and bf16, measured first; every attention row then carries its percentage
   of the ceiling of its input type (``extra["pct_mma_ceiling"]`` and the note).
@@ -44,6 +49,8 @@ FMA = "chapter 4 fp32 FMA kernel (fp16 in)"
 CEILING = "ceiling: mma.sync m16n8k16"          # + " fp16" / " bf16"
 FLEX = "peer: FlexAttention (torch.compile)"
 CHECK_ROWS = 512                                # query rows of head (0, 0) checked against the oracle
+GQA_NATIVE = "flash_attention_tc() GQA, K and V in place"
+GQA_REPEATED = "flash_attention_tc() GQA, K and V repeated first"
 
 
 def _sizes(ctx):
@@ -225,7 +232,67 @@ def run(ctx) -> list[Result]:
             del sets, o_flat, lse_flat
             if torch is not None:
                 torch.cuda.empty_cache()
+    _grouped_query(ctx, add, torch, tokens, n_ref, dims[0])
     return results
+
+
+def _grouped_query(ctx, add, torch, tokens, n, d):
+    """Grouped-query heads at the reference N: H query heads on H / 4 KV heads (4 on 2 in the
+    simulator), in place against repeated first, and SDPA flash's own grouped heads."""
+    from numba import cuda
+
+    h, hkv = (4, 2) if ctx.simulator else (16, 4)
+    b = max(1, tokens // n)
+    group = h // hkv
+    for bf16 in (False, True):
+        kind = "bf16" if bf16 else "fp16"
+        rng = np.random.default_rng(880)
+        xs = [rng.standard_normal((b, heads, n, d)).astype(np.float32) for heads in (h, hkv, hkv)]
+        if bf16:
+            from kernels.base.mma import bf16_bits
+
+            host = [bf16_bits(x).astype(np.uint16) for x in xs]
+        else:
+            host = [x.astype(np.float16) for x in xs]
+        o, _ = flash_attention_tc(*host, causal=True, bf16=bf16)            # checked once, against the oracle
+        values = [(x.astype(np.uint32) << 16).view(np.float32) if bf16 else x.astype(np.float32) for x in host]
+        exact, _ = ref.attention(values[0][:1, :1].astype(np.float64),
+                                 *(x[:1, :1].astype(np.float64) for x in values[1:]), causal=True)
+        err = float(np.max(np.abs(np.asarray(o)[:1, :1] - exact)))
+        assert err < 2e-2, f"grouped-query forward differs from the oracle by {err:.3g} on head (0, 0)"
+        for causal in (False, True):
+            config = f"B={b} H={h} Hkv={hkv} N={n} d={d} {kind} causal={causal}"
+            flops = 4.0 * b * h * n * n * d / (2 if causal else 1)
+            model = 2.0 * b * (h + 2 * hkv) * n * d + 2.0 * b * h * n * d + 4.0 * b * h * n
+            extra = {"N": n, "B": b, "H": h, "Hkv": hkv, "d": d, "causal": causal, "dtype": kind}
+
+            def measure(kernel, fn, sets_, **kw):
+                add(ctx.measure(CHAPTER, kernel, config, fn, sets_, flops=flops, model_bytes=model,
+                                peak_memory=False, extra=dict(extra), **kw))
+
+            call = lambda q, k, v, c=causal: flash_attention_tc(q, k, v, causal=c, bf16=bf16)   # noqa: E731
+            if torch is None:
+                measure(GQA_NATIVE, call, [tuple(cuda.to_device(x) for x in host)],
+                        note=f"device arrays in; head (0,0) max error {err:.1e}")
+                continue
+            dtype = torch.bfloat16 if bf16 else torch.float16
+            tsets = [tuple(torch.as_tensor(x, device="cuda").view(dtype) for x in host)]
+            measure(GQA_NATIVE, call, tsets,
+                    note=f"{dtype} tensors in, KV head h // {group} read in place; head (0,0) max error {err:.1e}")
+            measure(GQA_REPEATED, lambda q, k, v, c=causal: call(q, k.repeat_interleave(group, 1),
+                                                                 v.repeat_interleave(group, 1), c),
+                    tsets, note="K and V copied to every query head (repeat_interleave), then the MHA kernel")
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+            def flash(q, k, v, c=causal):
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return sdpa(q, k, v, is_causal=c, enable_gqa=True)
+            try:
+                measure("peer: SDPA flash, enable_gqa", flash, tsets, is_peer=True, note="tensor cores")
+            except Exception as exc:
+                ctx.progress(f"  skipped SDPA flash with enable_gqa: {type(exc).__name__}: {str(exc)[:120]}")
+            del tsets
 
 
 def _sdpa_peers(ctx, measure, torch, tsets, causal, every):
