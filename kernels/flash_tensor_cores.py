@@ -450,7 +450,8 @@ def _bind_forward(views, d, bf16, causal, scale, aligned, splits=1, o16=False):
 
 def ptx_targets(every_shape: bool = False):
     """The kernel at the GPU tiles, d = 64 and 128, fp16 (``every_shape``: bf16 too; its code
-    differs in the two instructions' names only), and the grouped-query kernel."""
+    differs in the two instructions' names only), and the grouped-query kernel at d = 128
+    (``every_shape``: at 64 too)."""
     sig = ("void(uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], float32[:, :, ::1], float32[:, ::1], "
            "float32, int32, int32, int32)")
     out = []
@@ -458,6 +459,7 @@ def ptx_targets(every_shape: bool = False):
         for bf16 in (False, True) if every_shape else (False,):
             out.append((f"flash fwd tensor cores {'bf16' if bf16 else 'fp16'} Br=128 Bc=64 D={D}",
                         make_flash_forward_mma(128, 64, D, bf16), sig))    # tc_tiles on a GPU
-        out.append((f"flash fwd tensor cores fp16 grouped-query Br=128 Bc=64 D={D}",
-                    make_flash_forward_mma(128, 64, D, False, grouped=True), sig))
+        if D == 128 or every_shape:
+            out.append((f"flash fwd tensor cores fp16 grouped-query Br=128 Bc=64 D={D}",
+                        make_flash_forward_mma(128, 64, D, False, grouped=True), sig))
     return out

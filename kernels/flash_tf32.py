@@ -454,7 +454,7 @@ def _bind_forward(views, causal, scale, passes, aligned, splits=1, before=True):
 
 def ptx_targets(every_shape: bool = False):
     """The kernel at the GPU tiles, d = 64 and 128, 3xTF32 (``every_shape``: plain TF32 too),
-    its grouped-query form, and the split."""
+    its grouped-query form at d = 128 (``every_shape``: at 64 too), and the split."""
     sig = ("void(float32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], uint32[:, :, ::1], "
            "float32[:, :, ::1], float32[:, ::1], float32, int32, int32, int32)")
     raw_sig = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
@@ -470,6 +470,7 @@ def ptx_targets(every_shape: bool = False):
         if every_shape:                                # K and V split as they land (short queries)
             out.append((f"flash fwd 3xTF32 raw K V Br={Br} Bc={Bc} D={D}",
                         make_flash_forward_tf32(Br, Bc, D, 3, dynamic, raw_kv=True), raw_sig))
-        out.append((f"flash fwd 3xTF32 grouped-query Br={Br} Bc={Bc} D={D}",
-                    make_flash_forward_tf32(Br, Bc, D, 3, dynamic, grouped=True), sig))
+        if D == 128 or every_shape:
+            out.append((f"flash fwd 3xTF32 grouped-query Br={Br} Bc={Bc} D={D}",
+                        make_flash_forward_tf32(Br, Bc, D, 3, dynamic, grouped=True), sig))
     return out

@@ -79,7 +79,7 @@ PINNED = [
     pinned((1, 1, 17, 16), (1, 1, 17, 16), magnitude=12.0),         # logits of several hundred
     pinned((1, 1, 0, 8), (1, 1, 5, 8)),                             # Nq = 0
     pinned((1, 1, 6, 8), (1, 1, 0, 8)),                             # Nk = 0: O = 0, L = -inf
-    pinned((2, 6, 19, 24), (2, 2, 23, 24), causal=True),            # grouped-query: 3 query heads a KV head
+    pinned((2, 3, 9, 24), (2, 1, 11, 24), causal=True),             # grouped-query: 3 query heads a KV head, B = 2
 ]
 PINNED_IDS = ["N=1", "ragged", "Nq>Nk", "large-logits", "Nq=0", "Nk=0", "GQA"]
 
