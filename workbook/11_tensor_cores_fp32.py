@@ -298,7 +298,7 @@ show_source(make_tf32_product, "def product(a_hi, a_lo, b_hi, b_lo):", "return m
 # truncating, so the errors of thousands of chained additions all lean the same way (section
 # 2's `accumulate="rz"`). With a fresh accumulator a k-step, a chain is three mma long and
 # the running sums are fp32 additions, rounded to nearest. The GPU tests pass again, and the
-# bench measures the error at 0.35-3.7x float32 NumPy's over N = 1k-16k (section 6).
+# bench measures the error at 0.35-3.4x float32 NumPy's over N = 1k-16k (section 6).
 #
 # **4. P V without a shuffle.** P's accumulator tile holds, in lane (g, t), the keys 2t and
 # 2t + 1 of rows g and g + 8. The m16n8k8 A operand wants keys t and t + 4. A sum over keys
@@ -395,23 +395,24 @@ if rows:
                   "peer: plain PyTorch fp32": ("plain PyTorch", "C2")}, "the launcher")
 
 # %% [markdown]
-# **What the H100 says**:
+# **What the GPU says** (the table above: an H200, 2026-11-29; the kernel's analysis below
+# was made on an H100, whose run read within a few percent of this one):
 #
-# * **Accuracy: as fp32, or better.** 3xTF32's error is 0.35-3.7x float32 NumPy's (growing
+# * **Accuracy: as fp32, or better.** 3xTF32's error is 0.35-3.4x float32 NumPy's (growing
 #   with N, as every serial sum over keys does). SDPA's memory-efficient kernel measures
 #   0.65-2.5x. That kernel is CUTLASS, itself 3xTF32: Nsight Compute counts its tensor-core
 #   instructions at 3.00x the attention's FLOPs (`workbook/results/sdpa_pipes.csv`). SDPA
-#   math and plain PyTorch measure 0.9-7.9x, and plain TF32 550-1,500x. At N = 16,384 the
+#   math and plain PyTorch measure 0.8-8.3x, and plain TF32 530-1,500x. At N = 16,384 the
 #   tests hold 3xTF32 to the rule and it uses 0.36-0.38 of the bound, where chapter 4's FMA
 #   kernel uses 0.9.
-# * **Speed: not yet what the tensor cores offer.** At N = 4096 the bare kernel takes 8.5 ms
-#   at d = 64 and 17.7 ms at d = 128. That is about chapter 4's FMA kernel (8.6 and 19.9
-#   through its launcher) and slower than SDPA memory-efficient (8.1 and 12.1): **0.95x and
-#   0.68x** (the launcher 0.99x and 0.67x).
-#   * Across the sweep the launcher is 0.78-1.03x SDPA memory-efficient at d = 64 and
-#     0.56-0.71x at d = 128.
-#   * It beats plain PyTorch by 1.39-4.8x at d = 64. At d = 128 it wins clearly with the causal
-#     mask (1.9-2.9x); without it, it is 0.90-1.09x.
+# * **Speed: not yet what the tensor cores offer.** At N = 4096 the bare kernel takes 8.8 ms
+#   at d = 64 and 18.5 ms at d = 128. That is about chapter 4's FMA kernel (9.2 and 19.7
+#   through its launcher) and slower than SDPA memory-efficient (7.9 and 12.2): **0.90x and
+#   0.66x** (the launcher 0.95x and 0.68x). (H100: 8.5 and 17.7 ms, 0.95x and 0.68x.)
+#   * Across the sweep the launcher is 0.76-1.01x SDPA memory-efficient at d = 64 and
+#     0.55-0.71x at d = 128.
+#   * It beats plain PyTorch by 1.25-4.4x at d = 64. At d = 128 it wins clearly with the causal
+#     mask (1.7-2.5x); without it, it is 0.81-1.02x (H100: 0.90-1.09x).
 #   * The split's rounding by `cvt.rn` instead of `cvt.rna` (section 4) gained 4-9% here (the
 #     launcher, same machine, one after the other: 8.31 → 8.03 ms at d = 64, 19.1 → 17.8 at
 #     d = 128): K and V are split once a call, so only Q's and P's splits got cheaper.
