@@ -5,8 +5,10 @@
 
 Profiles (``HYPOTHESIS_PROFILE`` picks one; the default follows the device):
   ci   simulator, few examples, no deadline: what CI runs on a machine with no GPU
-  dev  more examples, for working on a chapter
-  gpu  the real device, hundreds of examples, production tile sizes
+  dev  40 examples a property test, for working on a chapter (on a GPU too: each test's own
+       GPU count, ``kernels.base.testing.gpu_examples(n)``, is capped at the profile's, so a
+       dev run on a GPU finishes in minutes)
+  gpu  the real device, hundreds of examples (each test's own count), production tile sizes
   mutants  what tests/test_planted_bugs.py runs a mutant's tests with: a fixed, derandomized
        set of examples and no shrinking (a caught mutant needs one failure, not the smallest)
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kernels import reference as ref
 from kernels.base.fused import padded_head_dim
 from kernels.base.runtime import is_device_array, on_simulator
-from kernels.base.testing import Floor, assert_close, attention_floors, magnitude_for_logits, random_array
+from kernels.base.testing import gpu_examples, Floor, assert_close, attention_floors, magnitude_for_logits, random_array
 from kernels.decode import (
     MAX_QUERIES,
     StreamKSchedule,
@@ -154,7 +154,7 @@ def test_matches_oracle_on_hard_cases(case):
 # on a GPU, where most drawn cases need kernels of a shape not compiled yet (seconds each).
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16], ids=["fp32-kv", "fp16-kv"])
 @pytest.mark.parametrize("schedule", ["split-k", "stream-k"])
-@settings(max_examples=max(2, settings().max_examples // 4) if SIM else 40)
+@settings(max_examples=max(2, settings().max_examples // 4) if SIM else gpu_examples(40))
 @given(data=st.data())
 def test_matches_oracle(schedule, kv_dtype, data):
     check(data.draw(decode_cases(schedules=(schedule,), kv_dtypes=(kv_dtype,)), label="case"))
@@ -183,7 +183,7 @@ def tensor_core_cases(draw):
     return case
 
 
-@settings(max_examples=3 if SIM else 150)
+@settings(max_examples=3 if SIM else gpu_examples(150))
 @given(tensor_core_cases())
 @example(make_case(b=2, hkv=1, group=4, nq=1, n_max=37, d=64, lengths=[37, 5], causal=True, logit_std=30.0,
                    kv_dtype=np.float16, schedule="stream-k", blocks=3))

@@ -18,7 +18,7 @@ from kernels import reference as ref
 from kernels import dropout as dr
 from kernels.base import testing as tt
 from kernels.base.runtime import on_simulator
-from kernels.base.testing import Floor, U, assert_close, attention_cases, case_with, random_array
+from kernels.base.testing import gpu_examples, Floor, U, assert_close, attention_cases, case_with, random_array
 from kernels.flash_backward import shared_tile_backward
 from kernels.flash_forward import query_tile_attention
 from test_reference import _finite_difference
@@ -224,7 +224,7 @@ def check_backward(case, p, seed, got, o, lse, do):
         assert_close(g, e, b, name=name, floor=f)
 
 
-@settings(max_examples=5 if SIM else 200)
+@settings(max_examples=5 if SIM else gpu_examples(200))
 @given(case=attention_cases(max_n=MAX_N, max_d=MAX_D, dtypes=(np.float32, np.float16)), p=st.sampled_from(P_CHOICES),
        seed=st.integers(0, 2**64 - 1), tiles=st.sampled_from(TILES))
 @example(case=case_with((1, 2, 9, 5), (1, 2, 13, 5), causal=True), p=0.5, seed=1, tiles=None)      # Nq < Nk, ragged
@@ -236,7 +236,7 @@ def test_forward_matches_oracle(case, p, seed, tiles):
     check_forward(case, p, seed, tiles)
 
 
-@settings(max_examples=5 if SIM else 200)
+@settings(max_examples=5 if SIM else gpu_examples(200))
 @given(case=attention_cases(max_n=MAX_N, max_d=MAX_D), p=st.sampled_from(P_CHOICES), seed=st.integers(0, 2**64 - 1),
        tiles=st.sampled_from(TILES))
 @example(case=case_with((1, 2, 9, 5), (1, 2, 13, 5), causal=True), p=0.5, seed=1, tiles=None)

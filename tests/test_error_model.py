@@ -48,3 +48,22 @@ def test_aligned_sums_err_beyond_one_u_of_the_absolute_sum():
     err = np.abs(serial_float32_dot(x, y) - exact)
     a = np.sum(np.abs(x.astype(np.float64) * y), axis=-1)
     assert (err / (U * a)).max() > 4.0
+
+
+def test_gpu_examples_follow_the_loaded_profile():
+    # A test's own GPU count where the profile allows as many, the profile's where it asks for
+    # fewer (dev: 40), read from the profile the test run loaded.
+    from hypothesis import settings
+
+    from kernels.base.testing import gpu_examples
+
+    loaded, name = settings().max_examples, settings.get_current_profile_name()
+    assert gpu_examples(loaded + 100) == loaded
+    assert gpu_examples(1) == 1
+    try:
+        for profile, expected in (("gpu", 200), ("dev", 40), ("mutants", 25)):
+            settings.load_profile(profile)
+            assert gpu_examples(200) == expected, profile
+    finally:
+        settings.load_profile(name)
+    assert settings().max_examples == loaded

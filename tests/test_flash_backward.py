@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from kernels import reference as ref
 from kernels.base.backward_tiles import check_tiles, split
 from kernels.base.runtime import on_simulator
-from kernels.base.testing import assert_close, attention_cases, case_with, gradient_floor_scales, random_array
+from kernels.base.testing import assert_close, attention_cases, case_with, gradient_floor_scales, random_array, \
+    gpu_examples
 from kernels.base.fused import padded_head_dim
 from kernels.flash_backward import (ACC_ROWS, DQ_MODES, ROW_THREADS, BackwardTiles, check_shared_tiles, default_tiles,
                                     flash_backward_numpy, head_dim_bucket, recompute_p,
@@ -137,7 +138,7 @@ def rung_examples(**extra):
 
 
 @given(case=attention_cases(max_n=RUNG_MAX_N, max_d=RUNG_MAX_D), seed=st.integers(0, 2**16))
-@settings(max_examples=8 if SIM else 150)
+@settings(max_examples=8 if SIM else gpu_examples(150))
 @rung_examples()
 def test_row_per_thread_backward_rung_matches_oracle(case, seed):
     t = 32 if SIM else ROW_THREADS
@@ -148,7 +149,7 @@ def test_row_per_thread_backward_rung_matches_oracle(case, seed):
 
 @given(case=attention_cases(max_n=RUNG_MAX_N, max_d=RUNG_MAX_D), seed=st.integers(0, 2**16),
        tiles=st.sampled_from(SHARED_TILES))
-@settings(max_examples=8 if SIM else 150)
+@settings(max_examples=8 if SIM else gpu_examples(150))
 @rung_examples(tiles=SHARED_TILES[0])
 def test_shared_tile_backward_rung_matches_oracle(case, seed, tiles):
     Br, Bc = check_shared_tiles(tiles, padded_head_dim(case.q.shape[-1]))     # (the defaults for None)

@@ -34,7 +34,7 @@ from kernels.flash_forward import flash_attention as _flash_attention
 from kernels.base.fused import padded_head_dim
 from kernels.base.runtime import is_device_array, on_simulator
 from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
-from kernels.base.testing import assert_close, attention_cases, case_with, forward_floor_scales
+from kernels.base.testing import gpu_examples, assert_close, attention_cases, case_with, forward_floor_scales
 
 
 def flash_attention(q, k, v, **options):
@@ -132,7 +132,7 @@ def tile_configs():
     return draw()
 
 
-@settings(max_examples=6 if SIM else 300)
+@settings(max_examples=6 if SIM else gpu_examples(300))
 @given(case=attention_cases(max_n=24 if SIM else 300, max_d=16 if SIM else 128,
                             dtypes=BOTH_DTYPES if SIM else (np.float32,)),
        tiles=tile_configs())
@@ -346,7 +346,7 @@ def rung_examples(**extra):
 
 
 @given(case=attention_cases(max_n=RUNG_MAX_N, max_d=RUNG_MAX_D, dtypes=BOTH_DTYPES))
-@settings(max_examples=10 if SIM else 150)
+@settings(max_examples=10 if SIM else gpu_examples(150))
 @rung_examples()
 def test_row_per_thread_rung_matches_oracle(case):
     threads = 32 if SIM else ROW_THREADS
@@ -354,7 +354,7 @@ def test_row_per_thread_rung_matches_oracle(case):
 
 
 @given(case=attention_cases(max_n=RUNG_MAX_N, max_d=RUNG_MAX_D, dtypes=BOTH_DTYPES), tiles=st.sampled_from(QUERY_TILES))
-@settings(max_examples=10 if SIM else 150)
+@settings(max_examples=10 if SIM else gpu_examples(150))
 @rung_examples(tiles=QUERY_TILES[0])
 def test_query_tile_rung_matches_oracle(case, tiles):
     Br = tiles[0]

@@ -18,7 +18,8 @@ from kernels import reference as ref
 from kernels.base.mma import a_position, bf16_bits, c_position, words_to_halves
 from kernels.base.key_split import choose_splits
 from kernels.base.runtime import ArrayKind, on_simulator
-from kernels.base.testing import AttentionCase, assert_close, forward_floor_scales, grouped_attention_cases
+from kernels.base.testing import AttentionCase, assert_close, forward_floor_scales, grouped_attention_cases, \
+    gpu_examples
 from kernels.flash_tensor_cores import flash_attention_tc, forward_checked
 
 SIM = on_simulator()
@@ -196,13 +197,13 @@ def test_p_to_a_follows_the_ptx_mapping(bf16):
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
 @given(case=tc_cases())
-@settings(max_examples=4 if SIM else 150)
+@settings(max_examples=4 if SIM else gpu_examples(150))
 def test_matches_oracle(case, bf16):
     check(case, bf16)
 
 
 @given(case=tc_cases(), splits=st.integers(2, 5))
-@settings(max_examples=3 if SIM else 60)
+@settings(max_examples=3 if SIM else gpu_examples(60))
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
 def test_keys_split_among_blocks_meet_the_same_rule(case, splits, bf16):
     """The split forward (``kernels.base.key_split``): S blocks a query tile, each a share of
@@ -216,7 +217,7 @@ def test_pinned_cases_split(case):
 
 
 @given(case=tc_cases(), splits=st.sampled_from([1, 3]))
-@settings(max_examples=3 if SIM else 60)
+@settings(max_examples=3 if SIM else gpu_examples(60))
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
 def test_o_in_the_inputs_type_is_the_float32_o_rounded(case, splits, bf16):
     """``o=``: the kernel (or, split, the merge) writes O in the inputs' 16-bit type. Each

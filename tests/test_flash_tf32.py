@@ -17,7 +17,7 @@ from numba import cuda
 
 from kernels import reference as ref
 from kernels.base.runtime import ArrayKind, is_device_array, on_simulator
-from kernels.base.testing import assert_close, attention_cases, case_with, forward_floor_scales, \
+from kernels.base.testing import gpu_examples, assert_close, attention_cases, case_with, forward_floor_scales, \
     grouped_attention_cases
 from kernels.flash_tf32 import flash_attention_tf32, forward_checked, make_flash_forward_tf32, split_before, \
     tf32_tiles
@@ -64,7 +64,7 @@ ONE_PAST = tf32_tiles(16)[0] + 1          # one past a block's query rows
 
 
 @given(case=tf32_cases())
-@settings(max_examples=3 if SIM else 200)
+@settings(max_examples=3 if SIM else gpu_examples(200))
 @example(case=case_with((1, 1, 1, 8), (1, 1, 1, 8)))                                  # N = 1
 @example(case=case_with((1, 1, 9, 5), (1, 1, 4, 5), causal=True))                     # Nq > Nk: rows see nothing
 @example(case=case_with((1, 1, ONE_PAST, 16), (1, 1, 7, 16), causal=True))            # one past a block
@@ -75,7 +75,7 @@ def test_matches_oracle(case):
 
 
 @given(case=tf32_cases(), splits=st.integers(2, 5))
-@settings(max_examples=3 if SIM else 100)
+@settings(max_examples=3 if SIM else gpu_examples(100))
 @example(case=case_with((1, 1, 9, 5), (1, 1, 4, 5), causal=True), splits=3)              # rows that see nothing
 @example(case=case_with((1, 1, ONE_PAST, 16), (1, 1, 40, 16), causal=True), splits=4)    # shares of a causal walk
 def test_keys_split_among_blocks_meet_the_same_rule(case, splits):
@@ -85,7 +85,7 @@ def test_keys_split_among_blocks_meet_the_same_rule(case, splits):
 
 
 @given(case=tf32_cases(), before=st.booleans(), splits=st.sampled_from([1, 3]))
-@settings(max_examples=4 if SIM else 100)
+@settings(max_examples=4 if SIM else gpu_examples(100))
 @example(case=case_with((1, 1, ONE_PAST, 13), (1, 1, 40, 13), causal=True), before=False, splits=1)  # ragged d
 @example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0), before=False, splits=1)       # large logits
 @example(case=GQA, before=True, splits=3)
@@ -118,7 +118,7 @@ def test_plain_tf32_fails_the_fp32_rule():
 
 
 @given(st.data())
-@settings(max_examples=3 if SIM else 100)
+@settings(max_examples=3 if SIM else gpu_examples(100))
 def test_nan_or_inf_reaches_the_rows_it_touches(data):
     """A NaN or Inf in one element of an input reaches the rows it touches and no other: a
     query row (that row), a key or value row (every row of its head; planted without causal

@@ -14,6 +14,7 @@ import numpy as np
 from hypothesis import example, given, settings, strategies as st
 from numba import cuda, int32
 
+from kernels.base.testing import gpu_examples
 from kernels.base.key_block_walk import next_pair, pair_at, query_pairs
 from kernels.base.runtime import on_simulator
 
@@ -50,7 +51,7 @@ def _expected(k0, diag, causal, n_q, Br, group, bkv):
 @given(Br=st.sampled_from([16, 64, 128]), n_q=st.integers(1, 600), n_k=st.integers(1, 600),
        key_block=st.integers(0, 9), causal=st.booleans(), group=st.integers(1, 4), bkv=st.integers(0, 3),
        start=st.integers(0, 12))
-@settings(max_examples=20 if SIM else 200)
+@settings(max_examples=20 if SIM else gpu_examples(200))
 @example(Br=64, n_q=256, n_k=256, key_block=1, causal=True, group=2, bkv=1, start=3)   # a split mid-head
 def test_the_walk_visits_the_pairs_in_order(Br, n_q, n_k, key_block, causal, group, bkv, start):
     k0 = min(key_block * 64, n_k - 1)

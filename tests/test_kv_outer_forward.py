@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kernels import reference as ref
 from kernels.base.runtime import on_simulator
-from kernels.base.testing import assert_close, attention_cases, case_with, forward_floor_scales
+from kernels.base.testing import gpu_examples, assert_close, attention_cases, case_with, forward_floor_scales
 from kernels.kv_outer_forward import hbm_elements, kv_outer_attention
 
 SIM = on_simulator()
@@ -42,7 +42,7 @@ def with_examples(test):
 
 
 @given(case=attention_cases(max_n=24 if SIM else 300, max_d=8 if SIM else 128), tiles=st.sampled_from(TILES))
-@settings(max_examples=8 if SIM else 150)
+@settings(max_examples=8 if SIM else gpu_examples(150))
 @with_examples
 def test_matches_oracle(case, tiles):
     check(case, tiles)

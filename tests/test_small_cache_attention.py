@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kernels import io_theory
 from kernels import reference as ref
 from kernels.base.runtime import on_simulator
-from kernels.base.testing import assert_close, attention_cases, case_with, forward_floor_scales
+from kernels.base.testing import gpu_examples, assert_close, attention_cases, case_with, forward_floor_scales
 from kernels.small_cache_attention import default_tile, hbm_elements, small_cache_attention
 
 SIM = on_simulator()
@@ -50,7 +50,7 @@ def with_examples(test):
 
 
 @given(case=attention_cases(max_n=10 if SIM else 300, max_d=12 if SIM else 256), tile=st.sampled_from(TILES))
-@settings(max_examples=4 if SIM else 150)
+@settings(max_examples=4 if SIM else gpu_examples(150))
 @with_examples
 def test_matches_oracle(case, tile):
     check(case, tile)

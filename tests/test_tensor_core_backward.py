@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kernels import reference as ref
 from kernels.base.query_split import choose_query_splits
 from kernels.base.runtime import ArrayKind, on_simulator
-from kernels.base.testing import (Floor, assert_close, case_with, gradient_floor_scales,
+from kernels.base.testing import (gpu_examples, Floor, assert_close, case_with, gradient_floor_scales,
                                   grouped_attention_cases, over_group)
 from kernels.tensor_core_backward import (backward_checked, flash_attention_backward_tc, launch_backward,
                                           rounded_backward_numpy, tc_backward_tiles)
@@ -122,7 +122,7 @@ ONE_PAST_Q, ONE_PAST_K = BR + 1, BC + 1
 
 
 @given(case=tc_backward_cases(), bf16=st.booleans(), seed=st.integers(0, 2**16))
-@settings(max_examples=5 if SIM else 200)
+@settings(max_examples=5 if SIM else gpu_examples(200))
 @example(case=pinned((1, 1, 1, 4), (1, 1, 1, 4)), bf16=False, seed=0)                              # N = 1
 @example(case=pinned((1, 1, 13, 13), (1, 1, 5, 13), causal=True), bf16=False, seed=1)              # Nq > Nk
 @example(case=pinned((1, 2, 19, 16), (1, 1, 23, 16), causal=True), bf16=True, seed=2)              # GQA, causal
@@ -150,7 +150,7 @@ def test_gradients_match_the_oracle(case, bf16, seed):
 
 
 @given(case=tc_backward_cases(), bf16=st.booleans(), seed=st.integers(0, 2**16), splits=st.integers(2, 5))
-@settings(max_examples=3 if SIM else 100)
+@settings(max_examples=3 if SIM else gpu_examples(100))
 @example(case=pinned((1, 2, 3 * BR + 1, 16), (1, 1, BC + 1, 16), causal=True), bf16=True, seed=7, splits=3)
 @example(case=pinned((1, 1, 13, 13), (1, 1, 5, 13), causal=True), bf16=False, seed=1, splits=4)
 def test_queries_split_among_blocks_meet_the_same_rule(case, bf16, seed, splits):
@@ -163,7 +163,7 @@ def test_queries_split_among_blocks_meet_the_same_rule(case, bf16, seed, splits)
 
 
 @given(case=tc_backward_cases(), bf16=st.booleans(), seed=st.integers(0, 2**16))
-@settings(max_examples=2 if SIM else 40)
+@settings(max_examples=2 if SIM else gpu_examples(40))
 @example(case=pinned((1, 2, 19, 16), (1, 1, 23, 16), causal=True), bf16=True, seed=2)              # GQA, causal
 def test_one_chunk_a_step_meets_the_same_rule(case, bf16, seed):
     """``CC = 1``: the query loop one 16-query chunk a step (the kernel's default takes two

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kernels import reference as ref
 from kernels.base.backward_tiles import BackwardTiles
 from kernels.base.runtime import ArrayKind, check_products, on_simulator
-from kernels.base.testing import (Floor, assert_close, case_with, gradient_floor_scales,
+from kernels.base.testing import (gpu_examples, Floor, assert_close, case_with, gradient_floor_scales,
                                   grouped_attention_cases, magnitude_for_logits, over_group)
 from kernels.flash_backward import flash_attention_backward
 from kernels.flash_forward import flash_attention
@@ -105,7 +105,7 @@ BIG_LOGITS = dict(q_shape=(1, 1, 11, 8), k_shape=(1, 1, 13, 8), scale=0.37, magn
 
 
 @given(case=tf32_backward_cases(), seed=st.integers(0, 2**16))
-@settings(max_examples=3 if SIM else 150)
+@settings(max_examples=3 if SIM else gpu_examples(150))
 @example(case=pinned((1, 1, 1, 8), (1, 1, 1, 8)), seed=0)                                         # N = 1
 @example(case=pinned((1, 1, 13, 13), (1, 1, 5, 13), causal=True), seed=1)                         # Nq > Nk
 @example(case=pinned((1, 2, 12, 8), (1, 1, 14, 8), causal=True), seed=2)                          # GQA, causal
@@ -131,7 +131,7 @@ def test_gradients_match_the_oracle(case, seed):
 
 
 @given(case=tf32_backward_cases(), seed=st.integers(0, 2**16), splits=st.integers(2, 5))
-@settings(max_examples=3 if SIM else 100)
+@settings(max_examples=3 if SIM else gpu_examples(100))
 @example(case=pinned((1, 2, 3 * BR + 1, 8), (1, 1, ONE_PAST_K, 8), causal=True), seed=7, splits=3)  # GQA, causal
 @example(case=pinned((1, 1, 13, 13), (1, 1, 5, 13), causal=True), seed=1, splits=4)     # rows that see no key
 def test_queries_split_among_blocks_meet_the_same_rule(case, seed, splits):

@@ -15,6 +15,7 @@ import numpy as np
 from hypothesis import assume, example, given, settings, strategies as st
 from numba import cuda, float32, uint16
 
+from kernels.base.testing import gpu_examples
 from kernels.base import mma
 from kernels.base.runtime import cdiv, on_simulator
 from kernels.base.tile_copy import make_async_tile_copy, make_async_word_copy
@@ -85,7 +86,7 @@ def _check(itemsize, d, D, ROWS, THREADS, rows, r0, aligned, seed=0):
 
 
 @given(case=copy_cases(), seed=st.integers(0, 2**16))
-@settings(max_examples=6 if SIM else 100)
+@settings(max_examples=6 if SIM else gpu_examples(100))
 @example(case=(2, 24, 32, 32, 64, 45, 32, True), seed=0)       # by column: 2 chunks a thread, the 4th of a row past d
 @example(case=(2, 64, 64, 16, 32, 9, 0, True), seed=1)         # by column, rows past the array's end
 @example(case=(4, 20, 24, 16, 32, 40, 32, True), seed=2)       # 32-bit words, chunk by chunk (6 a row)
@@ -129,7 +130,7 @@ def _word_kernel(ROWS, THREADS):
 
 @given(ROWS=st.sampled_from([16, 64, 128]), THREADS=st.sampled_from([32, 64, 256]),
        n=st.integers(1, 300), tile=st.integers(0, 4), seed=st.integers(0, 2**16))
-@settings(max_examples=6 if SIM else 60)
+@settings(max_examples=6 if SIM else gpu_examples(60))
 @example(ROWS=64, THREADS=256, n=70, tile=1, seed=0)           # 6 words live, 58 zeros
 def test_the_word_copy_holds_the_row_and_zeros_past_n(ROWS, THREADS, n, tile, seed):
     r0 = ROWS * min(tile, (n - 1) // ROWS)                      # a tile that starts inside the row

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from kernels import reference as ref                                              # noqa: E402
 from kernels.base.masks import BlockMask                                          # noqa: E402
 from kernels.base.runtime import on_simulator                                     # noqa: E402
-from kernels.base.testing import (assert_close, attention_floors, case_with,  # noqa: E402
+from kernels.base.testing import (gpu_examples, assert_close, attention_floors, case_with,  # noqa: E402
                                   gradient_floor_scales, grouped_attention_cases, over_group)
 from kernels.flash_backward import flash_attention_backward                       # noqa: E402
 from kernels.flash_forward import flash_attention                                 # noqa: E402
@@ -66,7 +66,7 @@ def pinned(q_shape, k_shape, **kw):
 
 
 @given(case=cases(), seed=st.integers(0, 2**16))
-@settings(max_examples=2 if SIM else 60)
+@settings(max_examples=2 if SIM else gpu_examples(60))
 @example(case=pinned((1, 2, 9, 8), (1, 1, 9, 8), causal=True), seed=0)        # GQA, causal, the model's layout
 @example(case=pinned((1, 1, 7, 4), (1, 1, 3, 4), causal=True), seed=1)        # Nq > Nk: rows that see no key
 @example(case=pinned((1, 1, 1, 8), (1, 1, 1, 8)), seed=2)                     # N = 1

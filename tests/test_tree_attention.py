@@ -19,7 +19,7 @@ from test_decode import PartialSet, decode_floors, make_case, merge_float32, mer
 
 from kernels import reference as ref
 from kernels.base.runtime import on_simulator
-from kernels.base.testing import assert_close
+from kernels.base.testing import gpu_examples, assert_close
 from kernels.decode import merge_partials_numpy
 from kernels.tree_attention import (
     MAX_SHARDS,
@@ -185,7 +185,7 @@ def test_matches_oracle_on_hard_cases(tc):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@settings(max_examples=max(2, settings().max_examples // 2) if SIM else 60)
+@settings(max_examples=max(2, settings().max_examples // 2) if SIM else gpu_examples(60))
 @given(tree_cases())
 def test_matches_oracle(tc):
     check(tc)

@@ -517,6 +517,16 @@ MAX_BH = 2 if on_simulator() else 4
 LOGIT_STDS = (0.3, 1.0, 3.0, 8.0)
 
 
+def gpu_examples(n: int) -> int:
+    """How many cases a property test draws on a GPU: its own ``n``, or fewer where the loaded
+    Hypothesis profile asks for fewer (``gpu``, 300: every test's own n; ``dev``, 40: a GPU run
+    that finishes in minutes; ``mutants``, 25). Read when the test is defined, after conftest
+    loaded the profile."""
+    from hypothesis import settings
+
+    return min(int(n), settings().max_examples)
+
+
 def random_array(rng, shape, magnitude=1.0, dtype=np.float32):
     """Normal(0, magnitude) values; never all zeros."""
     return (rng.standard_normal(shape) * magnitude).astype(dtype)
