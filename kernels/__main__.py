@@ -3,6 +3,7 @@ the tests.
 
     python -m kernels                  # every chapter found in kernels/bench/
     python -m kernels --chapters 0,4   # some chapters
+    python -m kernels --benches tf32_backward   # some bench modules (one of a chapter's two)
     python -m kernels --quick          # fewer sizes and repeats
     python -m kernels --list           # what would run
     python -m kernels test             # the tests: python -m pytest -n <workers> --dist worksteal --nbmake tests workbook

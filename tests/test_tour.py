@@ -77,6 +77,19 @@ def test_tour_chapters_option_and_list(tmp_path):
     assert "stub_zero" in proc.stdout and "stub_two" in proc.stdout and "stub that raises" in proc.stdout
 
 
+def test_tour_benches_option_runs_one_module_and_names_a_missing_one(tmp_path):
+    out = tmp_path / "out"
+    proc = _tour(tmp_path, "--out", str(out), "--benches", "stub_two", "--quick")
+    assert proc.returncode == 1, proc.stdout + proc.stderr     # the broken helper module is still reported
+    assert sorted(p.name for p in out.iterdir()) == ["stub_two.csv", "stub_two.png"]
+    assert "1 of 1 chapter(s) ran" in proc.stdout
+    proc = _tour(tmp_path, "--out", str(tmp_path / "out2"), "--chapters", "0", "--benches", "stub_two,nope", "--quick")
+    assert proc.returncode == 1
+    assert "--benches: no chapter bench module stub_two among the chapters chosen" in proc.stdout
+    assert "--benches: no chapter bench module nope" in proc.stdout
+    assert "0 of 0 chapter(s) ran" in proc.stdout
+
+
 def test_tour_names_a_chapter_it_does_not_have_and_counts_what_ran(tmp_path):
     out = tmp_path / "out"
     proc = _tour(tmp_path, "--out", str(out), "--chapters", "2,9", "--quick")

@@ -249,6 +249,8 @@ def parse_args(argv):
         "The tour: run every chapter's bench (kernels and peers in the same run), print a table "
         "per chapter, write <out>/<idea>.csv and <out>/<idea>.png."))
     p.add_argument("--chapters", help="comma-separated chapter numbers, e.g. 0,2,4 (default: all)")
+    p.add_argument("--benches", help="comma-separated bench module names, e.g. tf32_backward: only these "
+                   "(a chapter with two modules runs one; default: all of the chosen chapters)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     p.add_argument("--out", type=Path, help=f"results folder (default: {GPU_RESULTS.relative_to(REPO)}/ "
                    f"for a full run on a GPU, {SIM_RESULTS.relative_to(REPO)}/ in the simulator or with --quick)")
@@ -262,6 +264,8 @@ def parse_args(argv):
             args.chapters = sorted({int(c) for c in args.chapters.split(",") if c.strip()})
         except ValueError:
             p.error(f"--chapters: expected comma-separated numbers such as 0,2,4, got {args.chapters!r}")
+    if args.benches is not None:
+        args.benches = sorted({b.strip() for b in args.benches.split(",") if b.strip()})
     return args
 
 
@@ -288,6 +292,13 @@ def main(argv=None) -> int:
             if n not in present:
                 failures.append(f"chapter {n}: no bench module in kernels/bench/ defines CHAPTER = {n}")
         chapters = [c for c in chapters if c.chapter in args.chapters]
+    if args.benches is not None:
+        present = {c.name for c in chapters}
+        for name in args.benches:
+            if name not in present:
+                failures.append(f"--benches: no chapter bench module {name} among the chapters chosen "
+                                f"(kernels/bench/{name}.py)")
+        chapters = [c for c in chapters if c.name in args.benches]
     out = args.out or default_out(simulator, args.quick)
     out.mkdir(parents=True, exist_ok=True)
 
