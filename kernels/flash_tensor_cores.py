@@ -45,7 +45,7 @@ from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.key_split import add_combine, choose_splits, output_names, partial_views, partials
-from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, array_dtype, LaunchCache, cdiv, check_array, check_flag, \
+from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, array_dtype, LaunchCache, cdiv, check_flag, check_qkv, \
     check_scale, device_bits16, as_bits16, is_bf16_array, is_device_array, on_simulator, run_bound, to_device
 
 __all__ = ["flash_attention_tc", "make_flash_forward_mma", "make_flash_forward_mma_from", "make_load_a_fragment",
@@ -360,19 +360,7 @@ def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
         if is_bf16_array(x) and not bf16:
             raise TypeError(f"{name}: a bfloat16 array: pass bf16=True (or fp16 inputs)")
     q, k, v = (Bf16Bits(x) if is_bf16_array(x) else x for x in given)     # bf16 tensors: their bits
-    shapes = []
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        shape, dtype = check_array(x, name, ndim=4, dtypes=(want,))
-        shapes.append(shape)
-    (B, H, n_q, d), ks, vs = shapes
-    if ks != vs:
-        raise ValueError(f"v: expected the shape of k {ks}, got {vs}")
-    if ks[0] != B or ks[3] != d:
-        raise ValueError(f"k: expected (B, Hkv, Nk, d) = ({B}, Hkv, Nk, {d}) like q, got {ks}")
-    if ks[1] == 0 or H % ks[1]:
-        raise ValueError(f"k: expected a number of heads Hkv dividing q's H = {H} (grouped-query), got {ks[1]}")
-    if not 1 <= d <= 128:
-        raise ValueError(f"q: expected head dim d in 1..128, got {d}")
+    B, H, n_q, _, d, _ = check_qkv(q, k, v, dtypes=(want,), grouped=True)
     causal = check_flag(causal, "causal")
     scale = check_scale(scale, d)
     BH = B * H

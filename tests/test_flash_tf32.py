@@ -181,7 +181,7 @@ GOOD = np.zeros((1, 1, 4, 8), np.float32)
     (dict(q=np.zeros((1, 3, 4, 8), np.float32), k=np.zeros((1, 2, 4, 8), np.float32),
           v=np.zeros((1, 2, 4, 8), np.float32)), ValueError, "^k: expected a number of heads Hkv dividing q's H = 3"),
     (dict(k=np.zeros((2, 1, 4, 8), np.float32), v=np.zeros((2, 1, 4, 8), np.float32)), ValueError,
-     "^k: expected batch B = 1"),
+     r"^k: expected \(B, Hkv, Nk, d\) = \(1, Hkv, Nk, 8\)"),
 ])
 def test_bad_inputs_name_the_argument(change, exc, name):
     args = dict(q=GOOD, k=GOOD, v=GOOD)

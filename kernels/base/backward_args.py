@@ -45,18 +45,8 @@ def check_grouped_args(q, k, v, o, lse, do, want, o_dtypes):
     """(B, H, Hkv, Nq, Nk, d) after checking q, do (B, H, Nq, d) and k, v (B, Hkv, Nk, d) of
     dtype ``want`` (H a multiple of Hkv, d <= 128), o (B, H, Nq, d) of one of ``o_dtypes``
     and lse (B, H, Nq) float32 (errors name the argument)."""
-    (B, H, n_q, d), _ = check_array(q, "q", ndim=4, dtypes=(want,))
-    ks, _ = check_array(k, "k", ndim=4, dtypes=(want,))
-    vs, _ = check_array(v, "v", ndim=4, dtypes=(want,))
-    if vs != ks:
-        raise ValueError(f"v: expected the shape of k {ks}, got {vs}")
-    if ks[0] != B or ks[3] != d:
-        raise ValueError(f"k: expected (B, Hkv, Nk, d) = ({B}, Hkv, Nk, {d}) like q, got {ks}")
-    hkv, n_k = ks[1], ks[2]
-    if hkv < 1 or H % hkv:
-        raise ValueError(f"k: expected a number of KV heads that divides q's H = {H}, got {hkv}")
-    if not 1 <= d <= 128:
-        raise ValueError(f"q: expected head dim d in 1..128, got {d}")
+    B, H, n_q, n_k, d, _ = check_qkv(q, k, v, dtypes=(want,), grouped=True)
+    hkv = check_array(k, "k", dtypes=None)[0][1]
     for x, name, shape, dtypes in ((o, "o", (B, H, n_q, d), o_dtypes),
                                    (lse, "lse", (B, H, n_q), (np.float32,)),
                                    (do, "do", (B, H, n_q, d), (want,))):

@@ -420,8 +420,8 @@ def check_qkv(q, k, v, *, dtypes=(np.float32,), max_head_dim: int = 128, grouped
     if ks != vs:
         raise ValueError(f"v: expected the shape of k {ks}, got {vs}")
     if grouped:
-        if qs[0] != ks[0]:
-            raise ValueError(f"k: expected batch B = {qs[0]} like q, got {ks[0]}")
+        if qs[0] != ks[0] or qs[3] != ks[3]:
+            raise ValueError(f"k: expected (B, Hkv, Nk, d) = ({qs[0]}, Hkv, Nk, {qs[3]}) like q, got {ks}")
         if ks[1] == 0 or qs[1] % ks[1]:
             raise ValueError(f"k: expected a number of heads Hkv dividing q's H = {qs[1]} (grouped-query), "
                              f"got {ks[1]}")
