@@ -250,6 +250,42 @@ def test_a_launch_template_keeps_its_grid_when_the_kernel_runs_elsewhere():
     assert out.copy_to_host().tolist() == [1, 2, 0, 0]
 
 
+def test_a_launch_template_passes_every_parameter_as_the_kernel_declares_it():
+    """What a template holds and what a call writes reach the kernel intact: scalars of
+    three widths (float32, int32, uint16), a held array (its shape and strides too), two
+    slots, a 2-D grid, on the stream of ``on_stream``; and a second call with other arrays
+    writes those."""
+    from kernels.base.runtime import LaunchTemplate, device_pointer, on_simulator, on_stream
+
+    @cuda.jit
+    def fill(held, out, other, scale, offset, bits):
+        i, j = cuda.blockIdx.x, cuda.blockIdx.y
+        out[i, j] = held[j, i] * scale + offset + bits + held.shape[0] * 1000
+        other[j] = offset
+
+    held = cuda.to_device(np.arange(6, dtype=np.float32).reshape(2, 3))     # (2, 3), read transposed
+    args = (held, cuda.to_device(np.zeros((3, 2), np.float32)), cuda.to_device(np.zeros(2, np.int32)),
+            np.float32(0.5), np.int32(-7), np.uint16(40000))
+    template = LaunchTemplate(fill, (3, 2), 1, args, slots={"out": 1, "other": 2})
+
+    def call(out, other):
+        if on_simulator():
+            template(out=out, other=other)
+        else:
+            template(out=device_pointer(out, "out"), other=device_pointer(other, "other"))
+
+    stream = cuda.stream()
+    for _ in range(2):
+        out, other = cuda.to_device(np.full((3, 2), -1, np.float32)), cuda.to_device(np.zeros(2, np.int32))
+        with on_stream(0 if on_simulator() else int(stream.handle)):
+            call(out, other)
+        stream.synchronize()
+        cuda.synchronize()
+        expected = np.arange(6, dtype=np.float32).reshape(2, 3).T * 0.5 - 7 + 40000 + 2000
+        np.testing.assert_array_equal(out.copy_to_host(), expected)
+        assert other.copy_to_host().tolist() == [-7, -7]
+
+
 def test_python_dash_m_kernels_chooses_the_device_before_numba_is_imported():
     """``python -m kernels`` first checks what is installed (kernels/_bootstrap.py): that
     check must not import Numba, or the simulator switch comes too late."""

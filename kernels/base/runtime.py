@@ -513,6 +513,47 @@ def check_products(products, *, float32: bool, fma_only: str | None = None) -> s
     return products
 
 
+def _c_value(param):
+    """A kernel parameter as Numba's ``_prepare_args`` gives it (a ctypes scalar, or a Python
+    int for an array's pointers, sizes, shape and strides), as a C value to point at."""
+    if isinstance(param, ctypes._SimpleCData):
+        return param
+    if isinstance(param, (bool, np.bool_)):
+        return ctypes.c_bool(bool(param))
+    if isinstance(param, (int, np.integer)):
+        return ctypes.c_int64(int(param))           # (pointer-sized, as Numba passes it)
+    if isinstance(param, float):
+        return ctypes.c_double(param)
+    raise TypeError(f"LaunchTemplate: a kernel parameter of type {type(param).__name__}")
+
+
+def _three(dims):
+    """A grid or block shape as (x, y, z)."""
+    dims = tuple(dims) if isinstance(dims, (tuple, list)) else (dims,)
+    return tuple(int(n) for n in dims) + (1,) * (3 - len(dims))
+
+
+def _driver_function(handle):
+    """What ``cuLaunchKernel`` takes for a compiled kernel's handle (a ``CUkernel``, which the
+    launch APIs take as a ``CUfunction``; its dynamic shared memory limit, raised with
+    ``cuKernelSetAttribute``, holds for it)."""
+    from cuda.bindings import driver as binding
+
+    return binding.CUfunction(int(handle))
+
+
+_LAUNCH: tuple = ()      # (cuLaunchKernel, CUDA_SUCCESS) from the driver's Python bindings, at the first template
+
+
+def _driver_launch() -> tuple:
+    global _LAUNCH
+    if not _LAUNCH:
+        from cuda.bindings import driver as binding
+
+        _LAUNCH = (binding.cuLaunchKernel, binding.CUresult.CUDA_SUCCESS)
+    return _LAUNCH
+
+
 class LaunchTemplate:
     """``kernel[grid, threads](*args)`` with everything but the launch itself done once.
 
@@ -521,6 +562,10 @@ class LaunchTemplate:
     (data pointer, size, shape, strides): tens of microseconds of Python for a kernel with a
     dozen arrays, longer than a whole decode step over 4k keys takes on the GPU. A template
     does that work once; a call is then one driver launch (on ``launch_stream()``'s stream).
+    The parameters are held as C values with an array of pointers to them, as
+    ``cuLaunchKernel`` takes them: a call writes its slots' data pointers into their values
+    and launches (handing ``cuda.core``'s ``launch`` the list of them instead converts each
+    of its ~60 Python values at every call, microseconds each launch).
 
     ``slots`` ({name: position in args}): the arguments a call passes anew, by name, as
     arrays of the shape and dtype the template was made with (only the data pointer
@@ -543,9 +588,6 @@ class LaunchTemplate:
         self._data_at = None
         if on_simulator():
             return
-        from cuda.core import LaunchConfig
-        from numba.cuda.cudadrv import driver
-
         compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
         names = {i: name for name, i in self.slots.items()}
         params, write_back, data_at = [], [], {}
@@ -556,10 +598,14 @@ class LaunchTemplate:
                 data_at[names[i]] = first + self._DATA
         if write_back:
             raise TypeError("LaunchTemplate: host arrays among the arguments (they would need copies back)")
-        self._params, self._data_at = params, data_at
-        self._config = LaunchConfig(grid=grid, block=threads, shmem_size=self._shared)
-        self._function = compiled._codelibrary.get_cufunc().kernel
-        self._streams = {0: driver._to_core_stream(0)}
+        self._values = [_c_value(p) for p in params]            # (kept: the pointers below point into them)
+        self._pointers = (ctypes.c_void_p * max(1, len(params)))(*(ctypes.addressof(v) for v in self._values))
+        self._pointers_at = ctypes.addressof(self._pointers)
+        self._data_at = {name: self._values[at] for name, at in data_at.items()}
+        self._dims = (*_three(grid), *_three(threads))
+        self._function = _driver_function(compiled._codelibrary.get_cufunc().handle)
+        self._launch, self._success = _driver_launch()
+        self._lock = threading.Lock()          # (two host threads on one template: one writes its slots at a time)
 
     def __call__(self, **arrays):
         """Launch, with ``arrays[name]`` in each slot (other names are ignored)."""
@@ -569,22 +615,13 @@ class LaunchTemplate:
                 args[i] = arrays[name]
             self._kernel[self._grid, self._threads, 0, self._shared](*args)
             return
-        from cuda.core import launch
-
-        params = self._params.copy()
-        for name, at in self._data_at.items():
-            params[at] = arrays[name]
-        launch(self._core_stream(), self._config, self._function, *params)
-
-    def _core_stream(self):
-        """The launch stream (``launch_stream``) as the launch API takes it, made once a handle."""
-        handle = getattr(_launch_on, "handle", 0)
-        stream = self._streams.get(handle)
-        if stream is None:
-            from numba.cuda.cudadrv import driver
-
-            stream = self._streams[handle] = driver._to_core_stream(launch_stream())
-        return stream
+        stream = getattr(_launch_on, "handle", 0)          # (``launch_stream``'s handle)
+        with self._lock:
+            for name, value in self._data_at.items():
+                value.value = arrays[name]
+            error, = self._launch(self._function, *self._dims, self._shared, stream, self._pointers_at, 0)
+        if error != self._success:
+            raise RuntimeError(f"cuLaunchKernel failed: {error!r}")
 
 
 class BoundLaunches:
