@@ -330,33 +330,31 @@ if rows:
     display(Image(str(RESULTS_DIR / "capstone_floor.png")))
 
 # %% [markdown]
-# The floor does not hold: ours is slower than plain PyTorch in 303 of the 568 cells where plain
-# PyTorch runs (it runs out of memory in the other 72, where ours runs). This run has the two
-# splits below and chapter 11's cheaper split rounding. Three causes showed as bands in the run
-# before them (278 of 568 slower, on another machine); two of them are now mostly gone:
+# The floor does not hold. In this run (the H200, 2026-11-29) ours is slower than plain PyTorch
+# in 229 of the 584 cells where plain PyTorch runs; it runs out of memory in the other 56, where
+# ours runs. Two causes remain, and the time a call takes tells them apart:
 #
-# * **Too few blocks** (B·H = 1 and 8, N of 1024 and 4096). The forward's grid is one block a
-#   query tile a head, the backward's one block a key tile a head: at B·H = 1 and N = 4096, 32
-#   blocks on 132 SMs, each walking all 4096 keys (or queries) in turn. fp32 forward + backward,
-#   d = 96: 3.73 ms against plain PyTorch's 0.86 (0.23x) before the splits, 1.00 against 0.89
-#   (0.89x) with them. Smaller tiles do not help (measured: the walk stays as long); splitting
-#   the walk among blocks does: below.
-# * **fp32 at d = 96 and 128, non-causal** (the large cells of the fp32 panels). Plain PyTorch's
-#   fp32 runs on cuBLAS's FMA kernels at about 50 TFLOP/s. At B·H = 64, N = 4096, d = 128 our
-#   3xTF32 forward went from 0.92x to 1.00x of it and forward + backward from 0.72x to 0.89x
-#   (71.1 → 58.2 ms against 51.8), from chapter 11's split rounding alone. Causal attention
-#   halves our work and not plain PyTorch's, so causal cells are ours.
-# * **The host, at small N** (the left columns), now most of what is left. At N ≤ 256 the GPU's
-#   work is microseconds and a call is its host time. On this run's machine a bf16 forward at
-#   B·H = 1, N = 64, d = 64 costs 114 µs against plain PyTorch's 72, forward + backward 1010
-#   against 672 (a loop of 300 calls). What is left is Python: the autograd function, our
-#   checks and views, a few allocations, a cast of O, two or three driver launches through
-#   `cuda.core`, each some µs, none dominating. Host time also differs between machines more
-#   for ours, which is mostly Python, than for plain PyTorch, mostly C++: against the run before,
-#   ours' small cells took a median 1.25x longer, plain PyTorch's 1.10x, and more of them flipped
-#   to slower (bf16 at B·H ≤ 8 stays host-bound up to N = 4096).
+# * **fp32 at d = 96 and 128, without the mask** (31 of the 35 slower cells where ours takes
+#   over 1 ms, 0.75-0.98x). Plain PyTorch's fp32 runs on cuBLAS's FMA kernels; ours on chapter
+#   11's 3xTF32 tensor-core kernels, three TF32 products for each fp32 one, which at these head
+#   dims are level with cuBLAS at best. Causal attention halves our work and not plain
+#   PyTorch's, so the causal cells are ours.
+# * **The host, at small N** (the other 194, where ours takes under 1 ms). There the GPU's work
+#   is microseconds and a call is its host time, ours and plain PyTorch's alike. PyTorch's
+#   profiler at B·H = 1, N = 64, d = 64, bf16: our kernels ran 5.4 µs of a forward's 76 µs a
+#   call, 21 µs of a forward + backward's 789; plain PyTorch's 6.2 of 58 and 17 of 589. Host
+#   time is noisy too: the same call took ours 561 and 789 µs in two sessions, plain PyTorch
+#   434 and 589.
 #
-# After that run the small calls got cheaper where the stamps of a call (`time.perf_counter_ns`
+# A third cause showed in earlier runs, on the H100: **too few blocks** (B·H = 1 and 8, N of
+# 1024 and 4096). The forward's grid is one block a query tile a head, the backward's one block
+# a key tile a head: at B·H = 1 and N = 4096, 32 blocks on 132 SMs, each walking all 4096 keys
+# (or queries) in turn. fp32 forward + backward, d = 96: 3.73 ms against plain PyTorch's 0.86
+# (0.23x) before the splits below, 1.00 against 0.89 (0.89x) with them. Smaller tiles do not
+# help (measured: the walk stays as long); splitting the walk among blocks does.
+#
+# The host's part of a call came down in steps. After the H100's sweep of 2026-11-25 (then 303
+# of 568 cells slower) the small calls got cheaper where the stamps of a call (`time.perf_counter_ns`
 # between its statements, on the H100's host) showed the time going: chapter 8's forward writes O
 # in bf16 itself (`forward_checked(o=...)`: each value rounded once by `cvt.rn`; the cast after,
 # 15-30 µs, is gone), chapter 11's forward splits K and V as its blocks read them where the queries
@@ -395,12 +393,21 @@ for run in (1, 2):
 # Ours was slower in 44 and 38 of the 48 cells before, 29 and 27 after; the median forward
 # went from 0.56-0.60x of plain PyTorch to 0.88-0.90x (fp32) and from 0.67x to 0.80-0.84x
 # (bf16), forward + backward from 0.92-0.99x to 1.08x (fp32) and 0.84-0.87x to 0.96-0.97x
-# (bf16). The corner is still below the floor: what is left is the autograd function's own
-# cost, our checks, the allocations and the launches through `cuda.core`, each some
-# microseconds. A CUDA graph, or launching from C, would be the next step.
+# (bf16). The H200's sweep above ran on that code.
 #
-# Where attention is large, the case FlashAttention was made for, ours wins by up to 8x (fp32)
-# and 23x (bf16), and runs where plain PyTorch cannot.
+# The next step was the launch itself. A bound launch (`LaunchTemplate`, `kernels/base/runtime.py`)
+# handed `cuda.core`'s `launch` its kernel's parameters, about 60 Python values (each array is
+# passed as its pointers, size, shape and strides), and `launch` converted every one at every
+# call. Now the template holds them as C values with an array of pointers to them, as
+# `cuLaunchKernel` takes them; a call writes its arrays' data pointers into their slots and
+# launches. On the H200, the two launch paths alternated twice in one process: a median 24 µs
+# less a forward and 134 µs less a forward + backward (the table in the README). Still not the
+# floor: plain PyTorch's forward stayed faster at small N in all but one round, by 3 to 100 µs.
+# What is left is the autograd function's own cost, our checks and the allocations, each a few
+# microseconds; a CUDA graph, or a launcher in C, would be the next step.
+#
+# Where attention is large, the case FlashAttention was made for, ours wins by up to 6.7x (fp32)
+# and 22x (bf16), and runs where plain PyTorch cannot.
 #
 # ### Splitting the walk when the grid is too small
 #
