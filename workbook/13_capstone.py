@@ -401,8 +401,10 @@ for run in (1, 2):
 # call. Now the template holds them as C values with an array of pointers to them, as
 # `cuLaunchKernel` takes them; a call writes its arrays' data pointers into their slots and
 # launches. On the H200, the two launch paths alternated twice in one process: a median 24 µs
-# less a forward and 134 µs less a forward + backward (the table in the README). Still not the
-# floor: plain PyTorch's forward stayed faster at small N in all but one round, by 3 to 100 µs.
+# less a forward and 134 µs less a forward + backward (the table in the README), an upper bound on
+# the launch's part: the old side of that comparison also asked Numba for the SM count at every
+# call, which the code before did once a process. Still not the floor: plain PyTorch's forward
+# stayed faster at small N in all but one round, by 3 to 100 µs.
 # What is left is the autograd function's own cost, our checks and the allocations, each a few
 # microseconds; a CUDA graph, or a launcher in C, would be the next step.
 #

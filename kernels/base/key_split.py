@@ -24,7 +24,7 @@ from numba import cuda, float32, int32
 
 import numpy as np
 
-from kernels.base.runtime import cdiv, current_context, on_simulator, to_device
+from kernels.base.runtime import cdiv, on_simulator, to_device
 
 __all__ = ["block_share", "split_range", "make_combine_splits", "choose_splits", "partials", "partial_views", "output_names",
            "add_combine", "multiprocessors", "COMBINE_ROWS"]
@@ -142,19 +142,8 @@ def add_combine(launches: list, slots: list, views: dict, splits: int, o_type: s
 
 @functools.lru_cache(maxsize=None)
 def multiprocessors() -> int:
-    """The current GPU's SM count (1 in the simulator, where no split is chosen), asked of
-    Numba once a CUDA context (a launcher asks at every call; Numba's answer costs several
-    driver calls)."""
-    if on_simulator():
-        return 1
-    context = current_context()
-    sms = _SMS_BY_CONTEXT.get(context)
-    if sms is None:
-        sms = _SMS_BY_CONTEXT[context] = int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-    return sms
-
-
-_SMS_BY_CONTEXT: dict = {}
+    """The current GPU's SM count (1 in the simulator, where no split is chosen)."""
+    return 1 if on_simulator() else int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 def choose_splits(blocks: int, n_k: int, Bc: int, sms: int | None = None) -> int:
