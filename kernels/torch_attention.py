@@ -266,6 +266,28 @@ def _backward(q, k, v, o, lse, do, causal, scale, block_mask):
     return dq.to(dtype), _sum_groups(dk, group).to(dtype), _sum_groups(dv, group).to(dtype)
 
 
+def _checked_forward(q, k, v, causal, scale, block_mask, names=("q", "k", "v")):
+    """The forward after the checks: (q, k, v as the kernels read them, o, lse, causal, scale)."""
+    _check_inputs(q, k, v, names)
+    _check_block_mask(block_mask)
+    causal = check_flag(causal, "causal")     # (bool("no") is True: a flag is a bool or nothing)
+    scale = check_scale(scale, q.shape[3])
+    q, k, v = (x.detach().contiguous() for x in (q, k, v))    # a model's strided views: copied once, here
+    with _launching(q):
+        o, lse = _forward(q, k, v, causal, scale, block_mask)
+    return q, k, v, o, lse, causal, scale
+
+
+def _attend(q, k, v, causal, scale, block_mask, names=("q", "k", "v")):
+    """``FlashAttention.apply`` where autograd will want the gradients; where it will not
+    (``torch.no_grad()``, inference, or no input that requires grad) the forward alone: no
+    graph node, nothing saved, and a few microseconds of the autograd function's own less."""
+    if torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
+                                    or getattr(v, "requires_grad", False)):
+        return FlashAttention.apply(q, k, v, causal, scale, block_mask)
+    return _checked_forward(q, k, v, causal, scale, block_mask, names)[3]
+
+
 class FlashAttention(torch.autograd.Function):
     """O = softmax(scale * Q K^T + mask) V with the chapters' kernels, forward and backward.
 
@@ -277,13 +299,7 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, scale=None, block_mask=None):
-        _check_inputs(q, k, v)
-        _check_block_mask(block_mask)
-        causal = check_flag(causal, "causal")     # (bool("no") is True: a flag is a bool or nothing)
-        scale = check_scale(scale, q.shape[3])
-        q, k, v = (x.detach().contiguous() for x in (q, k, v))    # a model's strided views: copied once, here
-        with _launching(q):
-            o, lse = _forward(q, k, v, causal, scale, block_mask)
+        q, k, v, o, lse, causal, scale = _checked_forward(q, k, v, causal, scale, block_mask)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.options = (causal, scale, block_mask)
         return o
@@ -306,7 +322,7 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None):
     q (B, H, Nq, d), k and v (B, Hkv, Nk, d) with H a multiple of Hkv; ``causal``
     bottom-right aligned (query i sees key j <= i + Nk - Nq); ``scale`` defaults to
     1/sqrt(d); ``block_mask`` a ``BlockMask`` (chapter 6) or None."""
-    return FlashAttention.apply(q, k, v, causal, scale, block_mask)
+    return _attend(q, k, v, causal, scale, block_mask)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -334,7 +350,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if is_causal and query.shape[2] != key.shape[2]:
         raise ValueError(f"is_causal: with Nq = {query.shape[2]} != Nk = {key.shape[2]} PyTorch aligns the mask "
                          "top-left and the kernels bottom-right; use attention(..., causal=True) for bottom-right")
-    out = FlashAttention.apply(query, key, value, is_causal, scale, block_mask)
+    out = _attend(query, key, value, is_causal, scale, block_mask, names=("query", "key", "value"))
     return out.squeeze(0) if three_d else out
 
 

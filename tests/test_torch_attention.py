@@ -147,6 +147,26 @@ def test_sdpa_signature_matches_attention():
     assert c.shape == q[0].shape and torch.equal(c, a[0])
 
 
+def test_a_call_autograd_will_not_differentiate_makes_no_graph():
+    """Under no_grad, or with no input that requires grad, attention() and the SDPA-shaped call
+    run the forward alone: the same O as the autograd function's, no graph node; with an input
+    that requires grad the output carries FlashAttention's backward."""
+    case = pinned((1, 2, 6, 4), (1, 1, 6, 4), causal=True, seed=5)
+    q, k, v = (torch.from_numpy(x).to(DEVICE) for x in (case.q, case.k, case.v))
+    tracked = attention(q.requires_grad_(), k, v, causal=True)
+    assert type(tracked.grad_fn).__name__ == "FlashAttentionBackward"
+    q = q.detach()
+    with torch.no_grad():
+        untracked = attention(q.clone().requires_grad_(), k, v, causal=True)
+    plain = attention(q, k, v, causal=True)
+    sdpa = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for o in (untracked, plain, sdpa):
+        assert o.grad_fn is None and not o.requires_grad
+        assert torch.equal(o, tracked.detach())
+    with torch.no_grad(), pytest.raises(TypeError, match="^query: expected dtype"):
+        scaled_dot_product_attention(q.double(), k, v)
+
+
 def test_not_twice_differentiable():
     """The kernels' gradients are not differentiable themselves: a second derivative is
     refused, not silently zero."""
