@@ -309,7 +309,8 @@ class FlashAttention(torch.autograd.Function):
         if torch.is_grad_enabled():      # create_graph=True: a second derivative would come out as zero
             raise RuntimeError("FlashAttention: the kernels' gradients are not differentiable themselves "
                                "(backward with create_graph=True)")
-        q, k, v, o, lse = (t.detach() for t in ctx.saved_tensors)     # (o, an output, comes back needing grad)
+        q, k, v, o, lse = ctx.saved_tensors       # (q, k, v saved detached; lse never needs grad)
+        o = o.detach()                             # (o, an output, comes back needing grad)
         causal, scale, block_mask = ctx.options
         with _launching(q):
             dq, dk, dv = _backward(q, k, v, o, lse, do, causal, scale, block_mask)

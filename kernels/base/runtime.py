@@ -30,6 +30,7 @@ import ctypes
 import math
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -675,7 +676,13 @@ def run_bound(cache: LaunchCache, key, arrays: dict, views_of, make, *, aligned_
         launches(**views)
         return
     pointers, seen = {}, {}                       # (an array under two names: its pointer read once)
+    tensor = _torch_tensor_type()
     for name, x in arrays.items():
+        if type(x) is tensor:                     # a PyTorch tensor's pointer is one call (``device_pointer``'s case)
+            if not x.is_contiguous():
+                raise ValueError(f"{name}: expected a C-contiguous device array, got strides {tuple(x.stride())}")
+            pointers[name] = x.data_ptr()
+            continue
         at = seen.get(id(x))
         if at is None:
             at = seen[id(x)] = device_pointer(x, name)
@@ -684,6 +691,25 @@ def run_bound(cache: LaunchCache, key, arrays: dict, views_of, make, *, aligned_
     key = (*key, aligned, current_context())
     launches = cache.get(key, lambda: make(views_of(arrays), aligned))
     launches(**pointers)
+
+
+_TENSOR = None      # torch.Tensor, once PyTorch is imported
+
+
+def _torch_tensor_type():
+    """``torch.Tensor`` if PyTorch is imported (by the caller: this module never imports
+    it), else a type no array has."""
+    global _TENSOR
+    if _TENSOR is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return _NoArray
+        _TENSOR = torch.Tensor
+    return _TENSOR
+
+
+class _NoArray:
+    pass
 
 
 def current_context() -> int:
