@@ -24,6 +24,8 @@ A library's manners:
 
     * outputs come from the caller's allocator (PyTorch's caching allocator, no cudaMalloc a
       call), and every launch goes on the caller's current stream (``on_stream``);
+    * a call autograd will not differentiate (``torch.no_grad()``, inference, or no input that
+      requires grad) runs the forward alone, as SDPA does: no graph node, nothing saved;
     * the layout models have, (B, N, H, d) viewed as (B, H, N, d) by ``transpose(1, 2)``, is
       not contiguous: the kernels read rows of d contiguous values at a fixed head stride,
       so such a view is copied once, in the forward (``contiguous``: one read and one write
