@@ -404,7 +404,11 @@ for run in (1, 2):
 # less a forward and 134 µs less a forward + backward (the table in the README), an upper bound on
 # the launch's part: the old side of that comparison also asked Numba for the SM count at every
 # call, which the code before did once a process. Still not the floor: plain PyTorch's forward
-# stayed faster at small N in all but one round, by 3 to 100 µs.
+# stayed faster at small N in all but one round, by 3 to 100 µs. Two more cuts since, measured
+# so far only on a CPU host with the kernels and the driver left out: a call autograd will not
+# differentiate (`torch.no_grad()`, inference) runs the forward without the autograd function,
+# and a launch reads a PyTorch tensor's pointer directly; a forward's Python went from 33-34 to
+# 27-28 µs there.
 # What is left is the autograd function's own cost, our checks and the allocations, each a few
 # microseconds; a CUDA graph, or a launcher in C, would be the next step.
 #
