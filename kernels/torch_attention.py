@@ -181,7 +181,6 @@ def _checked_entries(q, block_mask) -> bool:
 
 def _forward(q, k, v, causal, scale, block_mask):
     """(o in q's dtype, lse float32) for q (B, H, Nq, d), k, v (B, Hkv, Nk, d)."""
-    group = q.shape[1] // k.shape[1]
     if _checked_entries(q, block_mask):                  # grouped-query heads native in both forwards
         if q.dtype == torch.float32:
             from kernels.flash_tf32 import forward_checked
@@ -198,6 +197,7 @@ def _forward(q, k, v, causal, scale, block_mask):
         o, lse = flash_attention_tc(*(kernel_array(x) for x in (q, k, v)), causal=causal, scale=scale,
                                     bf16=q.dtype == torch.bfloat16)
         return as_tensor_like(o, q).to(q.dtype), as_tensor_like(lse, q)
+    group = q.shape[1] // k.shape[1]                     # chapters 4, 6: K and V repeated to H heads
     k, v = _repeat_heads(k, group), _repeat_heads(v, group)
     if block_mask is not None:
         from kernels.block_sparse import block_sparse_attention

@@ -46,7 +46,7 @@ def check_grouped_args(q, k, v, o, lse, do, want, o_dtypes):
     dtype ``want`` (H a multiple of Hkv, d <= 128), o (B, H, Nq, d) of one of ``o_dtypes``
     and lse (B, H, Nq) float32 (errors name the argument)."""
     B, H, n_q, n_k, d, _ = check_qkv(q, k, v, dtypes=(want,), grouped=True)
-    hkv = check_array(k, "k", dtypes=None)[0][1]
+    hkv = int(k.shape[1])                          # (k's four dimensions checked just above)
     for x, name, shape, dtypes in ((o, "o", (B, H, n_q, d), o_dtypes),
                                    (lse, "lse", (B, H, n_q), (np.float32,)),
                                    (do, "do", (B, H, n_q, d), (want,))):

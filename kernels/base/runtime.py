@@ -678,10 +678,8 @@ def run_bound(cache: LaunchCache, key, arrays: dict, views_of, make, *, aligned_
     pointers, seen = {}, {}                       # (an array under two names: its pointer read once)
     tensor = _torch_tensor_type()
     for name, x in arrays.items():
-        if type(x) is tensor:                     # a PyTorch tensor's pointer is one call (``device_pointer``'s case)
-            if not x.is_contiguous():
-                raise ValueError(f"{name}: expected a C-contiguous device array, got strides {tuple(x.stride())}")
-            pointers[name] = x.data_ptr()
+        if type(x) is tensor:                     # (``device_pointer``'s first case, without its other checks)
+            pointers[name] = _tensor_pointer(x, name)
             continue
         at = seen.get(id(x))
         if at is None:
@@ -738,9 +736,7 @@ def device_pointer(x, name: str) -> int:
     checked C-contiguous, after the wait ``cuda_view`` explains where one is needed."""
     owner = x.owner if isinstance(x, Bf16Bits) else x
     if _is_torch(owner):                          # PyTorch's interface names no stream: no wait
-        if not owner.is_contiguous():
-            raise ValueError(f"{name}: expected a C-contiguous device array, got strides {tuple(owner.stride())}")
-        return owner.data_ptr()
+        return _tensor_pointer(owner, name)
     cai = x.__cuda_array_interface__
     strides = cai.get("strides")
     if strides is not None:
@@ -753,6 +749,13 @@ def device_pointer(x, name: str) -> int:
     if not _ordered(stream):
         cuda.external_stream(stream).synchronize()
     return cai["data"][0]
+
+
+def _tensor_pointer(x, name: str) -> int:
+    """A PyTorch tensor's data pointer, checked C-contiguous."""
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: expected a C-contiguous device array, got strides {tuple(x.stride())}")
+    return x.data_ptr()
 
 
 def cdiv(a: int, b: int) -> int:
