@@ -46,7 +46,7 @@ from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.key_split import add_combine, choose_splits, output_names, partial_views, partials
 from kernels.base.runtime import ArrayKind, Bf16Bits, BoundLaunches, array_dtype, LaunchCache, cdiv, check_flag, check_qkv, \
-    check_scale, device_bits16, as_bits16, is_bf16_array, is_device_array, on_simulator, run_bound, to_device
+    check_scale, device_bits16, as_bits16, given_out, is_bf16_array, is_device_array, on_simulator, run_bound, to_device
 
 __all__ = ["flash_attention_tc", "make_flash_forward_mma", "make_flash_forward_mma_from", "make_load_a_fragment",
            "make_p_to_a", "a_fragment_registers", "p_to_a_registers", "tc_tiles", "ptx_targets", "EXERCISES"]
@@ -375,7 +375,7 @@ def flash_attention_tc(q, k, v, *, causal=False, scale=None, bf16=False):
 _launches = LaunchCache()          # the launcher's bound launches, by call shape
 
 
-def forward_checked(kind, q, k, v, *, causal, scale, bf16, splits=None, o=None):
+def forward_checked(kind, q, k, v, *, causal, scale, bf16, splits=None, o=None, lse=None):
     """What ``flash_attention_tc`` runs once its checks pass, for callers that made them
     (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, Hkv, Nk, d), H a
     multiple of Hkv, C-contiguous 16-bit device arrays (PyTorch fp16/bf16 tensors as they are), ``scale`` a
@@ -383,7 +383,8 @@ def forward_checked(kind, q, k, v, *, causal, scale, bf16, splits=None, o=None):
     keys split among that many blocks a query tile, their partials merged after
     (``kernels.base.key_split``); None: split only where the grid would not fill the GPU.
     ``o``: a C-contiguous array like q, of q's 16-bit type, for O in that type (rounded
-    once, in the kernel: no float32 O, no cast after); it is the o returned."""
+    once, in the kernel: no float32 O, no cast after); it is the o returned. ``lse``: a
+    float32 array (B, H, Nq) to write L into, returned, instead of one from ``kind``."""
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     o16 = o is not None
@@ -393,7 +394,7 @@ def forward_checked(kind, q, k, v, *, causal, scale, bf16, splits=None, o=None):
                              f"{tuple(o.shape)}")
     else:
         o = kind.new((B, H, n_q, d), np.float32)       # the caller's allocator where it has one
-    lse = kind.new((B, H, n_q), np.float32)
+    lse = kind.new((B, H, n_q), np.float32) if lse is None else given_out(lse, (B, H, n_q), "lse")
     if B * H and n_q:
         Br, Bc, _ = tc_tiles(d)
         splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc) if splits is None else int(splits)

@@ -47,7 +47,7 @@ from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.key_split import add_combine, choose_splits, output_names, partial_views, partials
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_qkv, check_scale, \
-    fill, is_device_array, launch_stream, on_simulator, run_bound, to_device
+    fill, given_out, is_device_array, launch_stream, on_simulator, run_bound, to_device
 
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "make_split", "split_kv", "launch_forward",
            "tf32_tiles", "shared_words", "PASSES", "ptx_targets"]
@@ -375,18 +375,19 @@ def split_before(n_q: int, Br: int) -> bool:
     return n_q > 2 * Br
 
 
-def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, before=None):
+def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, before=None, o=None, lse=None):
     """What ``flash_attention_tf32`` runs once its checks pass, for callers that made them
     (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, Hkv, Nk, d), H a
     multiple of Hkv, C-contiguous float32 device arrays, ``scale`` a float. (o, lse) from ``kind``'s
-    allocator (an ``ArrayKind``); K and V are split into their TF32 parts each call, before
+    allocator (an ``ArrayKind``), or the ``o`` (like q) and ``lse`` (B, H, Nq) float32 given;
+    K and V are split into their TF32 parts each call, before
     the forward or in it (``before``; None: ``split_before``). ``splits``: the keys split
     among that many blocks a query tile, their partials merged after
     (``kernels.base.key_split``); None: split only where the grid would not fill the GPU."""
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
-    o = kind.new((B, H, n_q, d), np.float32)           # the caller's allocator where it has one
-    lse = kind.new((B, H, n_q), np.float32)
+    o = kind.new((B, H, n_q, d), np.float32) if o is None else given_out(o, (B, H, n_q, d), "o")
+    lse = kind.new((B, H, n_q), np.float32) if lse is None else given_out(lse, (B, H, n_q), "lse")
     if B * H and n_q and n_k:
         Br, Bc, _ = tf32_tiles(d)
         splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc) if splits is None else int(splits)

@@ -51,6 +51,7 @@ import numpy as np
 
 from kernels.base.fused import MAX_GRID_Y
 from kernels.base.masks import BlockMask
+from kernels.base.plans import Plans
 from kernels.base.runtime import ArrayKind, check_flag, check_scale, current_context, has_tf32_tensor_cores, \
     on_simulator, on_stream
 
@@ -177,20 +178,53 @@ def _checked_entries(q, block_mask) -> bool:
     return q.is_cuda and block_mask is None and has_tf32_tensor_cores()
 
 
+# --------------------------------------------------------------------------- plans
+
+# A call shape's launches, recorded at its first call and replayed after (``kernels.base.plans``):
+# on the GPU a small call is its host time, most of it checks and decisions the shape fixes.
+_forward_plans, _backward_plans = Plans(), Plans()
+
+
+def _plan_key(q, k, v, causal, scale, block_mask):
+    """A forward's plan key: all that its checks and the launchers' decisions read (shapes,
+    dtypes, devices, the flags, the current device and CUDA context); None for a call that is
+    not planned (CPU tensors, a block mask, a tensor subclass, a flag or scale of another type)."""
+    if (block_mask is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor
+            or type(v) is not torch.Tensor or type(causal) is not bool or type(scale) not in (float, int, type(None))
+            or not q.is_cuda):
+        return None
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, causal, scale,
+            torch.cuda.current_device(), current_context())
+
+
+def _outputs(q):
+    """O (like q) and L (B, H, Nq) float32, from PyTorch's allocator."""
+    return torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+
+
 # --------------------------------------------------------------------------- the two passes
 
-def _forward(q, k, v, causal, scale, block_mask):
-    """(o in q's dtype, lse float32) for q (B, H, Nq, d), k, v (B, Hkv, Nk, d)."""
+def _forward(q, k, v, causal, scale, block_mask, key=None):
+    """(o in q's dtype, lse float32) for q (B, H, Nq, d), k, v (B, Hkv, Nk, d); with a plan
+    ``key``, the launchers' call recorded as its plan."""
     if _checked_entries(q, block_mask):                  # grouped-query heads native in both forwards
+        o, lse = _outputs(q)             # (O in q's type: 16-bit O rounded in the kernel, no cast after)
         if q.dtype == torch.float32:
             from kernels.flash_tf32 import forward_checked
 
-            return forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale)
-        from kernels.flash_tensor_cores import forward_checked
+            def call():
+                forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale, o=o, lse=lse)
+        else:
+            from kernels.flash_tensor_cores import forward_checked
 
-        # O in q's 16-bit type, rounded in the kernel: no float32 O and no cast after
-        return forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale, bf16=q.dtype == torch.bfloat16,
-                               o=torch.empty_like(q))
+            def call():
+                forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=scale, bf16=q.dtype == torch.bfloat16,
+                                o=o, lse=lse)
+        if key is None:
+            call()
+        else:
+            _forward_plans.record(key, dict(q=q, k=k, v=v, o=o, lse=lse), call, info=(causal, scale))
+        return o, lse
     if q.dtype != torch.float32 and block_mask is None:   # chapter 8's launcher: grouped heads native
         from kernels.flash_tensor_cores import flash_attention_tc
 
@@ -229,16 +263,22 @@ def _backward(q, k, v, o, lse, do, causal, scale, block_mask):
             return tuple(buffer.as_strided(x.shape, x.stride(), at) for at, x in zip(starts, (q, k, v)))
 
         grads = parts(flat)
-        if dtype == torch.float32:
-            from kernels.tf32_backward import backward_checked
+        given = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=grads[0], dk=grads[1], dv=grads[2])
+        key = (q.shape, k.shape, dtype, causal, scale, q.device, current_context())   # (o, do: q's shape and dtype)
+        if _backward_plans.replay(key, given) is None:
+            if dtype == torch.float32:
+                from kernels.tf32_backward import backward_checked
 
-            backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale, out=grads)
-            return grads
-        from kernels.tensor_core_backward import backward_checked
+                def call():
+                    backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale, out=grads)
+            else:
+                from kernels.tensor_core_backward import backward_checked
 
-        backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale,
-                         bf16=dtype == torch.bfloat16, out=grads)
-        return parts(flat.to(dtype))
+                def call():
+                    backward_checked(ArrayKind(q), q, k, v, o, lse, do, causal=causal, scale=scale,
+                                     bf16=dtype == torch.bfloat16, out=grads)
+            _backward_plans.record(key, given, call)
+        return grads if dtype == torch.float32 else parts(flat.to(dtype))
     if block_mask is not None:
         from kernels.block_sparse_backward import block_sparse_attention_backward
 
@@ -269,14 +309,23 @@ def _backward(q, k, v, o, lse, do, causal, scale, block_mask):
 
 
 def _checked_forward(q, k, v, causal, scale, block_mask, names=("q", "k", "v")):
-    """The forward after the checks: (q, k, v as the kernels read them, o, lse, causal, scale)."""
+    """The forward after the checks: (q, k, v as the kernels read them, o, lse, causal, scale).
+    A call shape seen before replays its plan: its checks passed at its first call, and
+    everything they read is in the plan's key."""
+    key = _plan_key(q, k, v, causal, scale, block_mask)
+    if key is not None and key in _forward_plans:
+        o, lse = _outputs(q)
+        with _launching(q):
+            plan = _forward_plans.replay(key, dict(q=q, k=k, v=v, o=o, lse=lse))
+        if plan is not None:
+            return q, k, v, o, lse, *plan.info
     _check_inputs(q, k, v, names)
     _check_block_mask(block_mask)
     causal = check_flag(causal, "causal")     # (bool("no") is True: a flag is a bool or nothing)
     scale = check_scale(scale, q.shape[3])
     q, k, v = (x.detach().contiguous() for x in (q, k, v))    # a model's strided views: copied once, here
     with _launching(q):
-        o, lse = _forward(q, k, v, causal, scale, block_mask)
+        o, lse = _forward(q, k, v, causal, scale, block_mask, key)
     return q, k, v, o, lse, causal, scale
 
 
@@ -311,8 +360,10 @@ class FlashAttention(torch.autograd.Function):
         if torch.is_grad_enabled():      # create_graph=True: a second derivative would come out as zero
             raise RuntimeError("FlashAttention: the kernels' gradients are not differentiable themselves "
                                "(backward with create_graph=True)")
-        q, k, v, o, lse = ctx.saved_tensors       # (q, k, v saved detached; lse never needs grad)
-        o = o.detach()                             # (o, an output, comes back needing grad)
+        # (q, k, v are the inputs themselves where the forward replayed a plan, o an output:
+        # both come back needing grad, which a first binding's array interface refuses)
+        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o = q.detach(), k.detach(), v.detach(), o.detach()
         causal, scale, block_mask = ctx.options
         with _launching(q):
             dq, dk, dv = _backward(q, k, v, o, lse, do, causal, scale, block_mask)

@@ -312,22 +312,24 @@ def test_against_pytorch_sdpa(dtype):
 def test_launches_on_the_callers_stream():
     """On a side stream (PyTorch's are non-blocking), inputs made there and results used
     there: without the launch on that stream the kernels would race the side stream's
-    queued work. A long matmul chain queued first makes a race visible."""
+    queued work. A long matmul chain queued first makes a race visible. Twice: the first call
+    records the call shape's plan, the second replays it."""
     case = pinned((4, 8, 512, 64), (4, 8, 512, 64), causal=True, seed=13)
     want, _ = ref.attention(case.q, case.k, case.v, causal=True)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        big = torch.randn(4096, 4096, device="cuda")
-        for _ in range(20):
-            big = (big @ big / 64.0).clamp_(-1.0, 1.0)  # ~50 ms of work ahead of q on this stream
-        q = torch.from_numpy(case.q).to("cuda", non_blocking=True) + 0.0 * big[0, 0]
-        k, v = (torch.from_numpy(x).to("cuda") for x in (case.k, case.v))
-        o = attention(q, k, v, causal=True)
-        o_host = o.to("cpu", non_blocking=False)
-    side.synchronize()
     floors = attention_floors(case.q, case.k, case.v, causal=True).o
     o32, _ = ref.attention(case.q, case.k, case.v, causal=True, dtype=np.float32)
-    assert_close(o_host.double().numpy(), want, o32, name="O on a side stream", floor_scale=floors)
+    side = torch.cuda.Stream()
+    for call in ("first call", "replayed"):
+        with torch.cuda.stream(side):
+            big = torch.randn(4096, 4096, device="cuda")
+            for _ in range(20):
+                big = (big @ big / 64.0).clamp_(-1.0, 1.0)  # ~50 ms of work ahead of q on this stream
+            q = torch.from_numpy(case.q).to("cuda", non_blocking=True) + 0.0 * big[0, 0]
+            k, v = (torch.from_numpy(x).to("cuda") for x in (case.k, case.v))
+            o = attention(q, k, v, causal=True)
+            o_host = o.to("cpu", non_blocking=False)
+        side.synchronize()
+        assert_close(o_host.double().numpy(), want, o32, name=f"O on a side stream, {call}", floor_scale=floors)
 
 
 @gpu
@@ -340,3 +342,97 @@ def test_results_come_from_pytorchs_allocator():
     assert torch.cuda.memory_allocated() - before >= o.numel() * 4
     o.sum().backward()
     assert all(isinstance(g, torch.Tensor) and g.is_cuda for g in (q.grad, k.grad, v.grad))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_a_call_shape_seen_before_replays_its_plan(dtype, monkeypatch):
+    """A call shape's first call records its plan (kernels/base/plans.py) and later calls
+    replay it, with the launchers' checked entries out of the way (a replay that called them
+    would fail here): O bit for bit what the long way gives on the same new data, the
+    gradients to the dtype's tolerance (the backward's atomic adds come in any order), for
+    grouped-query causal attention with ragged N; another flag or scale is another plan; an
+    input 4 bytes off a 16-byte boundary declines its plan and goes the long way."""
+    import kernels.flash_tensor_cores
+    import kernels.flash_tf32
+    import kernels.tensor_core_backward
+    import kernels.tf32_backward
+    from kernels import torch_attention
+
+    def draw(seed, offset=0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        shapes = ((2, 4, 100, 64), (2, 2, 130, 64), (2, 2, 130, 64), (2, 4, 100, 64))
+        out = []
+        for shape in shapes:
+            n = int(np.prod(shape))
+            whole = torch.randn(n + offset, device="cuda", generator=g).to(dtype)
+            out.append(whole[offset:].view(shape))
+        return out
+
+    def fwd_bwd(q, k, v, do, causal=True, scale=None):
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        o = attention(q, k, v, causal=causal, scale=scale)
+        o.backward(do)
+        return o.detach(), q.grad, k.grad, v.grad
+
+    def long_way(*args, **kw):
+        torch_attention._forward_plans.clear()
+        torch_attention._backward_plans.clear()
+        return fwd_bwd(*args, **kw)
+
+    def same(replayed, long, what):
+        torch.testing.assert_close(replayed[0], long[0], rtol=0, atol=0, msg=f"O {what}")
+        for name, a, b in zip(("dQ", "dK", "dV"), replayed[1:], long[1:]):
+            torch.testing.assert_close(a, b, msg=f"{name} {what}")
+
+    first, second = draw(0), draw(1)
+    want = long_way(*second)
+    long_way(*first)                                             # records both plans
+    assert len(torch_attention._forward_plans) == len(torch_attention._backward_plans) == 1
+
+    def refuse(*args, **kw):
+        raise AssertionError("the long way ran where the plan should have been replayed")
+    for module in (kernels.flash_tf32, kernels.flash_tensor_cores, kernels.tf32_backward,
+                   kernels.tensor_core_backward):
+        monkeypatch.setattr(module, module.__name__.endswith("backward") and "backward_checked"
+                            or "forward_checked", refuse)
+    same(fwd_bwd(*second), want, "replayed")
+    with pytest.raises(AssertionError, match="the long way ran"):
+        fwd_bwd(*second, causal=False)                           # another key: no plan yet
+    monkeypatch.undo()
+    same(fwd_bwd(*second, causal=False, scale=0.3), long_way(*second, causal=False, scale=0.3), "not causal")
+    long_way(*first)                                             # the aligned plan, then 4 bytes off
+    off = draw(1, offset=4 // torch.tensor([], dtype=dtype).element_size())
+    assert all(x.data_ptr() % 16 == 4 for x in off)
+    replayed = fwd_bwd(*off)
+    same(replayed, long_way(*off), "4 bytes off")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_replayed_forward_with_grad_then_a_first_backward(dtype):
+    """The order a benchmark or an evaluation loop makes: a shape's first call under no_grad
+    records the forward's plan; the next, with grad, replays it, and the backward binds its
+    launches for the first time on the tensors autograd saved (inputs that require grad):
+    the gradients against a long way's."""
+    import kernels.tensor_core_backward
+    import kernels.tf32_backward
+    from kernels import torch_attention
+
+    torch_attention._forward_plans.clear()
+    torch_attention._backward_plans.clear()
+    kernels.tensor_core_backward._launches.clear()
+    kernels.tf32_backward._launches.clear()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v, do = (torch.randn(1, 2, 90, 32, device="cuda", generator=g, dtype=dtype) for _ in range(4))
+    with torch.no_grad():
+        attention(q, k, v)
+    grads = []
+    for _ in range(2):
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        attention(qg, kg, vg).backward(do)
+        grads.append((qg.grad, kg.grad, vg.grad))
+        torch_attention._forward_plans.clear()                   # the second time: the long way
+        torch_attention._backward_plans.clear()
+    for name, a, b in zip(("dQ", "dK", "dV"), *grads):
+        torch.testing.assert_close(a, b, msg=name)

@@ -436,6 +436,15 @@ def check_qkv(q, k, v, *, dtypes=(np.float32,), max_head_dim: int = 128, grouped
     return qs[0], qs[1], qs[2], ks[2], d, qd
 
 
+def given_out(out, shape, name: str):
+    """``out``, a float32 device array of ``shape`` a checked entry was given to write a result
+    into, returned as it is (its identity kept: ``kernels.base.plans`` tells arrays by it)."""
+    if tuple(out.shape) != tuple(shape) or array_dtype(out) != np.float32:
+        raise ValueError(f"{name}: expected a float32 array of shape {tuple(shape)}, got {array_dtype(out)} "
+                         f"{tuple(out.shape)}")
+    return out
+
+
 def check_out(out, name: str, shape):
     """``out``: None, or a C-contiguous float32 device array of ``shape`` to write a result
     into. Returns its device view (None for None), naming ``name`` in any error."""
@@ -661,6 +670,11 @@ class LaunchCache:
     def __contains__(self, key):
         return key in self._bound
 
+    def clear(self):
+        """Forget every bound launch (the next call of each shape binds again)."""
+        with self._lock:
+            self._bound.clear()
+
 
 def run_bound(cache: LaunchCache, key, arrays: dict, views_of, make, *, aligned_names=(), aligned_d=True):
     """Run a launcher's bound launches on ``arrays`` ({name: device array}), binding them
@@ -688,7 +702,34 @@ def run_bound(cache: LaunchCache, key, arrays: dict, views_of, make, *, aligned_
     aligned = int(bool(aligned_d) and all(pointers[n] % 16 == 0 for n in aligned_names))
     key = (*key, aligned, current_context())
     launches = cache.get(key, lambda: make(views_of(arrays), aligned))
+    note_launch(launches, arrays, aligned_names, aligned_d, aligned)
     launches(**pointers)
+
+
+_recorded = threading.local()       # (the launches of a call being recorded, per host thread)
+
+
+def note_launch(launches, arrays: dict, aligned_names, aligned_d, aligned: int) -> None:
+    """A GPU launch ``run_bound`` makes (its bound launches, its arrays by slot name and how
+    it worked out ``aligned``), kept where ``recording_launches`` records the thread's calls."""
+    steps = getattr(_recorded, "steps", None)
+    if steps is not None:
+        steps.append((launches, arrays, tuple(aligned_names), bool(aligned_d), int(aligned)))
+
+
+class recording_launches:                         # noqa: N801  (used as a function, like ``on_stream``)
+    """``with recording_launches() as steps:`` collects each ``run_bound`` launch made on a
+    GPU in the block, as (bound launches, the arrays by slot name, aligned names, aligned_d,
+    aligned): what ``kernels.base.plans`` needs to replay the block's launches."""
+
+    def __enter__(self):
+        self.before = getattr(_recorded, "steps", None)
+        _recorded.steps = []
+        return _recorded.steps
+
+    def __exit__(self, *exc):
+        _recorded.steps = self.before
+        return False
 
 
 _TENSOR = None      # torch.Tensor, once PyTorch is imported
