@@ -26,6 +26,10 @@ A library's manners:
       call), and every launch goes on the caller's current stream (``on_stream``);
     * a call autograd will not differentiate (``torch.no_grad()``, inference, or no input that
       requires grad) runs the forward alone, as SDPA does: no graph node, nothing saved;
+    * a call shape's first call is recorded as its plan (``kernels.base.plans``): the launches
+      the launcher made and where their arrays came from; later calls of that shape replay it,
+      with no check or decision made again (the plan's key names all that they read), and a
+      misaligned or strided input declines the plan and goes the long way;
     * the layout models have, (B, N, H, d) viewed as (B, H, N, d) by ``transpose(1, 2)``, is
       not contiguous: the kernels read rows of d contiguous values at a fixed head stride,
       so such a view is copied once, in the forward (``contiguous``: one read and one write

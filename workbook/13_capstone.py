@@ -182,7 +182,8 @@ for name, a, b in (("O", o, os_), ("dQ", q.grad, qs.grad), ("dK", k.grad, ks.gra
 #   twice and no array interface is built; O comes in bf16 from the kernel, and dQ, dK and dV
 #   in one buffer, cast to bf16 in one operation. On the H100 a forward call at B·H = 1, N = 64 went from 230 µs of host time to
 #   84 µs (bf16; plain PyTorch 63 µs), forward + backward from 1240 µs to 840 µs (plain PyTorch
-#   720 µs), in back-to-back calls.
+#   720 µs), in back-to-back calls. Last, a call shape's launches are recorded once and replayed
+#   after (plans, section 7).
 
 # %%
 from kernels.base import runtime  # noqa: E402
@@ -330,22 +331,21 @@ if rows:
     display(Image(str(RESULTS_DIR / "capstone_floor.png")))
 
 # %% [markdown]
-# The floor does not hold. In this run (the H200, 2026-11-29) ours is slower than plain PyTorch
-# in 229 of the 584 cells where plain PyTorch runs; it runs out of memory in the other 56, where
-# ours runs. Two causes remain, and the time a call takes tells them apart:
+# The floor does not hold yet. In this run (the H200, 2026-11-29, with the plans of the end of
+# this section) ours is slower than plain PyTorch in 56 of the 584 cells where plain PyTorch runs;
+# it runs out of memory in the other 56, where ours runs. The sweep before (the same GPU, the same
+# day, the code before the raw launches below, the no-grad forward and the plans) had ours slower
+# in 229. What is left:
 #
-# * **fp32 at d = 96 and 128, without the mask** (31 of the 35 slower cells where ours takes
-#   over 1 ms, 0.75-0.98x). Plain PyTorch's fp32 runs on cuBLAS's FMA kernels; ours on chapter
-#   11's 3xTF32 tensor-core kernels, three TF32 products for each fp32 one, which at these head
-#   dims are level with cuBLAS at best. Causal attention halves our work and not plain
-#   PyTorch's, so the causal cells are ours.
-# * **The host, at small N** (the other 194, where ours takes under 1 ms). There the GPU's work
-#   is microseconds and a call is its host time, ours and plain PyTorch's alike. PyTorch's
-#   profiler at B·H = 1, N = 64, d = 64, bf16: our kernels ran 5.4 µs of a forward's 76 µs a
-#   call, 21 µs of a forward + backward's 789; plain PyTorch's 6.2 of 58 and 17 of 589. Host
-#   time is noisy too: the same call took ours 561 and 789 µs in two sessions, plain PyTorch
-#   434 and 589.
-#
+# * **fp32 at d = 96 and 128 without the mask** (42 cells, 0.58-0.99x). Plain PyTorch's fp32
+#   runs on cuBLAS's FMA kernels; ours on chapter 11's 3xTF32 tensor-core kernels, three TF32
+#   products for each fp32 one, which at these head dims are level with cuBLAS at best. Causal
+#   attention halves our work and not plain PyTorch's, so the causal cells are mostly ours.
+# * **Seven more fp32 forwards** (0.78-0.99x): four at d = 32 and 64 with B·H = 1 or 8 (N 256 to
+#   4096) and three causal ones at d = 96 and 128, all under 0.3 ms a call.
+# * **Seven bf16 forward + backward cells** (0.83-0.99x), each 0.59 to 0.99 ms a call for ours and
+#   for plain PyTorch: no bf16 forward is slower any more.
+
 # A third cause showed in earlier runs, on the H100: **too few blocks** (B·H = 1 and 8, N of
 # 1024 and 4096). The forward's grid is one block a query tile a head, the backward's one block
 # a key tile a head: at B·H = 1 and N = 4096, 32 blocks on 132 SMs, each walking all 4096 keys
@@ -393,27 +393,67 @@ for run in (1, 2):
 # Ours was slower in 44 and 38 of the 48 cells before, 29 and 27 after; the median forward
 # went from 0.56-0.60x of plain PyTorch to 0.88-0.90x (fp32) and from 0.67x to 0.80-0.84x
 # (bf16), forward + backward from 0.92-0.99x to 1.08x (fp32) and 0.84-0.87x to 0.96-0.97x
-# (bf16). The H200's sweep above ran on that code.
+# (bf16). The H200's first sweep (229 cells slower) ran on that code.
 #
 # The next step was the launch itself. A bound launch (`LaunchTemplate`, `kernels/base/runtime.py`)
 # handed `cuda.core`'s `launch` its kernel's parameters, about 60 Python values (each array is
 # passed as its pointers, size, shape and strides), and `launch` converted every one at every
 # call. Now the template holds them as C values with an array of pointers to them, as
 # `cuLaunchKernel` takes them; a call writes its arrays' data pointers into their slots and
-# launches. On the H200, the two launch paths alternated twice in one process: a median 24 µs
-# less a forward and 134 µs less a forward + backward (the table in the README), an upper bound on
-# the launch's part: the old side of that comparison also asked Numba for the SM count at every
-# call, which the code before did once a process. Still not the floor: plain PyTorch's forward
-# stayed faster at small N in all but one round, by 3 to 100 µs. Two more cuts since, measured
-# so far only on a CPU host with the kernels and the driver left out: a call autograd will not
-# differentiate (`torch.no_grad()`, inference) runs the forward without the autograd function,
-# and a launch reads a PyTorch tensor's pointer directly; a forward's Python went from 33-34 to
-# 27-28 µs there.
-# What is left is the autograd function's own cost, our checks and the allocations, each a few
-# microseconds; a CUDA graph, or a launcher in C, would be the next step.
+# launches (on the H200 a median 24 µs less a forward and 134 µs less a forward + backward, an
+# upper bound: the old side also asked Numba for the SM count at every call). Then a call autograd
+# will not differentiate (`torch.no_grad()`, inference) runs the forward without the autograd
+# function, and a launch reads a PyTorch tensor's pointer directly. Plain PyTorch's forward was
+# still faster at small N.
+#
+# ### Plans: the decisions of a call shape, made once
+#
+# What was left is the Python that runs before the launch at every call: the checks of q, k and v,
+# the tiles, the splits, the scratch to allocate, the lookup of the bound launches. All of it
+# follows from the call shape. So the drop-in records, at a shape's first call, what the launcher
+# did (`kernels/base/plans.py`): the bound launches it made, in order, and where each of their
+# arrays came from: one of the call's *given* tensors (q, k, v, and the O and L the drop-in
+# allocated), by name, or scratch the launcher allocated (the splits' partials, the backward's row
+# buffers), by allocation and offset. A later call of the same shape replays it: it allocates the
+# scratch again from PyTorch's caching allocator, reads the given tensors' data pointers and
+# launches. Nothing is checked or decided again, which is sound only because the key names all
+# that the checks and the decisions read (shapes, dtypes, devices, the flags, the scale, the current
+# device and CUDA context). The one thing a key cannot name is where the data lies: the launches
+# were bound for the inputs' 16-byte alignment, so a replay checks it, and a misaligned or strided
+# input declines the plan and goes the long way. cuDNN's execution plans and FlashInfer's
+# `plan`/`run` split a call the same way.
+
+# %%
+from kernels.base import plans  # noqa: E402
+
+show_source(plans.Plan.replay, "pointers = {}", "return True")
+
+# %% [markdown]
+# Measured on the H200 in one process, plans on and off alternated twice, plain PyTorch alongside
+# (µs a call, back-to-back calls; `workbook/results/capstone_plans_ab.csv`):
+
+# %%
+import csv  # noqa: E402
+
+ab_path = RESULTS_DIR / "capstone_plans_ab.csv"
+if ab_path.exists():
+    with open(ab_path) as fh:
+        ab = list(csv.DictReader(line for line in fh if not line.startswith("#")))
+    print(f"{'B H N d':16s} {'dtype':9s} {'pass':8s} {'plain PyTorch':>15s} {'long way':>13s} {'plans':>13s}")
+    for r in ab:
+        print(f"{r['B']} {r['H']} {r['N']} {r['d']:10s} {r['dtype']:9s} {r['pass']:8s} "
+              f"{r['plain_1_us']:>7s} {r['plain_2_us']:>7s} {r['long_way_1_us']:>6s} {r['long_way_2_us']:>6s} "
+              f"{r['plans_1_us']:>6s} {r['plans_2_us']:>6s}")
+
+# %% [markdown]
+# A forward went from 51-127 µs to 24-70 µs, below plain PyTorch's 51-120 µs in 15 of the 16
+# comparisons (8 rows, 2 rounds); the other is fp32 at N = 1024, d = 128, where the rounds split
+# (59.6 and 61.2 µs against 61.1 and 60.5). A forward + backward, noisier, went from 277-713 µs
+# to 212-554, below plain PyTorch in 15 of 16 (the other: bf16, N = 64, 554 against 526 in one
+# round). The sweep above ran with the plans.
 #
 # Where attention is large, the case FlashAttention was made for, ours wins by up to 6.7x (fp32)
-# and 22x (bf16), and runs where plain PyTorch cannot.
+# and 22.6x (bf16), and runs where plain PyTorch cannot.
 #
 # ### Splitting the walk when the grid is too small
 #
