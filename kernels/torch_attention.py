@@ -318,6 +318,8 @@ def _checked_forward(q, k, v, causal, scale, block_mask, names=("q", "k", "v")):
     everything they read is in the plan's key."""
     key = _plan_key(q, k, v, causal, scale, block_mask)
     if key is not None and key in _forward_plans:
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            q, k, v = (x.detach().contiguous() for x in (q, k, v))      # (the copy the long way makes)
         o, lse = _outputs(q)
         with _launching(q):
             plan = _forward_plans.replay(key, dict(q=q, k=k, v=v, o=o, lse=lse))

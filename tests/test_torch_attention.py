@@ -397,6 +397,9 @@ def test_a_call_shape_seen_before_replays_its_plan(dtype, monkeypatch):
         monkeypatch.setattr(module, module.__name__.endswith("backward") and "backward_checked"
                             or "forward_checked", refuse)
     same(fwd_bwd(*second), want, "replayed")
+    model_layout = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in second[:3]]   # (B, N, H, d) viewed
+    assert not model_layout[0].is_contiguous()
+    same(fwd_bwd(*model_layout, second[3]), want, "replayed on the model's layout (copied once)")
     with pytest.raises(AssertionError, match="the long way ran"):
         fwd_bwd(*second, causal=False)                           # another key: no plan yet
     monkeypatch.undo()

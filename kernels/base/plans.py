@@ -17,7 +17,9 @@ The caller owns the key: it must name everything the call's checks and decisions
 Data pointers are the one thing a key cannot name: the launches were bound for the given
 arrays' 16-byte alignment at recording (``run_bound``'s ``aligned``), so a replay whose
 arrays are aligned otherwise declines, and the caller makes the call the long way.
-PyTorch CUDA tensors only (the drop-in attention of chapter 13 is the user)."""
+PyTorch tensors only: the drop-in attention of chapter 13 is the user, with CUDA tensors
+(``run_bound`` notes launches on a GPU only); tests/test_plans.py drives it with CPU tensors
+and a stand-in for the launches."""
 
 from __future__ import annotations
 
