@@ -28,8 +28,8 @@ A library's manners:
       requires grad) runs the forward alone, as SDPA does: no graph node, nothing saved;
     * a call shape's first call is recorded as its plan (``kernels.base.plans``): the launches
       the launcher made and where their arrays came from; later calls of that shape replay it,
-      with no check or decision made again (the plan's key names all that they read), and a
-      misaligned or strided input declines the plan and goes the long way;
+      with no check or decision made again (the plan's key names all that they read); a
+      strided input is copied first, and a misaligned one declines the plan (the long way);
     * the layout models have, (B, N, H, d) viewed as (B, H, N, d) by ``transpose(1, 2)``, is
       not contiguous: the kernels read rows of d contiguous values at a fixed head stride,
       so such a view is copied once, in the forward (``contiguous``: one read and one write

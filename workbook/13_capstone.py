@@ -419,8 +419,9 @@ for run in (1, 2):
 # launches. Nothing is checked or decided again, which is sound only because the key names all
 # that the checks and the decisions read (shapes, dtypes, devices, the flags, the scale, the current
 # device and CUDA context). The one thing a key cannot name is where the data lies: the launches
-# were bound for the inputs' 16-byte alignment, so a replay checks it, and a misaligned or strided
-# input declines the plan and goes the long way. cuDNN's execution plans and FlashInfer's
+# were bound for the inputs' 16-byte alignment, so a replay checks it, and a misaligned input
+# declines the plan and goes the long way (a strided one is copied first, as the long way copies
+# it). cuDNN's execution plans and FlashInfer's
 # `plan`/`run` split a call the same way.
 
 # %%
