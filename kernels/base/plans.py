@@ -23,11 +23,10 @@ and a stand-in for the launches."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import OrderedDict
 
-from kernels.base.runtime import recording_launches
+from kernels.base.runtime import recording_launches, torch_tensor_type
 
 
 class Plan:
@@ -49,11 +48,11 @@ class Plan:
         cannot be replayed: it launched nothing, an array is neither given nor a PyTorch tensor
         of its own allocation on the given arrays' device, or a launch's array is given under
         several names, none of them its slot's (which one a replay should read is not known)."""
-        torch = sys.modules.get("torch")
-        if not steps or torch is None:
+        tensor = torch_tensor_type()            # (no array is one where PyTorch is not imported)
+        if not steps or not all(type(x) is tensor for x in given.values()):
             return None
         device = next(iter(given.values())).device
-        if not all(type(x) is torch.Tensor and x.device == device for x in given.values()):
+        if not all(x.device == device for x in given.values()):
             return None
         named = {}
         for name, x in given.items():
@@ -69,7 +68,7 @@ class Plan:
                         return None
                     sources.append((slot, slot if slot in names else names[0], 0))
                     continue
-                if type(x) is not torch.Tensor or x.device != device:
+                if type(x) is not tensor or x.device != device:
                     return None
                 storage = x.untyped_storage()
                 base = storage.data_ptr()

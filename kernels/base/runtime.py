@@ -690,7 +690,7 @@ def run_bound(cache: LaunchCache, key, arrays: dict, views_of, make, *, aligned_
         launches(**views)
         return
     pointers, seen = {}, {}                       # (an array under two names: its pointer read once)
-    tensor = _torch_tensor_type()
+    tensor = torch_tensor_type()
     for name, x in arrays.items():
         if type(x) is tensor:                     # (``device_pointer``'s first case, without its other checks)
             pointers[name] = _tensor_pointer(x, name)
@@ -735,7 +735,7 @@ class recording_launches:                         # noqa: N801  (used as a funct
 _TENSOR = None      # torch.Tensor, once PyTorch is imported
 
 
-def _torch_tensor_type():
+def torch_tensor_type():
     """``torch.Tensor`` if PyTorch is imported (by the caller: this module never imports
     it), else a type no array has."""
     global _TENSOR
