@@ -251,6 +251,10 @@ def test_splits_only_where_the_grid_is_too_small():
     assert choose_splits(1, 1 << 20, 64, sms=132) == 16         # at most 16
     assert choose_splits(8, 256, 64, sms=132) == 2              # 4 key tiles: 2 splits of 2
     assert choose_splits(8, 128, 64, sms=132) == 1              # 2 key tiles: no split
+    # whole waves (chapter 11's one block an SM): 64 blocks x 2 <= 132; 3 would take a second wave
+    assert choose_splits(64, 1024, 32, sms=132, whole_waves=True) == 2
+    assert choose_splits(100, 1 << 20, 32, sms=132, whole_waves=True) == 1
+    assert choose_splits(32, 4096, 64, sms=132, whole_waves=True) == 4
 
 
 @pytest.mark.parametrize("case", PINNED, ids=PINNED_IDS)

@@ -19,23 +19,32 @@ from kernels import reference as ref
 from kernels.base.runtime import ArrayKind, is_device_array, on_simulator
 from kernels.base.testing import gpu_examples, assert_close, attention_cases, case_with, forward_floor_scales, \
     grouped_attention_cases
-from kernels.flash_tf32 import flash_attention_tf32, forward_checked, make_flash_forward_tf32, split_before, \
-    tf32_tiles
+from kernels.flash_tf32 import flash_attention_tf32, forward_checked, make_flash_forward_tf32, tf32_tiles
 
 SIM = on_simulator()
 MAX_N = 18 if SIM else 300
 HEAD_DIMS = [3, 8, 13] if SIM else [8, 20, 64, 100, 128]
 
 
-def check(case, passes=3, splits=None, before=None):
-    if splits is None and before is None:
+def on_device(x, misaligned=False):
+    """x as a float32 device array; ``misaligned``: one that starts 4 bytes past a 16-byte boundary."""
+    x = np.ascontiguousarray(x, np.float32)
+    if not misaligned:
+        return cuda.to_device(x)
+    flat = cuda.device_array(x.size + 1, np.float32)
+    view = flat[1:].reshape(x.shape)
+    view.copy_to_device(x)
+    return view
+
+
+def check(case, passes=3, splits=None, misaligned=None):
+    if splits is None and misaligned is None:
         o, lse = flash_attention_tf32(case.q, case.k, case.v, causal=case.causal, scale=case.scale, passes=passes)
     else:                        # the checked entry: the keys split among ``splits`` blocks a query tile,
-        kind = ArrayKind(case.q)  # K and V split ``before`` the forward or as they land
+        kind = ArrayKind(case.q)  # inputs 4 bytes off a 16-byte boundary (``misaligned``)
         scale = case.scale if case.scale is not None else 1 / np.sqrt(case.q.shape[-1])
-        o, lse = forward_checked(kind, *(cuda.to_device(np.ascontiguousarray(x, np.float32))
-                                         for x in (case.q, case.k, case.v)),
-                                 causal=case.causal, scale=scale, passes=passes, splits=splits, before=before)
+        o, lse = forward_checked(kind, *(on_device(x, bool(misaligned)) for x in (case.q, case.k, case.v)),
+                                 causal=case.causal, scale=scale, passes=passes, splits=splits)
         o, lse = kind.result(o), kind.result(lse)
     group = case.q.shape[1] // case.k.shape[1]          # query head h reads KV head h // group
     k, v = (np.repeat(x, group, axis=1) for x in (case.k, case.v))
@@ -84,21 +93,17 @@ def test_keys_split_among_blocks_meet_the_same_rule(case, splits):
     check(case, splits=splits)
 
 
-@given(case=tf32_cases(), before=st.booleans(), splits=st.sampled_from([1, 3]))
+@given(case=tf32_cases(), misaligned=st.booleans(), splits=st.sampled_from([1, 3]))
 @settings(max_examples=4 if SIM else gpu_examples(100))
-@example(case=case_with((1, 1, ONE_PAST, 13), (1, 1, 40, 13), causal=True), before=False, splits=1)  # ragged d
-@example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0), before=False, splits=1)       # large logits
-@example(case=GQA, before=True, splits=3)
-@example(case=GQA, before=False, splits=1)
-def test_k_and_v_split_before_or_as_they_land_meet_the_same_rule(case, before, splits):
-    """K and V split into their TF32 parts by a launch before the forward, or by each block
-    in shared memory as its tiles land (``raw_kv``): the same rule either way."""
-    check(case, splits=splits, before=before)
-
-
-def test_split_before_only_where_keys_are_read_by_more_than_two_blocks():
-    assert not split_before(1, 128) and not split_before(256, 128)
-    assert split_before(257, 128) and split_before(4096, 128)
+@example(case=case_with((1, 1, ONE_PAST, 13), (1, 1, 40, 13), causal=True), misaligned=False, splits=1)  # ragged d
+@example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0), misaligned=True, splits=1)        # large logits
+@example(case=GQA, misaligned=True, splits=3)
+@example(case=case_with((2, 2, 9, 16), (2, 2, 33, 16)), misaligned=False, splits=3)
+def test_tiles_landed_by_cp_async_or_by_plain_loads_meet_the_same_rule(case, misaligned, splits):
+    """K and V tiles land in shared memory by cp.async, 16 bytes at a time, where rows are
+    16-byte aligned, else by plain loads (d % 4 != 0, or arrays 4 bytes off a 16-byte
+    boundary): split into their TF32 parts from there, the same rule either way."""
+    check(case, splits=splits, misaligned=misaligned)
 
 
 @pytest.mark.parametrize("nq, nk", [(0, 5), (5, 0), (0, 0)])
@@ -136,14 +141,16 @@ def test_nan_or_inf_reaches_the_rows_it_touches(data):
     arrays[which][index] = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]))
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     o, lse = flash_attention_tf32(q, k, v, causal=causal, scale=case.scale)
+    group = q.shape[1] // k.shape[1]                 # query head h reads KV head h // group
+    k, v = (np.repeat(x, group, axis=1) for x in (k, v))
     with np.errstate(invalid="ignore", over="ignore"):
         exact_o, exact_l = ref.attention(q, k, v, causal=causal, scale=case.scale)
         base_o, base_l = ref.attention(q, k, v, causal=causal, scale=case.scale, dtype=np.float32)
     touched = np.zeros(lse.shape, bool)
     if which == "q":
         touched[index[:3]] = True
-    else:
-        touched[index[:2]] = True
+    else:                                            # every query head of the KV head
+        touched[index[0], index[1] * group:(index[1] + 1) * group] = True
     untouched = ~touched                            # as the oracle there (a row that sees no key: L = -inf)
     assert np.array_equal(np.isfinite(o)[untouched], np.isfinite(exact_o)[untouched]), "O: a row it does not touch"
     assert np.array_equal(np.isfinite(lse)[untouched], np.isfinite(exact_l)[untouched]), "L: a row it does not touch"
@@ -151,7 +158,8 @@ def test_nan_or_inf_reaches_the_rows_it_touches(data):
     assert not np.any(np.isfinite(lse) & ~np.isfinite(exact_l)), "L: finite where the oracle is not"
     rows = untouched & np.isfinite(exact_o).all(axis=-1)
     arrays[which][index] = 0.0
-    fs_o, fs_l = forward_floor_scales(arrays["q"], arrays["k"], arrays["v"], case.scale, causal=causal)
+    fs_o, fs_l = forward_floor_scales(arrays["q"], *(np.repeat(arrays[x], group, axis=1) for x in "kv"),
+                                      case.scale, causal=causal)
     assert_close(o[rows], exact_o[rows], base_o[rows], name="O", floor_scale=fs_o[rows])
     assert_close(lse[rows], exact_l[rows], base_l[rows], name="L", floor_scale=fs_l[rows])
 

@@ -146,11 +146,14 @@ def multiprocessors() -> int:
     return 1 if on_simulator() else int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
-def choose_splits(blocks: int, n_k: int, Bc: int, sms: int | None = None) -> int:
+def choose_splits(blocks: int, n_k: int, Bc: int, sms: int | None = None, whole_waves: bool = False) -> int:
     """S: 1 while the ``blocks`` of the unsplit grid fill the SMs once; else as many as it
     takes to (``sms`` blocks in all), each split walking at least two key tiles of Bc, at
-    most 16 (each split costs a partial's write and read)."""
+    most 16 (each split costs a partial's write and read). ``whole_waves``: as many as fit in
+    one wave instead (S blocks <= ``sms``, the blocks the GPU holds at once), for a kernel
+    whose blocks run one an SM: one block past a wave would cost a second wave."""
     sms = multiprocessors() if sms is None else sms
     if blocks <= 0 or blocks >= sms:
         return 1
-    return max(1, min(cdiv(sms, blocks), cdiv(n_k, 2 * Bc) if n_k > 2 * Bc else 1, 16))
+    most = sms // blocks if whole_waves else cdiv(sms, blocks)
+    return max(1, min(most, cdiv(n_k, 2 * Bc) if n_k > 2 * Bc else 1, 16))

@@ -36,6 +36,9 @@ so any PTX instruction: that is all this module does on the GPU. The device func
                                             shared_address plus a byte offset): one ld.shared
     load_words(a, row, col)                 16 bytes of a 2-D array from a[row, col] -> 4 uint32
     store_word(a, row, col, w)              one uint32 into a 2-D 16-bit array at a[row, col .. col + 1]
+    store_words(a, row, col, w0, w1, w2, w3)   4 uint32 into a 2-D 32-bit array at a[row, col .. col + 3]
+                                            (one 16-byte store: a[row, col] 16-byte aligned)
+    float_of_word(w), word_of_float(x)      a uint32's bits as a float32, and back (no conversion)
     red_add_pair(a, row, col, x, y)         a[row, col] += x, a[row, col + 1] += y (float32, one
                                             red.global.add.v2.f32; col even, the pair 8-byte aligned)
     ldmatrix(s, row, col), ldmatrix_trans   four 8x8 b16 matrices from shared memory -> 4 uint32
@@ -76,7 +79,7 @@ from kernels.base.runtime import on_simulator
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
            "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_at",
-           "load_words", "store_word", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "global_address", "cp_async_at", "cp_async_word_at", "cp_async_commit", "cp_async_wait_all",
+           "load_words", "store_word", "store_words", "float_of_word", "word_of_float", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "global_address", "cp_async_at", "cp_async_word_at", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
            "half_bits", "bf16_bits", "tf32_bits", "split_ties", "words_to_halves", "make_output_store",
            "OUTPUT_TYPES", "PTX"]
@@ -371,6 +374,18 @@ def _sim_store_word(a, row, col, w):
 
 
 _sim_red_lock = threading.Lock()
+
+
+def _sim_store_words(a, row, col, w0, w1, w2, w3):
+    a[row, col:col + 4] = np.array([w0, w1, w2, w3], dtype=np.uint64).astype(np.uint32).view(a.dtype)
+
+
+def _sim_float_of_word(w):
+    return np.uint32(int(w) & 0xFFFFFFFF).view(np.float32)
+
+
+def _sim_word_of_float(x):
+    return np.float32(x).view(np.uint32)
 
 
 def _sim_red_add_pair(a, row, col, x, y):
@@ -688,6 +703,44 @@ def _gpu_functions():
         return types.void(array, row, col, w), codegen
 
     @intrinsic
+    def store_words(typingctx, array, row, col, w0, w1, w2, w3):
+        if not (is_2d(array) and array.dtype.bitwidth == 32
+                and all(isinstance(w, types.Integer) for w in (w0, w1, w2, w3))):
+            raise TypeError(f"store_words(a, row, col, w0, w1, w2, w3): expected a 2-D 32-bit array and four words, "
+                            f"got {array}, {w0}, {w1}, {w2}, {w3}")
+
+        def codegen(context, builder, sig, args):
+            ptr = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], args[2], sig.args[2])
+            vec = ir.Constant(ir.VectorType(i32, 4), ir.Undefined)
+            for k in range(4):
+                word = context.cast(builder, args[3 + k], sig.args[3 + k], types.uint32)
+                vec = builder.insert_element(vec, word, ir.Constant(i32, k))
+            builder.store(vec, builder.bitcast(ptr, ir.VectorType(i32, 4).as_pointer()), align=16)
+            return context.get_dummy_value()
+
+        return types.void(array, row, col, w0, w1, w2, w3), codegen
+
+    @intrinsic
+    def float_of_word(typingctx, w):
+        if not isinstance(w, types.Integer):
+            raise TypeError(f"float_of_word(w): expected a 32-bit word, got {w}")
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.uint32), ir.FloatType())
+
+        return types.float32(w), codegen
+
+    @intrinsic
+    def word_of_float(typingctx, x):
+        if not isinstance(x, types.Number):
+            raise TypeError(f"word_of_float(x): expected a number, got {x}")
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.float32), i32)
+
+        return types.uint32(x), codegen
+
+    @intrinsic
     def red_add_pair(typingctx, array, row, col, x, y):
         if not (is_2d(array) and array.dtype == types.float32):
             raise TypeError(f"red_add_pair(a, row, col, x, y): expected a 2-D float32 array, got {array}")
@@ -782,6 +835,9 @@ def _gpu_functions():
         split_tf32_at=split_tf32_at,
         load_words=load_words,
         store_word=store_word,
+        store_words=store_words,
+        float_of_word=float_of_word,
+        word_of_float=word_of_float,
         red_add_pair=red_add_pair,
         ldmatrix=make_ldmatrix("ldmatrix.sync.aligned.m8n8.x4.shared.b16"),
         ldmatrix_trans=make_ldmatrix("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"),
@@ -813,6 +869,9 @@ def _sim_functions():
         split_tf32_at=_sim_split_tf32_at,
         load_words=_sim_load_words,
         store_word=_sim_store_word,
+        store_words=_sim_store_words,
+        float_of_word=_sim_float_of_word,
+        word_of_float=_sim_word_of_float,
         red_add_pair=_sim_red_add_pair,
         ldmatrix=_sim_ldmatrix(False),
         ldmatrix_trans=_sim_ldmatrix(True),
@@ -843,6 +902,9 @@ split_tf32 = _functions["split_tf32"]
 split_tf32_at = _functions["split_tf32_at"]
 load_words = _functions["load_words"]
 store_word = _functions["store_word"]
+store_words = _functions["store_words"]
+float_of_word = _functions["float_of_word"]
+word_of_float = _functions["word_of_float"]
 red_add_pair = _functions["red_add_pair"]
 ldmatrix = _functions["ldmatrix"]
 ldmatrix_trans = _functions["ldmatrix_trans"]

@@ -197,8 +197,9 @@ def compile_kernel(label, dispatcher, signature, cc=SM_90) -> Sass:
     """A ``ptx_targets()`` entry (label, kernel, signature) compiled down to SASS and read."""
     from numba import cuda
 
-    fastmath = getattr(dispatcher, "targetoptions", {}).get("fastmath", False)
-    ptx, _ = cuda.compile_ptx(dispatcher.py_func, signature, cc=cc, fastmath=fastmath)
+    options = getattr(dispatcher, "targetoptions", {})
+    ptx, _ = cuda.compile_ptx(dispatcher.py_func, signature, cc=cc, fastmath=options.get("fastmath", False),
+                              launch_bounds=options.get("launch_bounds"))
     cubin, log = ptx_to_cubin(ptx, cc)
     text = disassemble(cubin)
     instructions, labels, branches = parse(text)

@@ -16,7 +16,7 @@ import functools
 
 from numba import cuda, float32
 
-__all__ = ["make_tf32_product", "PASSES"]
+__all__ = ["make_tf32_product", "make_tf32_products", "PASSES"]
 
 PASSES = (1, 3)                 # TF32 products a fp32 product: 1 (plain TF32) or 3 (3xTF32)
 
@@ -60,3 +60,43 @@ def make_tf32_product(passes: int = 3):
         return mma_tf32(a_hi, b_hi, c)
 
     return split4, split2, product
+
+
+@functools.lru_cache(maxsize=None)
+def make_tf32_products(passes: int, n: int):
+    """products(a_hi, a_lo, b, c): c[j, :] = one k-step's 16 x 8 tile of A B_j from zero, for the
+    n B fragments b[j, :] = (b0 hi, b1 hi, b0 lo, b1 lo), as ``product`` computes each, but with
+    the mma issued round by round: the n small-term products first, then the n other small
+    ones, then the n large ones. A product's three mma depend on each other; so ordered, each
+    waits for the one before it only every n mma, and the tensor core has n in flight (one
+    product after another stalls on each result). b and c are (n, 4) local arrays indexed by
+    constants: registers."""
+    from kernels.base.mma import mma_tf32
+
+    if passes not in PASSES:
+        raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
+    THREE = passes == 3
+
+    @cuda.jit(device=True, inline=True)
+    def products(a_hi, a_lo, b, c):
+        zero = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+        if THREE:
+            for j in range(n):
+                x = mma_tf32(a_lo, (b[j, 0], b[j, 1]), zero)
+                for e in range(4):
+                    c[j, e] = x[e]
+            for j in range(n):
+                x = mma_tf32(a_hi, (b[j, 2], b[j, 3]), (c[j, 0], c[j, 1], c[j, 2], c[j, 3]))
+                for e in range(4):
+                    c[j, e] = x[e]
+            for j in range(n):
+                x = mma_tf32(a_hi, (b[j, 0], b[j, 1]), (c[j, 0], c[j, 1], c[j, 2], c[j, 3]))
+                for e in range(4):
+                    c[j, e] = x[e]
+        else:
+            for j in range(n):
+                x = mma_tf32(a_hi, (b[j, 0], b[j, 1]), zero)
+                for e in range(4):
+                    c[j, e] = x[e]
+
+    return products

@@ -64,7 +64,7 @@ def _call_rows(ctx, torch, results):
 
     from kernels.flash_forward import flash_attention
     from kernels.flash_tensor_cores import flash_attention_tc, make_flash_forward_mma, tc_tiles
-    from kernels.flash_tf32 import launch_forward, split_kv
+    from kernels.flash_tf32 import launch_forward
     from kernels.base.runtime import ArrayKind, Bf16Bits, cdiv, cuda_view
     from kernels.torch_attention import attention
 
@@ -94,9 +94,8 @@ def _call_rows(ctx, torch, results):
                 views = [tuple(cuda_view(x).reshape(b * h, n, d) for x in s[:3]) for s in sets]
 
                 def bare(q, k, v):
-                    parts = split_kv(k, v, b * h, n, d, kind)
-                    launch_forward(q, parts, o, lse, 1.0 / math.sqrt(d), causal, 3)
-                note = "chapter 11: split_kv + launch_forward on preallocated O, L"
+                    launch_forward(q, k, v, o, lse, 1.0 / math.sqrt(d), causal, 3)
+                note = "chapter 11: launch_forward on preallocated O, L"
             else:
                 views = [tuple(cuda_view(Bf16Bits(x)).reshape(b * h, n, d) for x in s[:3]) for s in sets]
                 Br, Bc, D = tc_tiles(d)

@@ -3,8 +3,8 @@
 On a GPU (``--quick``: d = 64, N = 1k and 4k), H = 16, d = 64 and 128, causal and not, at
 a fixed number of tokens B N = 16k, N = 1024 .. 16384, float32 inputs:
 
-* our 3xTF32 kernel as a bare launch (the split of K and V and the kernel, on preallocated
-  buffers and outputs), and through its launcher
+* our 3xTF32 kernel as a bare launch (the kernel on preallocated outputs), and through its
+  launcher
   (``flash_attention_tf32``) with PyTorch tensors, as a PyTorch user calls it;
 * SDPA's memory-efficient backend (CUTLASS, 3xTF32 itself) and its math backend, and
   plain PyTorch (``softmax(q k^T scale) v``), all in fp32 with TF32 off
@@ -24,7 +24,7 @@ import numpy as np
 import kernels  # noqa: F401  (GPU or simulator first)
 from kernels import reference as ref
 from kernels.bench.harness import Result, token_sweep, torch_or_none
-from kernels.flash_tf32 import flash_attention_tf32, launch_forward, make_split, split_blocks, tf32_tiles
+from kernels.flash_tf32 import flash_attention_tf32, launch_forward, tf32_tiles
 
 CHAPTER = 11
 TITLE = "fp32 on tensor cores (3xTF32)"
@@ -37,20 +37,13 @@ CHECK_ROWS = 512
 
 
 def bare_launch(b, h, n, d, passes, o, lse):
-    """The split of K and V and the kernel, on device arrays (b, h, n, d), into preallocated
-    hi/lo buffers and o, lse views: the launcher's work without its checks and allocations."""
-    from numba import cuda
-
+    """The kernel on device arrays (b, h, n, d) into preallocated o, lse views: the launcher's
+    work without its checks and allocations (no split of the keys among blocks)."""
     Br, Bc, _ = tf32_tiles(d)
     scale = np.float32(1.0 / np.sqrt(d))
-    parts = [cuda.device_array((b * h, n, d), np.uint32) for _ in range(4)]
-    split = make_split()
-    size = b * h * n * d
-    blocks = split_blocks(size)
 
     def launch(q, k, v, causal):
-        split[blocks, 256](*(x.reshape(size) for x in (k, v, *parts)))
-        launch_forward(q.reshape(b * h, n, d), parts, o, lse, scale, causal, passes)
+        launch_forward(*(x.reshape(b * h, n, d) for x in (q, k, v)), o, lse, scale, causal, passes)
 
     launch.tiles = (Br, Bc)
     return launch
