@@ -406,21 +406,22 @@ TF32 = "kernels.flash_tf32"
 T11 = ("tests/test_flash_tf32.py",)
 MUTANTS += [
     Mutant("tf32-no-hi-lo-term", 11, "kernels.base.tf32_product",
-           (("            c = mma_tf32(a_hi, b_lo, c)\n", ""),),
+           (("""            for j in range(n):
+                x = mma_tf32(a_hi, (b[j, 2], b[j, 3]), (c[j, 0], c[j, 1], c[j, 2], c[j, 3]))
+                for e in range(4):
+                    c[j, e] = x[e]
+""", ""),),
            T11, "test_matches_oracle", "3xTF32 without a_hi b_lo: two products, about 2^-11 of |a||b| lost"),
-    Mutant("tf32-landed-lo-dropped", 11, TF32,
-           (("""                    hi, lo = split_tf32_at(shared_address(dst_hi, r, c + e))
-                    dst_hi[r, c + e] = hi
-                    if THREE:
-                        dst_lo[r, c + e] = lo
-""", """                    hi, lo = split_tf32_at(shared_address(dst_hi, r, c + e))
-                    dst_hi[r, c + e] = hi
-"""),),
-           T11, "test_k_and_v_split_before_or_as_they_land",
-           "K and V split as they land: the lo parts of the chunks cp.async brought are never written (the "
-           "last tile's, or zeros, stand in)"),
+    Mutant("tf32-k-lo-parts-dropped", 11, TF32,
+           (("store_words(Kp, r, 2 * c + 4 * t, h0, h1, l0, l1)", "store_words(Kp, r, 2 * c + 4 * t, h0, h1, uint32(0), uint32(0))"),),
+           T11, "test_matches_oracle", "K_j's lo parts never written (zeros): S from K's hi parts alone, about 2^-11 of "
+                                       "|q||k| lost"),
+    Mutant("tf32-v-pair-swapped", 11, TF32,
+           (("store_words(Vp, p, 4 * (c + e), h0, h1, l0, l1)", "store_words(Vp, p, 4 * (c + e), h1, h0, l1, l0)"),),
+           T11, "test_matches_oracle", "V's parts laid out with the keys of a pair swapped: key 2p's P weighs V row "
+                                       "2p + 1"),
     Mutant("tf32-gqa-wrong-kv-head", 11, TF32,
-           (("            kvh = int32(uint32(bh) // uint32(kv_group))\n", "            kvh = int32(uint32(bh) % uint32(k_hi.shape[0]))\n"),),
+           (("            kvh = int32(uint32(bh) // uint32(kv_group))\n", "            kvh = int32(uint32(bh) % uint32(k.shape[0]))\n"),),
            T11, "test_matches_oracle", "grouped-query: query head row bh reads KV row bh mod B*Hkv (heads interleaved), "
                                        "not bh // group"),
     Mutant("tf32-p-keys-not-renumbered", 11, TF32,
@@ -428,22 +429,26 @@ MUTANTS += [
            T11, "test_matches_oracle", "P's accumulator tile used as P V's A operand as it lies: keys 2t + 1 and t + 4 "
                                        "mixed up, rows g and g + 8 too"),
     Mutant("tf32-chained-accumulator", 11, TF32,
-           (("        split_tf32, split_tf32_at\n", "        split_tf32, split_tf32_at, mma_tf32\n"),
-            ("    split4, _, product = make_tf32_product(passes)      # 3xTF32 (or plain TF32) k-steps\n",
-             "    split4, _, product = make_tf32_product(passes)      # 3xTF32 (or plain TF32) k-steps\n\n"
+           (("    o_products = make_tf32_products(passes, DG)               # DG of O's tiles' products, interleaved\n",
+             "    o_products = make_tf32_products(passes, DG)               # DG of O's tiles' products, interleaved\n\n"
+             "    from kernels.base.mma import mma_tf32\n\n"
              "    @cuda.jit(device=True, inline=True)\n"
-             "    def chained(a_hi, a_lo, b_hi, b_lo, c):   # PLANTED: the k-steps chained in the tensor core\n"
-             "        c = mma_tf32(a_lo, b_hi, c)\n"
-             "        c = mma_tf32(a_hi, b_lo, c)\n"
-             "        return mma_tf32(a_hi, b_hi, c)\n"),
-            ("c = product(a_hi, a_lo, (Kh[r, c0], Kh[r, c0 + 4]), (Kl[r, c0], Kl[r, c0 + 4]))",
-             "c = chained(a_hi, a_lo, (Kh[r, c0], Kh[r, c0 + 4]), (Kl[r, c0], Kl[r, c0 + 4]), "
-             "(sc[nt, 0], sc[nt, 1], sc[nt, 2], sc[nt, 3]))"),
-            ("sc[nt, e] += c[e]", "sc[nt, e] = c[e]"),
-            ("c = product(a_hi, a_lo, (Vh[r, c0], Vh[r + 1, c0]), (Vl[r, c0], Vl[r + 1, c0]))",
-             "c = chained(a_hi, a_lo, (Vh[r, c0], Vh[r + 1, c0]), (Vl[r, c0], Vl[r + 1, c0]), "
-             "(acc[dt, 0], acc[dt, 1], acc[dt, 2], acc[dt, 3]))"),
-            ("acc[dt, e] += c[e]", "acc[dt, e] = c[e]")),
+             "    def chained(a_hi, a_lo, b, c, n):   # PLANTED: the k-steps chained in the tensor core\n"
+             "        for j in range(n):\n"
+             "            x = mma_tf32(a_lo, (b[j, 0], b[j, 1]), (c[j, 0], c[j, 1], c[j, 2], c[j, 3]))\n"
+             "            x = mma_tf32(a_hi, (b[j, 2], b[j, 3]), x)\n"
+             "            x = mma_tf32(a_hi, (b[j, 0], b[j, 1]), x)\n"
+             "            for e in range(4):\n"
+             "                c[j, e] = x[e]\n"),
+            ("                s_products(a_hi, a_lo, bs, cs)\n", "                chained(a_hi, a_lo, bs, sc, NS)\n"),
+            ("                        sc[nt, e] += cs[nt, e]\n", "                        cs[nt, e] = sc[nt, e]\n"),
+            ("                    o_products(a_hi, a_lo, bo, co)\n",
+             "                    for j in range(DG):\n"
+             "                        for e in range(4):\n"
+             "                            co[j, e] = acc[dg * DG + j, e]\n"
+             "                    chained(a_hi, a_lo, bo, co, DG)\n"),
+            ("                            acc[dg * DG + j, e] += co[j, e]\n",
+             "                            acc[dg * DG + j, e] = co[j, e]\n")),
            T11, "test_matches_oracle or test_long_sequence_meets_the_rule",
            "every k-step chained into S's and O's accumulators in the tensor core (chapter 8's way), as the kernel was "
            "first written: the H100's fp32 sums there are not rounded to nearest, and O's error grows with N",
