@@ -265,13 +265,19 @@ _ = te.check_split_tf32(lambda x: (te.to_tf32(x), x - te.to_tf32(x)))
 # instruction: a warp owns 16 query rows, S and P live in accumulator fragments, the online
 # softmax runs on them, and P is never written to memory. Four things are new.
 #
-# **1. The split, once where it can be.** Every block reads every key, so K and V are split
-# into their TF32 hi and lo parts once, by a small kernel before the forward
-# (`make_split`: `split_tf32` from `kernels/base/mma.py`: a rounding to TF32, a
-# subtraction, and a rounding again). Where the queries are few (at most two blocks of
-# them, `split_before`), a key is read once or twice, and that launch and its four buffers
-# cost more than they save: there each block splits K_j and V_j in shared memory as they
-# land (`raw_kv`). Q's fragments are split in registers once a K/V tile,
+# **1. The split, where the keys land.** Each block copies K_j, then V_j, raw into a landing
+# tile in shared memory (cp.async, 16 bytes at a time) and splits every element once into its
+# TF32 hi and lo parts (`split_tf32` from `kernels/base/mma.py`: a rounding to TF32, a
+# subtraction, and a rounding again). It writes the parts where the k-steps will read them.
+# For S, key r's k-step s holds, for lane t, the hi and lo parts of columns 8s + t and
+# 8s + t + 4 in four consecutive words (`k_parts`). For P V, the two keys a lane's P
+# fragment holds (2t and 2t + 1, point 4) sit side by side in each column (`v_parts`). A
+# lane's whole B fragment, both parts, is then one 16-byte shared load. The rows are padded
+# so that the eight lanes a load serves at once hit distinct banks (`k_stride`, `v_stride`).
+# Every block splits the keys it reads. That costs three instructions an element, against
+# the D / 8 k-steps of three mma the element feeds in each of the block's 8 warps. (The
+# first version split K and V once a call, by a kernel of their own, into four buffers in
+# global memory. Section 6 measures the change.) Q's fragments are split in registers once a K/V tile,
 # and P's once a key step, because P only exists there. Which rounding instruction matters:
 # `cvt.rna.tf32.f32` (ties away, all that sm_80 has) is four SASS instructions on the H100
 # (an add, a mask, and a check for Inf and NaN), while `cvt.rn.tf32.f32` (ties to even,
@@ -285,9 +291,19 @@ _ = te.check_split_tf32(lambda x: (te.to_tf32(x), x - te.to_tf32(x)))
 # %%
 from kernels import flash_tf32
 from kernels.base.notebook import show_source
-from kernels.base.tf32_product import make_tf32_product
+from kernels.base.tf32_product import make_tf32_product, make_tf32_products
 
 show_source(make_tf32_product, "def product(a_hi, a_lo, b_hi, b_lo):", "return mma_tf32(a_hi, b_hi, c)")
+
+# %% [markdown]
+# The three mma of a product depend on each other: each adds into the one before. Issued
+# one product after another, a warp waits on every result. The forward therefore issues a
+# k-step's products round by round over its NS tiles of S (and over groups of O's tiles in
+# P V): all the first small terms, then all the second, then the large ones. Each mma then
+# waits on its own chain only every NS mma:
+
+# %%
+show_source(make_tf32_products, "def products(a_hi, a_lo, b, c):", "c[j, e] = x[e]", more=8)
 
 # %% [markdown]
 # **3. Each k-step is added in fp32, not chained in the tensor core.** The first version passed
@@ -306,7 +322,16 @@ show_source(make_tf32_product, "def product(a_hi, a_lo, b_hi, b_lo):", "return m
 # key 2t + 1 is k = t + 4, and V's rows are read in the same order:
 
 # %%
-show_source(flash_tf32.make_flash_forward_tf32, "# ---- O += P V_j, 8 keys a step", "acc[dt, e] += c[e]")
+show_source(flash_tf32.make_flash_forward_tf32, "# ---- O += P V_j, 8 keys a step", "acc[dg * DG + j, e] += co[j, e]")
+
+# %% [markdown]
+# **5. What the compiler is told.** The block's size and the blocks an SM must hold go to
+# the compiler as launch bounds (`tf32_min_blocks`). Told nothing, ptxas kept a thread at
+# 181 registers at d = 128 and undid the round-by-round order: it issued each product's
+# three mma back to back, with idle slots between them (`python -m kernels.base.sass
+# flash_tf32` shows them as `NOP`s). Told that one block of 256 threads is all an SM holds,
+# it uses 221 registers and keeps several products in flight. At d <= 64, two blocks an SM
+# (at most 128 registers) measured faster than one.
 
 # %% [markdown]
 # ## 5. Check against the oracle
@@ -345,6 +370,11 @@ for passes in (3, 1):
 
 # %% [markdown]
 # ## 6. Results on the H100
+#
+# These are the first version's numbers: K and V split by a launch of their own, products
+# issued one after another, no launch bounds. The kernel of section 4 replaced it on
+# 2026-11-29, and its chapter bench has not been rerun since. The A/B after this list
+# measures the change.
 #
 # `python -m kernels --chapters 11`, 2026-11-25, fp32 inputs, B N = 16k tokens, H = 16,
 # PyTorch 2.11's fp32 attention in the same run with TF32 off (its default). "Bare" is the
@@ -437,9 +467,45 @@ if rows:
 #   the kernel issues too many instructions for its mma (the splits, the fp32 additions,
 #   two shared loads a B fragment part) and has too few warps to hide their latency.
 #
-# 3xTF32 is the accurate route to the tensor cores, but not yet the fast one. Still to do:
-# fragments without local memory (loops the compiler unrolls, or smaller ones), and Q's
-# fragments split once and kept. Section 7 puts the backward on the same products.
+# **The rewrite** (section 4's kernel, `workbook/results/flash_tf32_forward_ab.csv`: an
+# H200, one process a step, the first version as it was committed against the new one,
+# plain PyTorch and SDPA memory-efficient in the same run). Nsight Compute on the landing
+# layout alone (step 1) found the issue slots busy only 31% of the time. Nearly half of
+# the warps' stall samples were fixed-latency waits on the mma before them (`stall_wait`,
+# 48%). So the fewer instructions of the 16-byte loads bought nothing by themselves: at
+# d = 128, 18.5 ms against 18.0. Issuing products round by round, with launch bounds
+# (step 2), did:
+
+# %%
+import csv
+
+from kernels.bench.harness import RESULTS_DIR
+
+ab = RESULTS_DIR / "flash_tf32_forward_ab.csv"
+if ab.exists():
+    step2 = [r for r in csv.DictReader(line for line in open(ab) if not line.startswith("#")) if r["step"] == "2"]
+    shapes = dict.fromkeys((r["BH"], r["N"], r["d"], r["causal"]) for r in step2)
+    print(f"{'B*H':>4} {'N':>6} {'d':>4} {'causal':6} {'first':>8} {'new':>8} {'plain':>8} {'SDPA m-e':>8}   ms")
+    for key in shapes:
+        ms = {r["variant"]: float(r["ms"]) for r in step2 if (r["BH"], r["N"], r["d"], r["causal"]) == key}
+        print(f"{key[0]:>4} {key[1]:>6} {key[2]:>4} {key[3]:6} {ms['old']:8.3f} {ms['new']:8.3f} {ms['plain']:8.3f} "
+              f"{ms['sdpa mem-eff']:8.3f}   new {ms['old'] / ms['new']:.2f}x the first, "
+              f"{ms['plain'] / ms['new']:.2f}x plain, {ms['sdpa mem-eff'] / ms['new']:.2f}x SDPA m-e")
+
+# %% [markdown]
+# * At B·H = 64, N = 4096, d = 128: 14.5 ms against the first version's 17.9, plain
+#   PyTorch's 17.0 and SDPA memory-efficient's 12.0. That is 1.23x the first version, 1.17x
+#   plain PyTorch and 0.83x SDPA. With the causal mask: 7.9 ms, 2.9x plain PyTorch.
+# * At d = 64 the "new" column is one block an SM. Two blocks an SM of the same (128, 64)
+#   tiles, what the launcher now takes, measured 6.6 ms (a bare launch): against the first
+#   version's 8.0 and SDPA's 7.9, 1.20x.
+# * Small problems gained most from losing the split's launch and buffers: 0.83 against
+#   1.29 ms at B·H = 64, N = 1024, d = 96.
+# * The errors are unchanged (the same products, the same sums).
+# * SDPA memory-efficient stays ahead at d = 128 (0.78-0.87x) and on short sequences.
+#   Issue 16 asks for 1.5x.
+#
+# Section 7 puts the backward on the same products.
 
 # %% [markdown]
 # ## 7. The backward in 3xTF32
