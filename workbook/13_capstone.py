@@ -331,20 +331,25 @@ if rows:
     display(Image(str(RESULTS_DIR / "capstone_floor.png")))
 
 # %% [markdown]
-# The floor does not hold yet. In this run (the H200, 2026-11-29, with the plans of the end of
-# this section) ours is slower than plain PyTorch in 56 of the 584 cells where plain PyTorch runs;
-# it runs out of memory in the other 56, where ours runs. The sweep before (the same GPU, the same
-# day, the code before the raw launches below, the no-grad forward and the plans) had ours slower
-# in 229. What is left:
+# The floor does not hold yet. Ours is slower than plain PyTorch in 21 of the 584 cells where
+# plain PyTorch runs; plain PyTorch runs out of memory in the other 56, where ours runs. The fp32
+# half ran on the H200 on 2026-11-29, after chapter 11's forward was rewritten (K and V split as
+# they land, products issued round by round: notebook 11, section 4). The bf16 half ran earlier
+# that day, with the plans of the end of this section; nothing on its path has changed since.
+# Before the rewrite ours was slower in 56 cells. Before the raw launches, the no-grad forward and
+# the plans below, it was slower in 229. What is left:
 #
-# * **fp32 at d = 96 and 128 without the mask** (42 cells, 0.58-0.99x). Plain PyTorch's fp32
-#   runs on cuBLAS's FMA kernels; ours on chapter 11's 3xTF32 tensor-core kernels, three TF32
-#   products for each fp32 one, which at these head dims are level with cuBLAS at best. Causal
-#   attention halves our work and not plain PyTorch's, so the causal cells are mostly ours.
-# * **Seven more fp32 forwards** (0.78-0.99x): four at d = 32 and 64 with B·H = 1 or 8 (N 256 to
-#   4096) and three causal ones at d = 96 and 128, all under 0.3 ms a call.
+# * **Five fp32 forwards** (0.70-0.96x), short sequences at large d: B·H = 512 at N = 64 (d = 96
+#   and 128, and 128 causal) and N = 256 (d = 128), and B·H = 64 at N = 256 (d = 128). A block
+#   walks two to eight key tiles there, too few to hide its start.
+# * **Nine fp32 forward + backward cells** (0.85-0.98x). Eight are at d = 128 without the mask,
+#   where chapter 11's backward is the slower half. One is at N = 64, a host-bound cell whose
+#   time moves between runs.
 # * **Seven bf16 forward + backward cells** (0.83-0.99x), each 0.59 to 0.99 ms a call for ours and
 #   for plain PyTorch: no bf16 forward is slower any more.
+#
+# Before the rewrite the fp32 forwards at d = 96 and 128 without the mask were the largest group
+# (42 cells, 0.58-0.99x): cuBLAS's FMA kernels against our 3xTF32 ones.
 
 # A third cause showed in earlier runs, on the H100: **too few blocks** (B·H = 1 and 8, N of
 # 1024 and 4096). The forward's grid is one block a query tile a head, the backward's one block
