@@ -52,8 +52,9 @@ from kernels.base.key_split import add_combine, choose_splits, multiprocessors, 
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_qkv, check_scale, \
     fill, given_out, is_device_array, launch_stream, on_simulator, run_bound, to_device
 
-__all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", "tf32_tiles", "tf32_min_blocks", "k_stride",
-           "v_stride", "shared_words", "PASSES", "ptx_targets"]
+__all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", "tf32_tiles", "tf32_min_blocks",
+           "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets"]
+
 
 def tf32_tiles(d: int) -> tuple[int, int, int]:
     """(Br, Bc, D), D = d rounded up to a multiple of 8 (an m16n8k8 k-step). On a GPU 128
@@ -67,8 +68,9 @@ def tf32_tiles(d: int) -> tuple[int, int, int]:
 
 def tf32_min_blocks(D: int) -> int:
     """Blocks an SM holds at once (the kernel's launch bounds): 2 at D <= 64 (ptxas then keeps
-    a thread to 128 registers), 1 above (up to 255). Measured on the H200, B*H = 64, N = 4096:
-    d = 64, 6.59 ms against 8.06 for one block of (128, 32) tiles."""
+    a thread to 128 registers), 1 above (up to 255). Measured on the H200, B*H = 64, N = 4096,
+    d = 64, bare launches: two blocks of (128, 64) tiles 6.59 ms, one 7.28 (through the
+    launcher), one of (128, 32) tiles 8.06 (``workbook/results/flash_tf32_forward_ab.csv``)."""
     return 2 if D <= 64 else 1
 
 
