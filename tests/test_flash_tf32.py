@@ -19,7 +19,8 @@ from kernels import reference as ref
 from kernels.base.runtime import ArrayKind, is_device_array, on_simulator
 from kernels.base.testing import gpu_examples, assert_close, attention_cases, case_with, forward_floor_scales, \
     grouped_attention_cases
-from kernels.flash_tf32 import flash_attention_tf32, forward_checked, make_flash_forward_tf32, tf32_tiles
+from kernels.flash_tf32 import flash_attention_tf32, forward_checked, k_stride, make_flash_forward_tf32, \
+    shared_words, tf32_tiles, v_stride
 
 SIM = on_simulator()
 MAX_N = 18 if SIM else 300
@@ -104,6 +105,25 @@ def test_tiles_landed_by_cp_async_or_by_plain_loads_meet_the_same_rule(case, mis
     16-byte aligned, else by plain loads (d % 4 != 0, or arrays 4 bytes off a 16-byte
     boundary): split into their TF32 parts from there, the same rule either way."""
     check(case, splits=splits, misaligned=misaligned)
+
+
+@pytest.mark.parametrize("D", range(8, 129, 8))
+def test_fragment_loads_hit_distinct_banks(D):
+    """Each 16-byte fragment load serves 8 lanes at a time (lanes 8i .. 8i + 7: g = 2i, 2i + 1
+    and t = 0..3). K's parts: lane (g, t) reads key row g at words 16 s + 4 t; V's parts: key
+    pair t at words 4 (8 dt + g). The row strides put those 8 loads in 8 distinct 16-byte bank
+    groups (32 banks of 4 bytes), and keep every row 16-byte aligned."""
+    KW, VW = k_stride(D), v_stride(D)
+    assert KW >= 2 * D and VW >= 4 * D and KW % 4 == 0 and VW % 4 == 0
+    for phase in range(4):
+        lanes = [(lane // 4, lane % 4) for lane in range(8 * phase, 8 * phase + 8)]
+        for s_ in range(D // 8):
+            assert len({(g * KW + 16 * s_ + 4 * t) // 4 % 8 for g, t in lanes}) == 8
+        for dt in range(D // 8):
+            assert len({(t * VW + 4 * (8 * dt + g)) // 4 % 8 for g, t in lanes}) == 8
+    for Bc in (8, 16, 32, 64):          # the three tiles of shared memory start 16-byte aligned
+        assert (Bc * KW) % 4 == 0 and (Bc * KW + Bc // 2 * VW) % 4 == 0
+        assert shared_words(Bc, D) == Bc * KW + Bc // 2 * VW + Bc * (D + 4)
 
 
 @pytest.mark.parametrize("nq, nk", [(0, 5), (5, 0), (0, 0)])
