@@ -53,7 +53,8 @@ from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, ch
     fill, given_out, is_device_array, launch_stream, on_simulator, run_bound, to_device
 
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", "tf32_tiles", "tf32_min_blocks",
-           "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets"]
+           "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets", "fragment_strides", "check_fragment_strides",
+           "check_fragment_strides_case", "KERNEL_HEAD_DIMS"]
 
 
 def tf32_tiles(d: int) -> tuple[int, int, int]:
@@ -443,3 +444,52 @@ def ptx_targets(every_shape: bool = False):
                         make_flash_forward_tf32(Br, Bc, D, 3, dynamic, grouped=True, min_blocks=tf32_min_blocks(D)),
                         sig))
     return out
+
+
+# --------------------------------------------------------------------------- the exercise
+# k_parts and v_parts put a lane's B fragment, hi and lo, in 16 consecutive bytes, read by one
+# load. Shared memory has 32 banks of 4 bytes, so 8 groups of 16 bytes; a warp's 16-byte loads
+# are served 8 lanes at a time (lanes 8i .. 8i + 7: g = 2i, 2i + 1 and t = 0..3), in one pass
+# only if those 8 loads fall in 8 distinct groups. The exercise asks for the row strides that
+# make it so, checked on the host (no GPU, no simulator).
+
+KERNEL_HEAD_DIMS = tuple(range(8, 129, 8))     # the D a kernel is built for (d rounded up to 8)
+
+
+def fragment_strides(D: int) -> tuple[int, int]:
+    """The course's answer: words a row of K's parts and of V's parts (``k_stride``, ``v_stride``)."""
+    return k_stride(D), v_stride(D)
+
+
+def check_fragment_strides_case(fn, D):
+    """The property: (KW, VW) = fn(D) are ints; a row holds its parts (KW >= 2 D, VW >= 4 D) with
+    fewer than 32 words of padding; rows start 16-byte aligned (multiples of 4 words); and in
+    every phase of 8 lanes, S's loads (lane (g, t): key row g, words 16 s + 4 t) and P V's
+    (key pair t, words 4 (8 dt + g)) each hit 8 distinct 16-byte bank groups."""
+    out = fn(D)
+    assert isinstance(out, tuple) and len(out) == 2, f"expected a pair (k_stride, v_stride), got {out!r}"
+    KW, VW = out
+    assert all(isinstance(x, (int, np.integer)) for x in out), f"expected two ints, got {out!r}"
+    assert 2 * D <= KW < 2 * D + 32, f"D = {D}: a row of K's parts is 2 D = {2 * D} words, at most 31 more; got {KW}"
+    assert 4 * D <= VW < 4 * D + 32, f"D = {D}: a row of V's parts is 4 D = {4 * D} words, at most 31 more; got {VW}"
+    assert KW % 4 == 0 and VW % 4 == 0, f"D = {D}: rows must start 16-byte aligned (strides multiples of 4 words); " \
+                                        f"got {KW}, {VW}"
+    for phase in range(4):
+        lanes = [(lane // 4, lane % 4) for lane in range(8 * phase, 8 * phase + 8)]
+        for step in range(D // 8):
+            for what, words in (("S's K fragments", [g * KW + 16 * step + 4 * t for g, t in lanes]),
+                                ("P V's V fragments", [t * VW + 4 * (8 * step + g) for g, t in lanes])):
+                groups = [w // 4 % 8 for w in words]
+                assert len(set(groups)) == 8, (f"D = {D}, k-step {step}: {what}, lanes {8 * phase}..{8 * phase + 7} "
+                                               f"hit bank groups {groups}: {8 - len(set(groups))} of the 8 loads wait for "
+                                               f"another pass")
+
+
+def check_fragment_strides(fn, max_examples=None):
+    """Exercise: write ``fn(D) -> (k_stride, v_stride)``. Prints "passed" or the smallest failing D."""
+    from hypothesis import strategies as st
+
+    from kernels.base.testing import check_exercise
+
+    return check_exercise(lambda D: check_fragment_strides_case(fn, D), st.sampled_from(KERNEL_HEAD_DIMS), host=True,
+                          max_examples=max_examples)

@@ -19,8 +19,9 @@ from kernels import reference as ref
 from kernels.base.runtime import ArrayKind, is_device_array, on_simulator
 from kernels.base.testing import gpu_examples, assert_close, attention_cases, case_with, forward_floor_scales, \
     grouped_attention_cases
-from kernels.flash_tf32 import flash_attention_tf32, forward_checked, k_stride, make_flash_forward_tf32, \
-    shared_words, tf32_tiles, v_stride
+from kernels.flash_tf32 import KERNEL_HEAD_DIMS, check_fragment_strides, check_fragment_strides_case, \
+    flash_attention_tf32, forward_checked, fragment_strides, k_stride, make_flash_forward_tf32, shared_words, tf32_tiles, \
+    v_stride
 
 SIM = on_simulator()
 MAX_N = 18 if SIM else 300
@@ -107,23 +108,40 @@ def test_tiles_landed_by_cp_async_or_by_plain_loads_meet_the_same_rule(case, mis
     check(case, splits=splits, misaligned=misaligned)
 
 
-@pytest.mark.parametrize("D", range(8, 129, 8))
+@pytest.mark.parametrize("D", KERNEL_HEAD_DIMS)
 def test_fragment_loads_hit_distinct_banks(D):
-    """Each 16-byte fragment load serves 8 lanes at a time (lanes 8i .. 8i + 7: g = 2i, 2i + 1
-    and t = 0..3). K's parts: lane (g, t) reads key row g at words 16 s + 4 t; V's parts: key
-    pair t at words 4 (8 dt + g). The row strides put those 8 loads in 8 distinct 16-byte bank
-    groups (32 banks of 4 bytes), and keep every row 16-byte aligned."""
-    KW, VW = k_stride(D), v_stride(D)
-    assert KW >= 2 * D and VW >= 4 * D and KW % 4 == 0 and VW % 4 == 0
-    for phase in range(4):
-        lanes = [(lane // 4, lane % 4) for lane in range(8 * phase, 8 * phase + 8)]
-        for s_ in range(D // 8):
-            assert len({(g * KW + 16 * s_ + 4 * t) // 4 % 8 for g, t in lanes}) == 8
-        for dt in range(D // 8):
-            assert len({(t * VW + 4 * (8 * dt + g)) // 4 % 8 for g, t in lanes}) == 8
-    for Bc in (8, 16, 32, 64):          # the three tiles of shared memory start 16-byte aligned
+    """The kernel's strides meet the exercise's property (``check_fragment_strides_case``:
+    each phase of 8 lanes' 16-byte loads in 8 distinct bank groups, rows 16-byte aligned), and
+    its three tiles of shared memory start 16-byte aligned."""
+    check_fragment_strides_case(fragment_strides, D)
+    KW, VW = fragment_strides(D)
+    for Bc in (8, 16, 32, 64):
         assert (Bc * KW) % 4 == 0 and (Bc * KW + Bc // 2 * VW) % 4 == 0
         assert shared_words(Bc, D) == Bc * KW + Bc // 2 * VW + Bc * (D + 4)
+
+
+PLANTED_STRIDES = {
+    "no padding": lambda D: (2 * D, 4 * D),
+    "K's rows padded by 4 words": lambda D: (2 * D + 4, v_stride(D)),
+    "V's rows padded by 4 words": lambda D: (k_stride(D), 4 * D + 4),
+    "K's rows padded by 16 at every D": lambda D: (2 * D + 16, v_stride(D)),
+    "rows not 16-byte aligned": lambda D: (k_stride(D) + 2, v_stride(D)),
+    "a whole row of padding": lambda D: (k_stride(D) + 32, v_stride(D)),
+}
+
+
+@pytest.mark.parametrize("name", PLANTED_STRIDES)
+def test_the_strides_exercise_checker_bites(name):
+    """The exercise's checker passes the course's answer and fails each planted mistake at some D."""
+    assert check_fragment_strides(fragment_strides, max_examples=len(KERNEL_HEAD_DIMS))
+    failed = []
+    for D in KERNEL_HEAD_DIMS:
+        try:
+            check_fragment_strides_case(PLANTED_STRIDES[name], D)
+        except AssertionError:
+            failed.append(D)
+    assert failed, f"{name}: passed at every D"
+    assert not check_fragment_strides(PLANTED_STRIDES[name], max_examples=len(KERNEL_HEAD_DIMS))
 
 
 @pytest.mark.parametrize("nq, nk", [(0, 5), (5, 0), (0, 0)])

@@ -32,7 +32,8 @@
 # 1. TF32, and why one product is not fp32 (numbers);
 # 2. three products: the error terms, drawn;
 # 3. the exercise: write `split_tf32`;
-# 4. the kernel: chapter 8's forward on `mma.sync.m16n8k8.tf32`, three products a step;
+# 4. the kernel: chapter 8's forward on `mma.sync.m16n8k8.tf32`, three products a step (and an
+#    exercise: the strides of its shared-memory layout);
 # 5. the check against the oracle;
 # 6. the H100 results;
 # 7. the backward in 3xTF32, and the launchers' default;
@@ -263,7 +264,7 @@ _ = te.check_split_tf32(lambda x: (te.to_tf32(x), x - te.to_tf32(x)))
 #
 # `kernels/flash_tf32.py` is chapter 8's FlashAttention-2 forward with the m16n8k8 TF32
 # instruction: a warp owns 16 query rows, S and P live in accumulator fragments, the online
-# softmax runs on them, and P is never written to memory. Four things are new.
+# softmax runs on them, and P is never written to memory. Five things are new.
 #
 # **1. The split, where the keys land.** Each block copies K_j, then V_j, raw into a landing
 # tile in shared memory (cp.async, 16 bytes at a time) and splits every element once into its
@@ -285,11 +286,39 @@ _ = te.check_split_tf32(lambda x: (te.to_tf32(x), x - te.to_tf32(x)))
 # only at exact ties, and either split keeps $|a - a_{hi} - a_{lo}| \le 2^{-23}|a|$. So on
 # the H100 the kernels split with `cvt.rn` (the course's NumPy split below keeps ties away).
 #
+# **Exercise (no GPU): the strides.** Shared memory has 32 banks of 4 bytes: 8 groups of 16
+# bytes. A warp's 16-byte loads are served 8 lanes at a time (lanes 8i to 8i + 7, so g = 2i
+# and 2i + 1, t = 0..3), in one pass only if those 8 loads fall in 8 distinct groups; else the
+# loads that collide wait for another pass. In S's k-step s, lane (g, t) loads key row g at
+# words 16 s + 4 t of K's parts. In P V's step dt it loads key pair t at words 4 (8 dt + g)
+# of V's parts. Write `my_fragment_strides(D) -> (k_stride, v_stride)`: the words a row of
+# each, at least 2 D and 4 D, with fewer than 32 words of padding, and multiples of 4 so
+# that every row starts 16-byte aligned. The checker tries every D from 8 to 128 and prints
+# "passed" or the first D whose loads collide.
+
+# %%
+from kernels import flash_tf32
+
+
+def my_fragment_strides(D):
+    # your code: words a row of K's parts (2 D and padding) and of V's parts (4 D and padding)
+    return 2 * D, 4 * D
+
+
+_ = flash_tf32.check_fragment_strides(my_fragment_strides)
+
+# %% [markdown]
+# The checker bites: the kernel's strides pass, rows padded by 4 words do not.
+
+# %%
+_ = flash_tf32.check_fragment_strides(flash_tf32.fragment_strides)
+_ = flash_tf32.check_fragment_strides(lambda D: (2 * D + 4, 4 * D + 4))
+
+# %% [markdown]
 # **2. Three products a k-step, the small ones first**, from a zero accumulator
 # (`kernels/base/tf32_product.py`, which section 7's backward shares):
 
 # %%
-from kernels import flash_tf32
 from kernels.base.notebook import show_source
 from kernels.base.tf32_product import make_tf32_product, make_tf32_products
 
