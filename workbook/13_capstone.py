@@ -341,7 +341,8 @@ if rows:
 #
 # * **Five fp32 forwards** (0.70-0.96x), short sequences at large d: B·H = 512 at N = 64 (d = 96
 #   and 128, and 128 causal) and N = 256 (d = 128), and B·H = 64 at N = 256 (d = 128). A block
-#   walks two to eight key tiles there, too few to hide its start.
+#   walks only two to eight key tiles there; at N = 64, half of a 128-row block's warps have no
+#   rows.
 # * **Nine fp32 forward + backward cells** (0.85-0.98x). Eight are at d = 128 without the mask,
 #   where chapter 11's backward is the slower half. One is at N = 64, a host-bound cell whose
 #   time moves between runs.
