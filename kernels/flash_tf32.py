@@ -52,27 +52,36 @@ from kernels.base.key_split import add_combine, choose_splits, multiprocessors, 
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_qkv, check_scale, \
     fill, given_out, is_device_array, launch_stream, on_simulator, run_bound, to_device
 
-__all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", "tf32_tiles", "tf32_min_blocks",
-           "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets", "fragment_strides", "check_fragment_strides",
-           "check_fragment_strides_case", "KERNEL_HEAD_DIMS"]
+__all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", "forward_kernel", "tf32_tiles",
+           "tf32_min_blocks", "SHORT_QUERIES", "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets",
+           "fragment_strides", "check_fragment_strides", "check_fragment_strides_case", "KERNEL_HEAD_DIMS"]
 
 
-def tf32_tiles(d: int) -> tuple[int, int, int]:
+def tf32_tiles(d: int, n_q: int | None = None) -> tuple[int, int, int]:
     """(Br, Bc, D), D = d rounded up to a multiple of 8 (an m16n8k8 k-step). On a GPU 128
     query rows (8 warps) and 64 keys a tile at D <= 64, 32 at D = 128 (``shared_words``: 88 KB
-    and 85 KB, dynamic shared memory). In the simulator 16 or 32 rows and 8 or 16 keys."""
+    and 85 KB, dynamic shared memory); where a head has at most ``SHORT_QUERIES`` query rows
+    (``n_q``), 64 rows (4 warps): of 128, half the warps would have no row to compute. In the
+    simulator 16 or 32 rows and 8 or 16 keys."""
     D = 8 * cdiv(max(int(d), 1), 8)
     if on_simulator():
         return (16 if D <= 16 else 32), (8 if D <= 16 else 16), D
-    return 128, (64 if D <= 64 else 32), D
+    Br = 64 if n_q is not None and n_q <= SHORT_QUERIES else 128
+    return Br, (64 if D <= 64 else 32), D
 
 
-def tf32_min_blocks(D: int) -> int:
+SHORT_QUERIES = 64      # heads this short take 64-row query tiles (``tf32_tiles``)
+
+
+def tf32_min_blocks(D: int, Br: int = 128) -> int:
     """Blocks an SM holds at once (the kernel's launch bounds): 2 at D <= 64 (ptxas then keeps
-    a thread to 128 registers), 1 above (up to 255). Measured on the H200, B*H = 64, N = 4096,
-    d = 64, bare launches: two blocks of (128, 64) tiles 6.59 ms, one 7.28 (through the
-    launcher), one of (128, 32) tiles 8.06 (``workbook/results/flash_tf32_forward_ab.csv``)."""
-    return 2 if D <= 64 else 1
+    a thread to 128 registers), 1 above (up to 255), and 2 for 64-row tiles (4 warps: 255
+    registers a thread still fit twice). Measured on the H200, B*H = 64, N = 4096, d = 64,
+    bare launches: two blocks of (128, 64) tiles 6.59 ms, one 7.28 (through the launcher),
+    one of (128, 32) tiles 8.06 (``workbook/results/flash_tf32_forward_ab.csv``); B*H = 512,
+    N = 64, through ``attention()``: 64-row tiles two an SM 0.067 ms at d = 96 and 0.088 at
+    d = 128, against 0.114 and 0.138 with 128 rows (``workbook/results/flash_tf32_short_heads_ab.csv``)."""
+    return 2 if D <= 64 or Br <= 64 else 1
 
 
 def k_stride(D: int) -> int:
@@ -318,27 +327,40 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     return flash_forward_tf32
 
 
-def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_registers=None, min_blocks=None):
-    """The forward on device views: qd (B*H, Nq, d), kd and vd (B*Hkv, Nk, d) float32, Hkv
-    dividing H, into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default
-    ``tf32_tiles``."""
-    from kernels.base.shared_memory import allow_dynamic_shared_memory, STATIC_LIMIT_BYTES
+def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: bool = False, tiles=None,
+                   max_registers=None, min_blocks=None):
+    """(kernel, Br, dynamic shared bytes or 0) for this call shape: the tiles ``tf32_tiles``
+    chooses (or ``tiles`` (Br, Bc)), the launch bounds ``tf32_min_blocks`` (or ``min_blocks``),
+    the grouped kernel where Hkv < H, and a raised shared-memory limit where the tiles need
+    more than 48 KB (the caller passes the args to ``allow_dynamic_shared_memory``)."""
+    from kernels.base.shared_memory import STATIC_LIMIT_BYTES
 
-    BH, n_q, d = qd.shape
-    Br, Bc, D = tf32_tiles(d)
+    Br, Bc, D = tf32_tiles(d, n_q)
     if tiles is not None:
         Br, Bc = tiles
     nbytes = 4 * shared_words(Bc, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kv_group = BH // kd.shape[0]
-    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, grouped=kv_group > 1,
-                                     min_blocks=tf32_min_blocks(D) if min_blocks is None else min_blocks)
+    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, split=split,
+                                     grouped=BH > BHkv, min_blocks=tf32_min_blocks(D, Br) if min_blocks is None
+                                     else min_blocks)
+    return kernel, Br, nbytes if dynamic else 0
+
+
+def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_registers=None, min_blocks=None):
+    """The forward on device views: qd (B*H, Nq, d), kd and vd (B*Hkv, Nk, d) float32, Hkv
+    dividing H, into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default
+    ``tf32_tiles``."""
+    from kernels.base.shared_memory import allow_dynamic_shared_memory
+
+    BH, n_q, d = qd.shape
+    kernel, Br, nbytes = forward_kernel(BH, kd.shape[0], n_q, d, passes, tiles=tiles, max_registers=max_registers,
+                                        min_blocks=min_blocks)
     aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
         if not on_simulator() else int(d % 4 == 0)
-    args = (qd, kd, vd, o, lse, np.float32(scale), np.int32(causal), np.int32(kv_group), np.int32(aligned))
-    if dynamic:
+    args = (qd, kd, vd, o, lse, np.float32(scale), np.int32(causal), np.int32(BH // kd.shape[0]), np.int32(aligned))
+    if nbytes:
         allow_dynamic_shared_memory(kernel, args, nbytes)
-    kernel[(cdiv(n_q, Br), BH), kernel.threads, launch_stream(), nbytes if dynamic else 0](*args)
+    kernel[(cdiv(n_q, Br), BH), kernel.threads, launch_stream(), nbytes](*args)
 
 
 def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
@@ -375,8 +397,8 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=No
     o = kind.new((B, H, n_q, d), np.float32) if o is None else given_out(o, (B, H, n_q, d), "o")
     lse = kind.new((B, H, n_q), np.float32) if lse is None else given_out(lse, (B, H, n_q), "lse")
     if B * H and n_q and n_k:
-        Br, Bc, D = tf32_tiles(d)
-        held = multiprocessors() * tf32_min_blocks(D)          # the blocks the GPU holds at once
+        Br, Bc, D = tf32_tiles(d, n_q)
+        held = multiprocessors() * tf32_min_blocks(D, Br)      # the blocks the GPU holds at once
         splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc, sms=held, whole_waves=True) if splits is None \
             else int(splits)
         arrays = dict(q=q, k=k, v=v)
@@ -407,21 +429,16 @@ def _views(arrays, BH, BHkv, n_q, n_k, d):
 def _bind_forward(views, causal, scale, passes, aligned, splits=1):
     """The launch, bound; with ``splits`` > 1 the forward writes the splits' partials and one
     more launch merges them."""
-    from kernels.base.shared_memory import allow_dynamic_shared_memory, STATIC_LIMIT_BYTES
+    from kernels.base.shared_memory import allow_dynamic_shared_memory
 
     BH, n_q, d = views["q"].shape
-    Br, Bc, D = tf32_tiles(d)
-    nbytes = 4 * shared_words(Bc, D)
-    dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kv_group = BH // views["k"].shape[0]
-    kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, split=splits > 1, grouped=kv_group > 1,
-                                     min_blocks=tf32_min_blocks(D))
+    kernel, Br, nbytes = forward_kernel(BH, views["k"].shape[0], n_q, d, passes, split=splits > 1)
     names = ("q", "k", "v", *output_names(splits))
-    args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(kv_group),
+    args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(BH // views["k"].shape[0]),
                                              np.int32(aligned))
-    if dynamic:
+    if nbytes:
         allow_dynamic_shared_memory(kernel, args, nbytes)
-    launches = [(kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, nbytes if dynamic else 0)]
+    launches = [(kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, nbytes)]
     slots = [{name: i for i, name in enumerate(names)}]
     add_combine(launches, slots, views, splits)
     return BoundLaunches(launches, slots)
@@ -429,7 +446,8 @@ def _bind_forward(views, causal, scale, passes, aligned, splits=1):
 
 def ptx_targets(every_shape: bool = False):
     """The kernel at the GPU tiles, d = 64 and 128, 3xTF32 (``every_shape``: plain TF32 too),
-    and its grouped-query form at d = 128 (``every_shape``: at 64 too)."""
+    its grouped-query form at d = 128 (``every_shape``: at 64 too), and the short heads' 64-row
+    tiles at d = 128."""
     sig = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
            "float32[:, ::1], float32, int32, int32, int32)")
     out = []
@@ -443,6 +461,9 @@ def ptx_targets(every_shape: bool = False):
             out.append((f"flash fwd 3xTF32 grouped-query Br={Br} Bc={Bc} D={D}",
                         make_flash_forward_tf32(Br, Bc, D, 3, dynamic, grouped=True, min_blocks=tf32_min_blocks(D)),
                         sig))
+    dynamic = 4 * shared_words(32, 128) > 48 * 1024                 # short heads: 64-row tiles (tf32_tiles)
+    out.append(("flash fwd 3xTF32 short queries Br=64 Bc=32 D=128",
+                make_flash_forward_tf32(64, 32, 128, 3, dynamic, min_blocks=tf32_min_blocks(128, 64)), sig))
     return out
 
 

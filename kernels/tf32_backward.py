@@ -12,10 +12,14 @@ chapter 12's, K/V tiles outer (FlashAttention-2's backward):
                      and dV_j D/8 accumulator tiles each
     for each query head of the KV head's group (GQA), each query tile i (Br rows: Q_i, dO_i,
     L_i, D_i in shared memory, the next tile's copy flying during this one's work), each
-    chunk c of 8 queries (an m16n8k8 k-step of the products that sum over queries):
-        S^T   = K_w Q_c^T          16 keys x 8 queries: one accumulator tile, D/8 k-steps
+    chunk of QN tiles c of 8 queries (a tile c is an m16n8k8 k-step of the products that sum
+    over queries):
+        S^T   = K_w Q_c^T          16 keys x 8 queries: one accumulator tile, D/8 k-steps;
+                                   a k-step splits K_w's A fragment once for the chunk's QN
+                                   tiles (``tf32_backward_chunk``)
+        dP^T  = V_w dO_c^T         the same shape, V_w's fragment split once a chunk
+      then, for each tile c of the chunk:
         P^T   = exp2(S^T scale log2 e - L log2 e)          0 where masked
-        dP^T  = V_w dO_c^T         the same shape
         dS^T  = P^T o (dP^T - D)
         dV_w += P^T dO_c           P^T's accumulator tile is the A fragment once its 8
                                    queries are renumbered (chapter 11's P V: the lane
@@ -39,8 +43,11 @@ scheduler) mostly waiting on those dependent instructions. With cvt.rn (one inst
 sm_90: ``kernels.base.mma.split_ties``) the kernel runs 1.26-1.30x faster (B=4 H=16
 N=4096: 27.6 -> 21.9 ms at d = 64, 52.1 -> 40.4 at d = 128). (Tiles stored as split pairs,
 read with one 64-bit load an element, measured no faster with cvt.rna: 28.3 against 30.0
-ms at the same tiles.) ``passes=1`` multiplies hi by hi alone (plain TF32), to show what
-that loses.
+ms at the same tiles.) Splitting K_w's and V_w's fragments once for QN = 2 or 4 query
+tiles, not for each, and (at d = 64) launch bounds that let ptxas keep more mma in flight:
+20.9 -> 15.8 ms at d = 64 and 37.8 -> 35.8 at d = 128 on the H200 (B=4 H=16 N=4096, bare
+launches; ``tf32_backward_chunk``). ``passes=1`` multiplies hi by hi alone (plain TF32), to
+show what that loses.
 
 Before it, chapter 5's pre-pass D = rowsum(dO o O) (zeroing dQ for the atomic adds).
 Inputs float32 (q, do (B, H, Nq, d); k, v (B, Hkv, Nk, d): grouped-query attention), o and
@@ -66,6 +73,7 @@ from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.tile_copy import make_async_tile_copy
 
 __all__ = ["flash_attention_backward_tf32", "launch_backward", "make_backward_tf32", "tf32_backward_tiles",
+           "tf32_backward_min_blocks", "tf32_backward_chunk",
            "shared_words", "ptx_targets", "accumulator_as_a", "check_accumulator_as_a", "check_accumulator_as_a_case"]
 
 # The base-2 logsumexp of a dead row (past Nq, or L = -inf): exp2(S - DEAD) = 0.
@@ -87,6 +95,25 @@ def tf32_backward_tiles(d: int) -> tuple[int, int, int]:
     return (64, 8, D) if D <= 64 else (32, 8, D)
 
 
+def tf32_backward_min_blocks(D: int) -> int | None:
+    """The blocks an SM must hold at once, told to the compiler with the block's size (launch
+    bounds), or None (nothing told). At D <= 64 one block (its 174 KB of shared memory allow
+    no second): ptxas may then spend up to 255 registers a thread, and keeps the products'
+    mma in flight instead of padding between them. At D = 128 the kernel takes 255 registers
+    told nothing. (Measured with the chunks: ``tf32_backward_chunk``.)"""
+    return 1 if D <= 64 else None
+
+
+def tf32_backward_chunk(Br: int, D: int) -> int:
+    """8-query tiles a chunk of S^T and dP^T (QN): each k-step splits K_w's and V_w's A
+    fragments once for the chunk's QN tiles, not once a tile. Measured on the H200, B=4 H=16
+    N=4096, bare launches (``workbook/results/tf32_backward_ab.csv``): d = 64, QN = 2 with
+    launch bounds 15.8 ms (the kernel before chunks: 20.9; QN = 1, nothing shared: 21.6; QN =
+    4 with launch bounds 16.4, registers spilled); d = 128, QN = 4 35.8 ms (before: 37.8; QN =
+    2 spills)."""
+    return min(2 if D <= 64 else 4, Br // 8)
+
+
 def shared_words(Br: int, W: int, D: int) -> int:
     """32-bit words of shared memory a block: K_j and V_j (Bc rows), Q_i and dO_i twice (the
     next tile's copy flies), dS^T (Bc x Br); rows padded by 4 words (fragment loads in 32
@@ -96,12 +123,15 @@ def shared_words(Br: int, W: int, D: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool = False, split: bool = False):
+def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool = False, split: bool = False,
+                       min_blocks: int | None = None, chunk: int | None = None):
     """The dK/dV/dQ kernel for Br query rows a tile, W warps (Bc = 16 W keys), head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic; ``split``: the (query head, query tile) pairs split
     among gridDim.z blocks a key tile, each adding its dK_j, dV_j into zeroed dk, dv
-    (``kernels.base.query_split``).
+    (``kernels.base.query_split``); ``min_blocks``: launch bounds (``tf32_backward_min_blocks``);
+    ``chunk``: QN, the 8-query tiles a chunk of S^T and dP^T (a divisor of Br / 8; by default
+    ``tf32_backward_chunk``).
 
     Launch: grid (ceil(Nk / Bc), B * Hkv[, S]), 32 W threads. Arguments: q, do (B*H, Nq, d) and
     k, v (B*Hkv, Nk, d) float32; lse and delta (B*H, Nq) float32 (L, natural log, and D from
@@ -120,7 +150,10 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     split4, split2, product = make_tf32_product(passes)
     Bc = 16 * W
     THREADS = 32 * W
-    KS, ND, QC, KC = D // 8, D // 8, Br // 8, Bc // 8    # k-steps over d; tiles of d; 8-query chunks; 8-key steps
+    KS, ND, QC, KC = D // 8, D // 8, Br // 8, Bc // 8    # k-steps over d; tiles of d; 8-query tiles; 8-key steps
+    QN = int(chunk) if chunk else tf32_backward_chunk(Br, D)     # 8-query tiles a chunk of S^T and dP^T
+    if QC % QN:
+        raise ValueError(f"chunk: expected a divisor of Br / 8 = {QC}, got {chunk}")
     RG = Br // 16                                 # dQ_i's row groups of 16 queries
     # dQ_i's pieces: a row group and NC column tiles of 8 (the row group's dS fragments split
     # once for the NC tiles); as few pieces as there are warps, where D allows
@@ -173,7 +206,9 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
             Ls[buf, r] = DEAD if L == -math.inf else L * float32(LOG2E)
             Ds[buf, r] = delta[bh, row] if row < n_q else float32(0.0)
 
-    @cuda.jit(fastmath=FASTMATH)
+    caps = {} if on_simulator() or min_blocks is None else {"launch_bounds": (THREADS, int(min_blocks))}
+
+    @cuda.jit(fastmath=FASTMATH, **caps)
     def backward_tf32(q, k, v, do, lse, delta, dq, dk, dv, scale, causal, group, aligned):
         bkv = int32(cuda.blockIdx.y)
         tid = int32(cuda.threadIdx.x)
@@ -237,51 +272,79 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
             qt = shared_address(Qv, U(2) * t, g)      # Q_c, dO_c as B of dK, dV (queries 2t, 2t + 1)
             ot = shared_address(dOv, U(2) * t, g)
             c = U(0)
-            while c < U(QC):
-                qc = c * U(8)                         # the chunk's first row in the tile
-                cb = c * U(ROWS8)                     # ... in bytes
-                # ---- S^T = K_w Q_c^T, dP^T = V_w dO_c^T: A[g, t] = K[kw + g, 8 s + t], B[t, g] = Q[qc + g, 8 s + t]
-                s = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
-                p = s
-                for s_ in range(KS):
-                    a_hi, a_lo = a_at(ka + U(32 * s_), U(ROWS8), U(16))
-                    b_hi, b_lo = b_at(qb + cb + U(32 * s_), U(16))
-                    x = product(a_hi, a_lo, b_hi, b_lo)
-                    a_hi, a_lo = a_at(va + U(32 * s_), U(ROWS8), U(16))
-                    b_hi, b_lo = b_at(ob + cb + U(32 * s_), U(16))
-                    y = product(a_hi, a_lo, b_hi, b_lo)
-                    s = (s[0] + x[0], s[1] + x[1], s[2] + x[2], s[3] + x[3])
-                    p = (p[0] + y[0], p[1] + y[1], p[2] + y[2], p[3] + y[3])
-                # ---- P^T and dS^T: element e is key kw + g + 8 (e // 2), query qc + 2 t + e % 2
-                pt = cuda.local.array(4, float32)
-                dst = cuda.local.array(4, float32)
-                for e in range(4):
-                    col = qc + U(2) * t + U(e % 2)
-                    pe = math.exp2(s[e] * scale2 - Ls[ubuf, col])
-                    pt[e] = pe
-                    dst[e] = pe * (p[e] - Ds[ubuf, col])
-                qa = q0 + int32(qc)                   # the chunk's first query
-                if k0 + int32(kw) + 15 >= n_k or (causal != 0 and k0 + int32(kw) + 15 > qa + diag):
-                    for e in range(4):                # only chunks that cross n_k or the diagonal
-                        key = k0 + int32(kw + g) + 8 * (e // 2)
-                        query = qa + int32(U(2) * t) + e % 2
-                        if key >= n_k or (causal != 0 and key > query + diag):
-                            pt[e] = float32(0.0)
-                            dst[e] = float32(0.0)
-                # ---- dV_w += P^T dO_c, dK_w += dS^T Q_c: the chunk is one k-step, queries 2t, 2t + 1 as k = t, t + 4
-                p_hi, p_lo = split4(pt[0], pt[2], pt[1], pt[3])
-                d_hi, d_lo = split4(dst[0], dst[2], dst[1], dst[3])
-                for dt in range(ND):                  # B[t, g] = dO[qc + 2t, 8 dt + g], B[t + 4, g] = dO[qc + 2t + 1, ..]
-                    b_hi, b_lo = b_at(ot + cb + U(32 * dt), U(ROW))
-                    x = product(p_hi, p_lo, b_hi, b_lo)
-                    b_hi, b_lo = b_at(qt + cb + U(32 * dt), U(ROW))
-                    y = product(d_hi, d_lo, b_hi, b_lo)
+            while c < U(QC // QN):
+                cq = c * U(8 * QN)                    # the chunk's first row in the tile
+                cb = c * U(QN * ROWS8)                # ... in bytes
+                # ---- S^T = K_w Q_c^T, dP^T = V_w dO_c^T, QN tiles of 8 queries: K_w's and V_w's A fragments
+                # split once a k-step for the QN tiles. A[g, t] = K[kw + g, 8 s + t], B[t, g] = Q[cq + 8 n + g, 8 s + t]
+                s = cuda.local.array((QN, 4), float32)
+                p = cuda.local.array((QN, 4), float32)
+                for n in range(QN):
                     for e in range(4):
-                        dva[dt, e] += x[e]
-                        dka[dt, e] += y[e]
-                # ---- dS^T to shared memory
-                for e in range(4):
-                    dSs[kw + g + U(8 * (e // 2)), qc + U(2) * t + U(e % 2)] = dst[e]
+                        s[n, e] = float32(0.0)
+                        p[n, e] = float32(0.0)
+                for s_ in range(KS):
+                    k_hi, k_lo = a_at(ka + U(32 * s_), U(ROWS8), U(16))
+                    v_hi, v_lo = a_at(va + U(32 * s_), U(ROWS8), U(16))
+                    for n in range(QN):
+                        b_hi, b_lo = b_at(qb + cb + U(n * ROWS8 + 32 * s_), U(16))
+                        x = product(k_hi, k_lo, b_hi, b_lo)
+                        b_hi, b_lo = b_at(ob + cb + U(n * ROWS8 + 32 * s_), U(16))
+                        y = product(v_hi, v_lo, b_hi, b_lo)
+                        for e in range(4):
+                            s[n, e] += x[e]
+                            p[n, e] += y[e]
+                # ---- P^T and dS^T, a tile at a time: element e is key kw + g + 8 (e // 2), query qc + 2 t + e % 2;
+                # their A fragments for dV and dK, queries 2t, 2t + 1 renumbered as k = t, t + 4
+                p_hi = cuda.local.array((QN, 4), uint32)
+                p_lo = cuda.local.array((QN, 4), uint32)
+                d_hi = cuda.local.array((QN, 4), uint32)
+                d_lo = cuda.local.array((QN, 4), uint32)
+                for n in range(QN):
+                    qc = cq + U(8 * n)                # this tile's first row
+                    pt = cuda.local.array(4, float32)
+                    dst = cuda.local.array(4, float32)
+                    for e in range(4):
+                        col = qc + U(2) * t + U(e % 2)
+                        pe = math.exp2(s[n, e] * scale2 - Ls[ubuf, col])
+                        pt[e] = pe
+                        dst[e] = pe * (p[n, e] - Ds[ubuf, col])
+                    qa = q0 + int32(qc)               # the tile's first query
+                    if k0 + int32(kw) + 15 >= n_k or (causal != 0 and k0 + int32(kw) + 15 > qa + diag):
+                        for e in range(4):            # only tiles that cross n_k or the diagonal
+                            key = k0 + int32(kw + g) + 8 * (e // 2)
+                            query = qa + int32(U(2) * t) + e % 2
+                            if key >= n_k or (causal != 0 and key > query + diag):
+                                pt[e] = float32(0.0)
+                                dst[e] = float32(0.0)
+                    hi, lo = split4(pt[0], pt[2], pt[1], pt[3])
+                    for e in range(4):
+                        p_hi[n, e] = hi[e]
+                        p_lo[n, e] = lo[e]
+                    hi, lo = split4(dst[0], dst[2], dst[1], dst[3])
+                    for e in range(4):
+                        d_hi[n, e] = hi[e]
+                        d_lo[n, e] = lo[e]
+                    for e in range(4):                # dS^T to shared memory
+                        dSs[kw + g + U(8 * (e // 2)), qc + U(2) * t + U(e % 2)] = dst[e]
+                # ---- dV_w += P^T dO_c, dK_w += dS^T Q_c: each tile one k-step. The fragments above sit in registers
+                # where the compiler unrolls the loop over n, in local memory where it does not (d = 128: 16 loads a
+                # tile); the dt loop is unrolled, so dK_w and dV_w stay in registers.
+                # B[t, g] = dO[qc + 2t, 8 dt + g], B[t + 4, g] = dO[qc + 2t + 1, 8 dt + g]
+                for n in range(QN):
+                    ph = (p_hi[n, 0], p_hi[n, 1], p_hi[n, 2], p_hi[n, 3])
+                    pl = (p_lo[n, 0], p_lo[n, 1], p_lo[n, 2], p_lo[n, 3])
+                    dh = (d_hi[n, 0], d_hi[n, 1], d_hi[n, 2], d_hi[n, 3])
+                    dl = (d_lo[n, 0], d_lo[n, 1], d_lo[n, 2], d_lo[n, 3])
+                    nb = cb + U(n * ROWS8)            # the tile's first row, in bytes
+                    for dt in range(ND):
+                        b_hi, b_lo = b_at(ot + nb + U(32 * dt), U(ROW))
+                        x = product(ph, pl, b_hi, b_lo)
+                        b_hi, b_lo = b_at(qt + nb + U(32 * dt), U(ROW))
+                        y = product(dh, dl, b_hi, b_lo)
+                        for e in range(4):
+                            dva[dt, e] += x[e]
+                            dka[dt, e] += y[e]
                 c += U(1)
             cuda.syncthreads()                        # dS^T is whole
 
@@ -335,12 +398,13 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
 
 # --------------------------------------------------------------------------- the launcher
 
-def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None, splits=1):
+def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None, splits=1, chunk=None):
     """The two launches on these views, as (kernel, grid, threads, args, dynamic shared bytes)
     each: chapter 5's pre-pass (D, and dQ = 0), then the dK/dV/dQ kernel (its shared-memory
     limit raised where it needs more than 48 KB). ``tiles``: (Br, W), by default
     ``tf32_backward_tiles``; ``splits``: S blocks a key tile (``kernels.base.query_split``;
-    the caller zeroes dk and dv first when S > 1)."""
+    the caller zeroes dk and dv first when S > 1); ``chunk``: 8-query tiles a chunk, by
+    default ``tf32_backward_chunk``."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
     from kernels.flash_backward import make_delta
 
@@ -354,7 +418,8 @@ def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None
            (views["o"], views["do"], delta, views["dq"], np.int32(n_q)), 0)
     nbytes = 4 * shared_words(Br, W, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
-    kernel = make_backward_tf32(Br, W, D, int(passes), dynamic, splits > 1)
+    kernel = make_backward_tf32(Br, W, D, int(passes), dynamic, splits > 1, tf32_backward_min_blocks(D),
+                                int(chunk) if chunk else tf32_backward_chunk(Br, D))
     args = (views["q"], views["k"], views["v"], views["do"], views["lse"], delta, views["dq"], views["dk"],
             views["dv"], np.float32(scale), np.int32(causal), np.int32(bh // bkv), np.int32(aligned))
     if dynamic:
@@ -370,14 +435,15 @@ def _aligned(d, arrays) -> int:
     return int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in arrays))
 
 
-def launch_backward(qd, kd, vd, od, lsed, dod, delta, dq, dk, dv, scale, causal, passes=3, tiles=None, splits=1):
+def launch_backward(qd, kd, vd, od, lsed, dod, delta, dq, dk, dv, scale, causal, passes=3, tiles=None, splits=1,
+                    chunk=None):
     """The two kernels on device views: qd, od, dod (B*H, Nq, d), kd, vd (B*Hkv, Nk, d),
     lsed (B*H, Nq), float32; into the buffers delta (B*H, Nq) and dq, dk, dv, launched as
     Numba launches them (the bench's bare launch). ``tiles``: (Br, W); ``splits``: S blocks a
-    key tile (dK and dV zeroed first)."""
+    key tile (dK and dV zeroed first); ``chunk``: 8-query tiles a chunk (``tf32_backward_chunk``)."""
     views = dict(q=qd, k=kd, v=vd, o=od, lse=lsed, do=dod, dq=dq, dk=dk, dv=dv)
     aligned = _aligned(qd.shape[2], (qd, kd, vd, dod, dq))
-    launches = list(_two_launches(views, delta, scale, causal, passes, aligned, tiles, splits))
+    launches = list(_two_launches(views, delta, scale, causal, passes, aligned, tiles, splits, chunk))
     add_zero_gradients(launches, [None, None], views, splits)
     for kernel, grid, threads, args, nbytes in launches:
         kernel[grid, threads, launch_stream(), nbytes](*args)
@@ -452,10 +518,11 @@ def ptx_targets(every_shape: bool = False):
             Br, W = (64, 8) if D <= 64 else (32, 8)   # tf32_backward_tiles on a GPU
             dynamic = 4 * shared_words(Br, W, D) > 48 * 1024
             out.append((f"backward 3xTF32 passes={passes} Br={Br} Bc={16 * W} D={D}",
-                        make_backward_tf32(Br, W, D, passes, dynamic), sig))
+                        make_backward_tf32(Br, W, D, passes, dynamic, min_blocks=tf32_backward_min_blocks(D)), sig))
         if every_shape:                               # the query split (chapter 13)
             out.append((f"backward 3xTF32 split Br={Br} Bc={16 * W} D={D}",
-                        make_backward_tf32(Br, W, D, 3, dynamic, split=True), sig))
+                        make_backward_tf32(Br, W, D, 3, dynamic, split=True, min_blocks=tf32_backward_min_blocks(D)),
+                        sig))
     return out
 
 

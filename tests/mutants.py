@@ -524,7 +524,7 @@ T11B = ("tests/test_tf32_backward.py",)
 CH11B = "test_gradients_match_the_oracle"
 MUTANTS += [
     Mutant("tfb-p-keys-not-renumbered", 11, TFB,
-           (("p_hi, p_lo = split4(pt[0], pt[2], pt[1], pt[3])", "p_hi, p_lo = split4(pt[0], pt[1], pt[2], pt[3])"),),
+           (("hi, lo = split4(pt[0], pt[2], pt[1], pt[3])", "hi, lo = split4(pt[0], pt[1], pt[2], pt[3])"),),
            T11B, CH11B, "dV = P^T dO: P^T's accumulator tile used as the A operand as it lies (queries 2t + 1 and "
                         "t + 4 mixed up, key rows g and g + 8 too)"),
     Mutant("tfb-dq-keys-not-renumbered", 11, TFB,
@@ -543,6 +543,11 @@ MUTANTS += [
     Mutant("tfb-no-hi-lo-term", 11, "kernels.base.tf32_product",
            (("            c = mma_tf32(a_hi, b_lo, c)\n", ""),),
            T11B, CH11B, "the backward's products without a_hi b_lo: about 2^-11 of |a||b| lost"),
+    Mutant("tfb-chunk-reads-its-first-tile", 11, TFB,
+           (("b_hi, b_lo = b_at(qb + cb + U(n * ROWS8 + 32 * s_), U(16))",
+             "b_hi, b_lo = b_at(qb + cb + U(32 * s_), U(16))   # PLANTED: every tile of the chunk reads the first"),),
+           T11B, "test_chunks_of_query_tiles_meet_the_same_rule",
+           "S^T for a chunk of query tiles: every tile's Q_c fragment read from the chunk's first tile"),
 ]
 
 # Chapter 13, the capstone's PyTorch attention: the plumbing around the chapters' kernels.

@@ -143,6 +143,42 @@ def test_queries_split_among_blocks_meet_the_same_rule(case, seed, splits):
     x.check(x.run(splits=splits))
 
 
+# (chunk, Br): every chunk the query tiles allow; on a GPU at the launcher's W = 8 warps
+CHUNKS = [(1, 16), (2, 16), (4, 32)] if SIM else [(1, 64), (2, 64), (4, 64), (4, 32), (2, 32)]
+
+
+@pytest.mark.parametrize("chunk, br", CHUNKS)
+def test_chunks_of_query_tiles_meet_the_same_rule(chunk, br):
+    """K_w's and V_w's fragments split once a k-step for ``chunk`` tiles of 8 queries
+    (``tf32_backward_chunk``): each chunk the tiles allow gives gradients under the same rule;
+    ragged query tiles, causal, two query heads on one KV head, d padded."""
+    from numba import cuda
+
+    from kernels.tf32_backward import launch_backward
+
+    w = 1 if SIM else W
+    case = pinned((1, 2, br + 5, 13), (1, 1, 16 * w + 3, 13), causal=True, seed=chunk)
+    x = Inputs(case, seed=2)
+    bh, n_q, d = 2, case.q.shape[2], case.q.shape[3]
+    n_k = case.k.shape[2]
+    dev = [cuda.to_device(np.ascontiguousarray(a, np.float32).reshape(rows, n, d))
+           for a, rows, n in ((x.q, bh, n_q), (x.k, 1, n_k), (x.v, 1, n_k), (x.o, bh, n_q), (x.do, bh, n_q))]
+    lse = cuda.to_device(np.ascontiguousarray(x.lse, np.float32).reshape(bh, n_q))
+    delta = cuda.device_array((bh, n_q), np.float32)
+    dq, dk, dv = (cuda.device_array(a.shape, np.float32) for a in (dev[0], dev[1], dev[2]))
+    qd, kd, vd, od, dod = dev
+    launch_backward(qd, kd, vd, od, lse, dod, delta, dq, dk, dv, 1 / np.sqrt(d), 1, tiles=(br, w), chunk=chunk)
+    x.check((dq.copy_to_host().reshape(case.q.shape), dk.copy_to_host().reshape(case.k.shape),
+             dv.copy_to_host().reshape(case.k.shape)))
+
+
+def test_a_chunk_that_does_not_divide_the_tile_is_named():
+    from kernels.tf32_backward import make_backward_tf32
+
+    with pytest.raises(ValueError, match=r"^chunk: expected a divisor of Br / 8 = 2, got 4"):
+        make_backward_tf32(16, 1, 8, chunk=4)
+
+
 def test_big_logits_are_pinned():
     """The example above has logits of several hundred (so that it tests what it says)."""
     c = pinned(**BIG_LOGITS)

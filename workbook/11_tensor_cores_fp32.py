@@ -591,8 +591,13 @@ plt.show()
 #
 # Every operand is split into its hi and lo parts where it is used, by one load from a 32-bit
 # shared address and the split (`split_tf32_at`): the fp32 tiles are read as A and as B in
-# different layouts, and split copies would double the shared memory they take. The chunk's
-# two products that sum over queries, in the kernel:
+# different layouts, and split copies would double the shared memory they take. A warp's keys
+# never change, though, so the kernel splits K_w's and V_w's A fragments once a k-step for a
+# chunk of QN tiles of 8 queries (`tf32_backward_chunk`: 2 at d <= 64, 4 at d = 128), not once
+# a tile; measured on the H200, with launch bounds at d <= 64 (`tf32_backward_min_blocks`), it
+# took B=4 H=16 N=4096 from 20.9 to 15.8 ms at d = 64 and from 37.8 to 35.8 at d = 128
+# (`workbook/results/tf32_backward_ab.csv`, `TUNING.md`). Then, a tile at a time, the two
+# products that sum over queries, in the kernel:
 
 # %%
 from kernels import tf32_backward
