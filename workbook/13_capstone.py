@@ -351,6 +351,14 @@ if rows:
 #
 # Before the rewrite the fp32 forwards at d = 96 and 128 without the mask were the largest group
 # (42 cells, 0.58-0.99x): cuBLAS's FMA kernels against our 3xTF32 ones.
+#
+# Two changes to chapter 11 came after this sweep, each measured on its own, not yet in the
+# sweep (notebook 11, section 7; `workbook/results/TUNING.md`). Heads of at most 64 queries
+# now take 64-row query tiles, so no warp of a block is idle: at B·H = 512, N = 64 the forward
+# went from 0.114 to 0.067 ms at d = 96 and from 0.138 to 0.088 at d = 128, timed as this sweep
+# times a cell (plain PyTorch, same run: 0.111 and 0.103). The backward splits its keys once for
+# a chunk of query tiles: at d = 128, B·H = 64, N = 4096, 37.8 to 35.8 ms bare, where plain
+# PyTorch's backward took 30.7 in the same run, so the eight d = 128 cells above stay slower.
 
 # A third cause showed in earlier runs, on the H100: **too few blocks** (B·H = 1 and 8, N of
 # 1024 and 4096). The forward's grid is one block a query tile a head, the backward's one block
