@@ -594,10 +594,37 @@ plt.show()
 # different layouts, and split copies would double the shared memory they take. A warp's keys
 # never change, though, so the kernel splits K_w's and V_w's A fragments once a k-step for a
 # chunk of QN tiles of 8 queries (`tf32_backward_chunk`: 2 at d <= 64, 4 at d = 128), not once
-# a tile; measured on the H200, with launch bounds at d <= 64 (`tf32_backward_min_blocks`), it
-# took B=4 H=16 N=4096 from 20.9 to 15.8 ms at d = 64 and from 37.8 to 35.8 at d = 128
-# (`workbook/results/tf32_backward_ab.csv`, `TUNING.md`). Then, a tile at a time, the two
-# products that sum over queries, in the kernel:
+# a tile. The SASS predicted the gain before any GPU ran it (`kernels.base.sass` on
+# `make_backward_tf32(..., chunk=QN)`): at d = 128, S^T and dP^T's loop went from 12.7
+# instructions an mma (QN = 1) to 8.8 (QN = 2) and 7.4 (QN = 4). On the H200, bare
+# launches, every variant and peer in one process (QN = 1 is the new loop with nothing
+# shared; "+ launch bounds": one block an SM told to the compiler, `tf32_backward_min_blocks`):
+
+# %%
+ab = RESULTS_DIR / "tf32_backward_ab.csv"
+if ab.exists():
+    rows = list(csv.DictReader(line for line in open(ab) if not line.startswith("#")))
+    for key in dict.fromkeys((r["B"], r["H"], r["N"], r["d"], r["causal"]) for r in rows):
+        ms = {r["variant"]: float(r["ms"]) for r in rows if (r["B"], r["H"], r["N"], r["d"], r["causal"]) == key}
+        peers = ("sdpa mem-eff", "plain")
+        before = next(t for v, t in ms.items() if v.startswith("before"))
+        kept = min(t for v, t in ms.items() if v not in peers)       # the kept variant is the fastest here
+        print(f"B={key[0]} H={key[1]} N={key[2]} d={key[3]} causal={key[4]}:")
+        for variant, t in ms.items():
+            versus = f"ours, kept, {t / kept:.2f}x faster" if variant in peers else f"{before / t:.2f}x the kernel before"
+            name = "before" if variant.startswith("before") else variant
+            print(f"    {name:32s} {t:7.2f} ms   {versus}")
+
+# %% [markdown]
+# QN = 1 alone is slower than the kernel before: the gain is the splits shared. At d = 64
+# the launch bounds did most of it: told nothing, ptxas kept 194 registers and padded
+# between dependent mma; told one block an SM, it took 253 and the padding went. QN = 4
+# spills at d = 64 and QN = 2 at d = 128, so `tf32_backward_chunk` takes 2 and 4. dK and dV
+# come out bit for bit as before (the same sums in the same order). Against SDPA
+# memory-efficient that is 1.25x at d = 64; at d = 128 plain PyTorch's backward (cuBLAS on
+# the N x N matrices) stays faster, 30.7 against 35.8 ms.
+#
+# Then, a tile at a time, the two products that sum over queries, in the kernel:
 
 # %%
 from kernels import tf32_backward
