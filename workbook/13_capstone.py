@@ -358,7 +358,8 @@ if rows:
 # went from 0.114 to 0.067 ms at d = 96 and from 0.138 to 0.088 at d = 128, timed as this sweep
 # times a cell (plain PyTorch, same run: 0.111 and 0.103). The backward splits its keys once for
 # a chunk of query tiles: at d = 128, B·H = 64, N = 4096, 37.8 to 35.8 ms bare, where plain
-# PyTorch's backward took 30.7 in the same run, so the eight d = 128 cells above stay slower.
+# PyTorch's backward took 30.7 in the same run: still slower there, so the eight d = 128 cells
+# above are not expected to turn; the next sweep will say.
 
 # A third cause showed in earlier runs, on the H100: **too few blocks** (B·H = 1 and 8, N of
 # 1024 and 4096). The forward's grid is one block a query tile a head, the backward's one block
