@@ -331,36 +331,30 @@ if rows:
     display(Image(str(RESULTS_DIR / "capstone_floor.png")))
 
 # %% [markdown]
-# The floor does not hold yet. Ours is slower than plain PyTorch in 21 of the 584 cells where
-# plain PyTorch runs; plain PyTorch runs out of memory in the other 56, where ours runs. The fp32
-# half ran on the H200 on 2026-11-29, after chapter 11's forward was rewritten (K and V split as
-# they land, products issued round by round: notebook 11, section 4). The bf16 half ran earlier
-# that day, with the plans of the end of this section; nothing on its path has changed since.
-# Before the rewrite ours was slower in 56 cells. Before the raw launches, the no-grad forward and
-# the plans below, it was slower in 229. What is left:
+# The floor does not hold yet. Ours is slower than plain PyTorch in 10 of the 576 cells where
+# plain PyTorch runs; plain PyTorch runs out of memory in the other 64, where ours runs. The fp32
+# half ran on an H100 on 2026-12-05, after chapter 11's short heads took 64-row tiles and its
+# backward split its keys once a chunk of query tiles (notebook 11, section 7). The bf16 half ran
+# on an H200 on 2026-11-29, with the plans of the end of this section; nothing on its path has
+# changed since. Each cell's two timings come from one run on one card. The sweep before (fp32 on
+# the H200) had 21 slower cells; before chapter 11's forward was rewritten, 56; before the raw
+# launches, the no-grad forward and the plans below, 229. What is left:
 #
-# * **Five fp32 forwards** (0.70-0.96x), short sequences at large d: B·H = 512 at N = 64 (d = 96
-#   and 128, and 128 causal) and N = 256 (d = 128), and B·H = 64 at N = 256 (d = 128). A block
-#   walks only two to eight key tiles there; at N = 64, half of a 128-row block's warps have no
-#   rows.
-# * **Nine fp32 forward + backward cells** (0.85-0.98x). Eight are at d = 128 without the mask,
-#   where chapter 11's backward is the slower half. One is at N = 64, a host-bound cell whose
-#   time moves between runs.
+# * **One fp32 forward**, B·H = 8, N = 1024, d = 64 (0.80x): a noisy cell (ours 0.178 ms, p10
+#   0.125, p90 0.456; 0.084 in the sweep before). The five short-sequence fp32 forwards at d = 96
+#   and 128 of the sweep before are now faster than plain PyTorch: at N = 64, half of a 128-row
+#   block's warps had no rows; 64-row tiles give every warp some.
+# * **Two fp32 forward + backward cells**, B·H = 512, d = 128 without the mask (0.95x and
+#   0.998x), where chapter 11's backward is the slower half: at d = 128 it is still 0.96-0.98x
+#   plain PyTorch's backward (notebook 11's bench), and the forward's lead covers that in the
+#   other d = 128 cells.
 # * **Seven bf16 forward + backward cells** (0.83-0.99x), each 0.59 to 0.99 ms a call for ours and
 #   for plain PyTorch: no bf16 forward is slower any more.
 #
-# Before the rewrite the fp32 forwards at d = 96 and 128 without the mask were the largest group
-# (42 cells, 0.58-0.99x): cuBLAS's FMA kernels against our 3xTF32 ones.
+# The fp32 half changed card as well as code, so it is no A/B of the code: plain PyTorch's fp32
+# times were a median 10% longer on this H100 than on that H200; ours 1% shorter forward and 9%
+# shorter forward + backward.
 #
-# Two changes to chapter 11 came after this sweep, each measured on its own, not yet in the
-# sweep (notebook 11, section 7; `workbook/results/TUNING.md`). Heads of at most 64 queries
-# now take 64-row query tiles, so no warp of a block is idle: at B·H = 512, N = 64 the forward
-# went from 0.114 to 0.067 ms at d = 96 and from 0.138 to 0.088 at d = 128, timed as this sweep
-# times a cell (plain PyTorch, same run: 0.111 and 0.103). The backward splits its keys once for
-# a chunk of query tiles: at d = 128, B·H = 64, N = 4096, 37.8 to 35.8 ms bare, where plain
-# PyTorch's backward took 30.7 in the same run: still slower there, so the eight d = 128 cells
-# above are not expected to turn; the next sweep will say.
-
 # A third cause showed in earlier runs, on the H100: **too few blocks** (B·H = 1 and 8, N of
 # 1024 and 4096). The forward's grid is one block a query tile a head, the backward's one block
 # a key tile a head: at B·H = 1 and N = 4096, 32 blocks on 132 SMs, each walking all 4096 keys
