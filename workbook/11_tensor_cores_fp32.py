@@ -400,12 +400,15 @@ for passes in (3, 1):
 # %% [markdown]
 # ## 6. Results on the H100
 #
-# These are the first version's numbers: K and V split by a launch of their own, products
-# issued one after another, no launch bounds. The kernel of section 4 replaced it on
-# 2026-11-29, and its chapter bench has not been rerun since. The A/B after this list
-# measures the change.
+# The table and the plot below print `workbook/results/flash_tf32.csv`: the bench rerun on an
+# H100 on 2026-12-05, on section 4's kernel as it is now. Over N = 1k-16k the launcher is
+# 1.20-1.29x SDPA memory-efficient at d = 64 (causal 1.06-1.24x) and 0.79-0.87x at d = 128
+# (causal 0.70-0.85x), and faster than plain PyTorch everywhere (d = 128 without the mask:
+# 1.18-1.35x). The list after them, "What the GPU says", reads the first version's run (K and
+# V split by a launch of their own, products issued one after another, no launch bounds): its
+# numbers are quoted there, and the A/B after the list measures the change.
 #
-# `python -m kernels --chapters 11`, 2026-11-25, fp32 inputs, B N = 16k tokens, H = 16,
+# `python -m kernels --chapters 11`, fp32 inputs, B N = 16k tokens, H = 16,
 # PyTorch 2.11's fp32 attention in the same run with TF32 off (its default). "Bare" is the
 # split and the kernel on preallocated buffers. "Launcher" is `flash_attention_tf32` called
 # with PyTorch tensors, as a user calls it. The error is head (0, 0)'s first 512 rows against
@@ -454,8 +457,9 @@ if rows:
                   "peer: plain PyTorch fp32": ("plain PyTorch", "C2")}, "the launcher")
 
 # %% [markdown]
-# **What the GPU says** (the table above: an H200, 2026-11-29; the kernel's analysis below
-# was made on an H100, whose run read within a few percent of this one):
+# **What the GPU says** about the first version (its run on an H200, 2026-11-29, whose CSV the
+# rerun above replaced; the kernel's analysis below was made on an H100, whose run read within
+# a few percent of that one):
 #
 # * **Accuracy: as fp32, or better.** 3xTF32's error is 0.35-3.4x float32 NumPy's (growing
 #   with N, as every serial sum over keys does). SDPA's memory-efficient kernel measures
@@ -711,8 +715,8 @@ _ = check_accumulator_as_a(accumulator_as_a)
 _ = check_accumulator_as_a(lambda c: (c, np.stack([2 * (np.arange(32) % 4), 2 * (np.arange(32) % 4) + 1], axis=1)))
 
 # %% [markdown]
-# **Results on the H100.** `python -m kernels --chapters 11`, 2026-11-25
-# (`workbook/results/tf32_backward.csv`): fp32, H = 16, B N = 16k tokens, O and L from
+# **Results on the H100.** `python -m kernels --chapters 11`, 2026-12-05, on the backward as it
+# is now (section 7's key chunks; `workbook/results/tf32_backward.csv`): fp32, H = 16, B N = 16k tokens, O and L from
 # section 4's forward; the peers in the same run on the same inputs, each timed as its
 # backward alone, TF32 off (PyTorch's default). "Launcher" is chapter 5's
 # `flash_attention_backward` with PyTorch tensors, whose default here is 3xTF32:
@@ -743,12 +747,13 @@ if brows:
 #   4096, `workbook/results/tf32_backward_errors.csv`, a run with `cvt.rna`): 0.80-1.46x
 #   float32's for 3xTF32, 0.50-1.49x for the FMA kernels; alike without the causal mask, and with it the FMA
 #   kernels' dK and dV err about half as much (0.5-0.6x against 1.0-1.5x).
-# * **Speed: just behind SDPA.** At N = 4096 the launcher takes 21.7 ms at d = 64 (11.7
-#   causal) and 40.3 ms at d = 128 (21.8 causal); SDPA memory-efficient, itself 3xTF32, takes
-#   20.2 (11.0) and 38.7 (20.1). Over N = 1k-16k the launcher is **0.90-0.99x** SDPA
-#   memory-efficient. Against plain PyTorch it wins at d = 64 (1.13-1.15x, causal 2.4-2.8x)
-#   and with the causal mask at d = 128 (1.7-1.9x), and loses at d = 128 without it
-#   (0.84-0.86x). Against chapter 5's FMA backward: 1.12x at d = 64, 1.58x at d = 128.
+# * **Speed: ahead of SDPA, behind cuBLAS at d = 128.** At N = 4096 the launcher takes 15.4 ms
+#   at d = 64 (8.6 causal) and 35.3 ms at d = 128 (18.8 causal); SDPA memory-efficient, itself
+#   3xTF32, takes 19.9 (10.7) and 38.0 (19.6). Over N = 1k-16k the launcher is **1.02-1.30x**
+#   SDPA memory-efficient (before section 7's key chunks, 2026-11-25: 0.90-0.99x). Against plain
+#   PyTorch it wins at d = 64 (1.42-1.60x, causal 3.1-3.8x) and with the causal mask at d = 128
+#   (1.9-2.2x), and still loses at d = 128 without it (0.96-0.98x). Against chapter 5's FMA
+#   backward: 1.59x at d = 64, 1.79x at d = 128.
 # * **Where the time went** (Nsight Compute, d = 64, N = 4096, with `cvt.rna`): 15.7
 #   instructions issued per mma, most of them the splits' roundings; the tensor pipe busy 24%
 #   of the time, and the warps (two a scheduler: one block of 8 warps an SM, 174 KB of shared
