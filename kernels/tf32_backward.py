@@ -63,7 +63,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from kernels.base.backward_args import check_grouped_args, run_grouped_backward
-from kernels.base.gradient_adds import add_pair_to_dq
+from kernels.base.gradient_adds import add_pair_to_dq, make_tile_adds
 from kernels.base.fused import FASTMATH, LOG2E
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, \
     launch_stream, on_simulator
@@ -73,7 +73,7 @@ from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.tile_copy import make_async_tile_copy
 
 __all__ = ["flash_attention_backward_tf32", "launch_backward", "make_backward_tf32", "tf32_backward_tiles",
-           "tf32_backward_min_blocks", "tf32_backward_chunk",
+           "tf32_backward_min_blocks", "tf32_backward_chunk", "tf32_backward_tile_adds",
            "shared_words", "ptx_targets", "accumulator_as_a", "check_accumulator_as_a", "check_accumulator_as_a_case"]
 
 # The base-2 logsumexp of a dead row (past Nq, or L = -inf): exp2(S - DEAD) = 0.
@@ -114,6 +114,15 @@ def tf32_backward_chunk(Br: int, D: int) -> int:
     return min(2 if D <= 64 else 4, Br // 8)
 
 
+def tf32_backward_tile_adds(D: int) -> bool:
+    """Whether a warp adds its dQ tiles with one bounds test for the whole warp
+    (``kernels.base.gradient_adds.make_tile_adds``, chapter 12's way) rather than one a pair:
+    at D = 128 a warp's 8 pairs took about 580 instructions a query tile the pair way (SASS for
+    sm_90), a third of its dQ products' loop. At D <= 64 the kernel is measured as it was (the
+    tile adds measured 3% slower there before the chunks)."""
+    return D > 64
+
+
 def shared_words(Br: int, W: int, D: int) -> int:
     """32-bit words of shared memory a block: K_j and V_j (Bc rows), Q_i and dO_i twice (the
     next tile's copy flies), dS^T (Bc x Br); rows padded by 4 words (fragment loads in 32
@@ -124,14 +133,15 @@ def shared_words(Br: int, W: int, D: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool = False, split: bool = False,
-                       min_blocks: int | None = None, chunk: int | None = None):
+                       min_blocks: int | None = None, chunk: int | None = None, tile_adds: bool | None = None):
     """The dK/dV/dQ kernel for Br query rows a tile, W warps (Bc = 16 W keys), head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic; ``split``: the (query head, query tile) pairs split
     among gridDim.z blocks a key tile, each adding its dK_j, dV_j into zeroed dk, dv
     (``kernels.base.query_split``); ``min_blocks``: launch bounds (``tf32_backward_min_blocks``);
     ``chunk``: QN, the 8-query tiles a chunk of S^T and dP^T (a divisor of Br / 8; by default
-    ``tf32_backward_chunk``).
+    ``tf32_backward_chunk``); ``tile_adds``: dQ added a warp's tiles at a time with one bounds
+    test (by default ``tf32_backward_tile_adds``).
 
     Launch: grid (ceil(Nk / Bc), B * Hkv[, S]), 32 W threads. Arguments: q, do (B*H, Nq, d) and
     k, v (B*Hkv, Nk, d) float32; lse and delta (B*H, Nq) float32 (L, natural log, and D from
@@ -154,6 +164,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     QN = int(chunk) if chunk else tf32_backward_chunk(Br, D)     # 8-query tiles a chunk of S^T and dP^T
     if QC % QN:
         raise ValueError(f"chunk: expected a divisor of Br / 8 = {QC}, got {chunk}")
+    TILE_ADDS = tf32_backward_tile_adds(D) if tile_adds is None else bool(tile_adds)
     RG = Br // 16                                 # dQ_i's row groups of 16 queries
     # dQ_i's pieces: a row group and NC column tiles of 8 (the row group's dS fragments split
     # once for the NC tiles); as few pieces as there are warps, where D allows
@@ -161,6 +172,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     while NC > 1 and (RG * (ND // NC) < W or ND % NC):
         NC -= 1
     ITEMS = RG * (ND // NC)
+    add_tiles = make_tile_adds(NC)                # (used where TILE_ADDS)
     SD, SB = D + 4, Br + 4                        # shared row strides (words)
     TILE, QTILE = Bc * SD, Br * SD
     QBASE = 2 * TILE + Bc * SB                    # Q_i and dO_i's two buffers start here
@@ -369,13 +381,16 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
                         for e in range(4):
                             acc[u, e] += x[e]
                     kk += U(1)
-                for u in range(NC):
-                    for h in range(2):
-                        row = q0 + int32(rg * U(16) + g) + 8 * h
-                        col = int32((n0 + U(u)) * U(8) + U(2) * t)
-                        x0 = acc[u, 2 * h] * scale
-                        x1 = acc[u, 2 * h + 1] * scale
-                        add_pair_to_dq(dqh, row, col, x0, x1, n_q, d, aligned)
+                if TILE_ADDS:                         # one bounds test for the warp's 16 rows and NC tiles
+                    add_tiles(dqh, acc, q0 + int32(rg * U(16)), int32(n0 * U(8)), g, t, scale, n_q, d, aligned)
+                else:
+                    for u in range(NC):
+                        for h in range(2):
+                            row = q0 + int32(rg * U(16) + g) + 8 * h
+                            col = int32((n0 + U(u)) * U(8) + U(2) * t)
+                            x0 = acc[u, 2 * h] * scale
+                            x1 = acc[u, 2 * h + 1] * scale
+                            add_pair_to_dq(dqh, row, col, x0, x1, n_q, d, aligned)
                 item += U(W)
             bh, q0 = nbh, nq0
 
@@ -398,13 +413,14 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
 
 # --------------------------------------------------------------------------- the launcher
 
-def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None, splits=1, chunk=None):
+def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None, splits=1, chunk=None,
+                  tile_adds=None):
     """The two launches on these views, as (kernel, grid, threads, args, dynamic shared bytes)
     each: chapter 5's pre-pass (D, and dQ = 0), then the dK/dV/dQ kernel (its shared-memory
     limit raised where it needs more than 48 KB). ``tiles``: (Br, W), by default
     ``tf32_backward_tiles``; ``splits``: S blocks a key tile (``kernels.base.query_split``;
     the caller zeroes dk and dv first when S > 1); ``chunk``: 8-query tiles a chunk, by
-    default ``tf32_backward_chunk``."""
+    default ``tf32_backward_chunk``; ``tile_adds``: dQ's adds (``tf32_backward_tile_adds``)."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
     from kernels.flash_backward import make_delta
 
@@ -419,7 +435,7 @@ def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None
     nbytes = 4 * shared_words(Br, W, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make_backward_tf32(Br, W, D, int(passes), dynamic, splits > 1, tf32_backward_min_blocks(D),
-                                int(chunk) if chunk else tf32_backward_chunk(Br, D))
+                                int(chunk) if chunk else tf32_backward_chunk(Br, D), tile_adds)
     args = (views["q"], views["k"], views["v"], views["do"], views["lse"], delta, views["dq"], views["dk"],
             views["dv"], np.float32(scale), np.int32(causal), np.int32(bh // bkv), np.int32(aligned))
     if dynamic:
@@ -436,14 +452,15 @@ def _aligned(d, arrays) -> int:
 
 
 def launch_backward(qd, kd, vd, od, lsed, dod, delta, dq, dk, dv, scale, causal, passes=3, tiles=None, splits=1,
-                    chunk=None):
+                    chunk=None, tile_adds=None):
     """The two kernels on device views: qd, od, dod (B*H, Nq, d), kd, vd (B*Hkv, Nk, d),
     lsed (B*H, Nq), float32; into the buffers delta (B*H, Nq) and dq, dk, dv, launched as
     Numba launches them (the bench's bare launch). ``tiles``: (Br, W); ``splits``: S blocks a
-    key tile (dK and dV zeroed first); ``chunk``: 8-query tiles a chunk (``tf32_backward_chunk``)."""
+    key tile (dK and dV zeroed first); ``chunk``: 8-query tiles a chunk (``tf32_backward_chunk``);
+    ``tile_adds``: dQ's adds a warp's tiles at a time (``tf32_backward_tile_adds``)."""
     views = dict(q=qd, k=kd, v=vd, o=od, lse=lsed, do=dod, dq=dq, dk=dk, dv=dv)
     aligned = _aligned(qd.shape[2], (qd, kd, vd, dod, dq))
-    launches = list(_two_launches(views, delta, scale, causal, passes, aligned, tiles, splits, chunk))
+    launches = list(_two_launches(views, delta, scale, causal, passes, aligned, tiles, splits, chunk, tile_adds))
     add_zero_gradients(launches, [None, None], views, splits)
     for kernel, grid, threads, args, nbytes in launches:
         kernel[grid, threads, launch_stream(), nbytes](*args)

@@ -548,6 +548,11 @@ MUTANTS += [
              "b_hi, b_lo = b_at(qb + cb + U(32 * s_), U(16))   # PLANTED: every tile of the chunk reads the first"),),
            T11B, "test_chunks_of_query_tiles_meet_the_same_rule",
            "S^T for a chunk of query tiles: every tile's Q_c fragment read from the chunk's first tile"),
+    Mutant("tfb-tile-adds-rows-not-offset", 11, TFB,
+           (("add_tiles(dqh, acc, q0 + int32(rg * U(16)), int32(n0 * U(8)), g, t, scale, n_q, d, aligned)",
+             "add_tiles(dqh, acc, q0, int32(n0 * U(8)), g, t, scale, n_q, d, aligned)   # PLANTED"),),
+           T11B, "test_dq_added_a_tile_at_a_time_meets_the_rule",
+           "dQ's tile adds: every row group of 16 queries added into the tile's first"),
 ]
 
 # Chapter 13, the capstone's PyTorch attention: the plumbing around the chapters' kernels.
