@@ -119,8 +119,8 @@ def tf32_backward_tile_adds(D: int) -> bool:
     (``kernels.base.gradient_adds.make_tile_adds``, chapter 12's way) rather than one a pair:
     at D = 128 a warp's 8 pairs took about 580 instructions a query tile the pair way (SASS for
     sm_90), a third of its dQ products' loop; one test a warp takes 76. Measured on the H100
-    (``tf32_backward_tile_adds_ab.csv``) the time did not follow: within 1% either way at D = 128:
-    those instructions did not bound its time. Kept at D > 64 for the shared building block and the fewer
+    (``workbook/results/TUNING.md``, chapter 11) the time did not follow: within 1% either way at
+    D = 128: those instructions did not bound its time. Kept at D > 64 for the shared building block and the fewer
     instructions; at D <= 64 the kernel stays as it was measured (the tile adds 3% slower there
     before the chunks, 1.6% faster after, within the spread)."""
     return D > 64
