@@ -118,11 +118,11 @@ def tf32_backward_tile_adds(D: int) -> bool:
     """Whether a warp adds its dQ tiles with one bounds test for the whole warp
     (``kernels.base.gradient_adds.make_tile_adds``, chapter 12's way) rather than one a pair:
     at D = 128 a warp's 8 pairs took about 580 instructions a query tile the pair way (SASS for
-    sm_90), a third of its dQ products' loop; one test a warp takes 76. Measured on the H100
-    (``workbook/results/TUNING.md``, chapter 11) the time did not follow: within 1% either way at
-    D = 128: those instructions did not bound its time. Kept at D > 64 for the shared building block and the fewer
-    instructions; at D <= 64 the kernel stays as it was measured (the tile adds 3% slower there
-    before the chunks, 1.6% faster after, within the spread)."""
+    sm_90), a third of its dQ products' loop; one test a warp takes 76. On the H100 the time did
+    not follow (``workbook/results/TUNING.md``, chapter 11): within 1% either way at D = 128, so
+    those instructions did not bound it. Kept at D > 64 for the shared building block and the
+    fewer instructions; at D <= 64 the kernel stays as it was measured (the tile adds 3% slower
+    there before the chunks, 1.6% faster after, within the spread)."""
     return D > 64
 
 

@@ -152,51 +152,44 @@ def test_chunks_of_query_tiles_meet_the_same_rule(chunk, br):
     """K_w's and V_w's fragments split once a k-step for ``chunk`` tiles of 8 queries
     (``tf32_backward_chunk``): each chunk the tiles allow gives gradients under the same rule;
     ragged query tiles, causal, two query heads on one KV head, d padded."""
+    w = 1 if SIM else W
+    case = pinned((1, 2, br + 5, 13), (1, 1, 16 * w + 3, 13), causal=True, seed=chunk)
+    x = Inputs(case, seed=2)
+    x.check(_bare_backward(case, x, tiles=(br, w), chunk=chunk))
+
+
+def _bare_backward(case, x, **launch):
+    """(dQ, dK, dV) of ``launch_backward`` on ``x``'s arrays as device views (B*H, N, d), with the
+    launch arguments the chapter's launcher does not pass (``tiles``, ``chunk``, ``tile_adds``)."""
     from numba import cuda
 
     from kernels.tf32_backward import launch_backward
 
-    w = 1 if SIM else W
-    case = pinned((1, 2, br + 5, 13), (1, 1, 16 * w + 3, 13), causal=True, seed=chunk)
-    x = Inputs(case, seed=2)
-    bh, n_q, d = 2, case.q.shape[2], case.q.shape[3]
-    n_k = case.k.shape[2]
+    (b, h, n_q, d), (_, hkv, n_k, _) = case.q.shape, case.k.shape
     dev = [cuda.to_device(np.ascontiguousarray(a, np.float32).reshape(rows, n, d))
-           for a, rows, n in ((x.q, bh, n_q), (x.k, 1, n_k), (x.v, 1, n_k), (x.o, bh, n_q), (x.do, bh, n_q))]
-    lse = cuda.to_device(np.ascontiguousarray(x.lse, np.float32).reshape(bh, n_q))
-    delta = cuda.device_array((bh, n_q), np.float32)
+           for a, rows, n in ((x.q, b * h, n_q), (x.k, b * hkv, n_k), (x.v, b * hkv, n_k), (x.o, b * h, n_q),
+                              (x.do, b * h, n_q))]
+    lse = cuda.to_device(np.ascontiguousarray(x.lse, np.float32).reshape(b * h, n_q))
+    delta = cuda.device_array((b * h, n_q), np.float32)
     dq, dk, dv = (cuda.device_array(a.shape, np.float32) for a in (dev[0], dev[1], dev[2]))
     qd, kd, vd, od, dod = dev
-    launch_backward(qd, kd, vd, od, lse, dod, delta, dq, dk, dv, 1 / np.sqrt(d), 1, tiles=(br, w), chunk=chunk)
-    x.check((dq.copy_to_host().reshape(case.q.shape), dk.copy_to_host().reshape(case.k.shape),
-             dv.copy_to_host().reshape(case.k.shape)))
+    launch_backward(qd, kd, vd, od, lse, dod, delta, dq, dk, dv, 1 / np.sqrt(d), int(case.causal), **launch)
+    return (dq.copy_to_host().reshape(case.q.shape), dk.copy_to_host().reshape(case.k.shape),
+            dv.copy_to_host().reshape(case.k.shape))
 
 
 @pytest.mark.parametrize("d", [16, 13], ids=["d16-aligned", "d13-checked"])
 def test_dq_added_a_tile_at_a_time_meets_the_rule(d):
     """dQ added a warp's tiles at a time under one bounds test (``tf32_backward_tile_adds``:
-    the default at D = 128, which the simulator's tiles do not reach; the pair-at-a-time adds
+    the default at D > 64, which the simulator's tiles do not reach; the pair-at-a-time adds
     are every other test's at D <= 64) gives gradients under the rule. Nq = Br + 5 with two
     row groups of 16 a query tile: the whole tile takes the unchecked adds where d fills the
     tiles (d = 16), the ragged last one the checked adds, and d = 13 (rows not 16-byte
     aligned) the checked adds everywhere."""
-    from numba import cuda
-
-    from kernels.tf32_backward import launch_backward
-
     w, br = (1, 32) if SIM else (W, 32)
     case = pinned((1, 1, br + 5, d), (1, 1, 16 * w, d), causal=False, seed=d)
     x = Inputs(case, seed=4)
-    n_q, n_k = case.q.shape[2], case.k.shape[2]
-    dev = [cuda.to_device(np.ascontiguousarray(a, np.float32).reshape(1, n, d))
-           for a, n in ((x.q, n_q), (x.k, n_k), (x.v, n_k), (x.o, n_q), (x.do, n_q))]
-    lse = cuda.to_device(np.ascontiguousarray(x.lse, np.float32).reshape(1, n_q))
-    delta = cuda.device_array((1, n_q), np.float32)
-    dq, dk, dv = (cuda.device_array(a.shape, np.float32) for a in (dev[0], dev[1], dev[2]))
-    qd, kd, vd, od, dod = dev
-    launch_backward(qd, kd, vd, od, lse, dod, delta, dq, dk, dv, 1 / np.sqrt(d), 0, tiles=(br, w), tile_adds=True)
-    x.check((dq.copy_to_host().reshape(case.q.shape), dk.copy_to_host().reshape(case.k.shape),
-             dv.copy_to_host().reshape(case.k.shape)))
+    x.check(_bare_backward(case, x, tiles=(br, w), tile_adds=True))
 
 
 def test_a_chunk_that_does_not_divide_the_tile_is_named():
