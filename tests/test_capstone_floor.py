@@ -61,3 +61,50 @@ def test_the_committed_sweep_covers_every_configuration():
     ours = [r for r in results if r.kernel == floor.OURS]
     assert len(ours) == len(precisions) * 2 * len(bhs) * len(ns) * len(ds) * 2
     assert all(r.median_ms > 0 for r in ours), "ours has a cell without a time"
+
+
+class _Context:
+    def __init__(self, simulator):
+        self.simulator, self.quick = simulator, False
+
+    def progress(self, line):
+        pass
+
+
+def test_the_two_sides_take_turns_and_each_round_is_a_ratio(monkeypatch):
+    """``_time_pair`` on a GPU: ROUNDS runs a side, which side goes first alternating; each
+    side's median its own, the ratios those of one round's two runs."""
+    order, times = [], {"plain": iter([2.0, 2.0, 4.0, 2.0, 2.0, 2.0, 8.0, 2.0, 2.0]),
+                        "ours": iter([1.0, 1.0, 1.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0])}
+
+    def back_to_back(fn, inputs, calls):
+        order.append(fn())
+        return next(times[fn()])
+
+    monkeypatch.setattr(floor, "_back_to_back", back_to_back)
+    once = (floor.Timing(1.0, 1.0, 1.0, 1, ""), floor.Timing(0.5, 0.5, 0.5, 1, ""))
+    plain, ours, ratios = floor._time_pair(_Context(False), lambda: "plain", lambda: "ours", [()], once)
+    assert order == [side for r in range(floor.ROUNDS) for side in
+                     (("plain", "ours") if r % 2 == 0 else ("ours", "plain"))]
+    assert (plain.median_ms, ours.median_ms) == (2.0, 1.0)
+    assert (plain.p10_ms, plain.p90_ms, ours.p10_ms, ours.p90_ms) == (2.0, 4.0, 1.0, 1.0)
+    assert ratios == sorted([2.0, 2.0, 4.0, 0.5, 2.0, 2.0, 8.0, 2.0, 2.0])
+
+
+def test_a_cell_where_plain_runs_out_of_memory_times_ours_once():
+    """The peer out of memory: its row NaN and so noted, ours run once and timed, no ratio."""
+    def plain(q, k, v, causal):
+        raise torch.OutOfMemoryError("plain's N x N scores")
+
+    def ours(q, k, v, causal=False):
+        calls.append(1)
+        return q * 1.0
+
+    calls, results = [], []
+    inputs = [tuple(torch.randn(1, 1, 8, 4).requires_grad_(i < 3) for i in range(4))]
+    floor._cell(_Context(True), torch, results, ours, plain, inputs, "fp32", 1, 1, 8, 4, False, "fwd")
+    got = {r.kernel: r for r in results}
+    assert math.isnan(got[floor.PLAIN].median_ms) and got[floor.PLAIN].note == "out of memory"
+    assert got[floor.OURS].median_ms > 0 and len(calls) == 1
+    assert got[floor.OURS].extra["speedup over plain"] == "plain out of memory"
+    assert floor.cells(results) == {("fp32", "fwd"): {(1, 4, 8, False): None}}

@@ -13,9 +13,11 @@ keeps it; fp32 matmuls in fp32, PyTorch's default), in the same run:
 
 Each cell is the time a call adds when calls follow one another, as in a model's step (CUDA
 events around a run of back-to-back calls; the host's work, validation and launches, counts
-where it is longer than the GPU's). Where plain PyTorch runs out of memory (its N x N scores) the cell
-records that, and ours runs once (no warm-up) to show it fits. ``--quick``: B*H in (1, 64), N in (64,
-1024, 4096), d in (64, 128). In the simulator: B*H = 1, N = 16, d = 16, fp32.
+where it is longer than the GPU's), the median of 9 such runs a side, ours and plain
+PyTorch taking turns; the 9 rounds' own ratios give the cell's spread. Where plain PyTorch
+runs out of memory (its N x N scores) the cell records that, and ours runs once (no
+warm-up) to show it fits. ``--quick``: B*H in (1, 64), N in (64, 1024, 4096), d in (64,
+128). In the simulator: B*H = 1, N = 16, d = 16, fp32.
 
 The figure: one heat map a (precision, pass), the speed-up plain / ours of every cell; below
 1 the floor is broken there.
@@ -68,32 +70,48 @@ class PlainAttention:
         return torch.softmax(s, dim=-1) @ v
 
 
-def _time(ctx, fn, inputs):
-    """A cell's time a call, in ms: a first call (compiling, binding), then one timed. A call
-    over half a second: that time. Otherwise the median over 5 runs of back-to-back calls
-    (CUDA events around ``TARGET_MS`` worth of calls, divided by their number): how long a
-    call holds up a model whose calls follow one another, the host's work overlapping the
-    GPU's (both for ours and the peer's)."""
-    if ctx.simulator:
-        return time_fn(fn, inputs, warmup=0, repeat=1)
-    once = time_fn(fn, inputs, warmup=1, repeat=1)
-    if once.median_ms > 500:
-        return once
+ROUNDS = 9                                                      # timed runs of each side, alternating
+
+
+def _back_to_back(fn, inputs, calls):
+    """ms a call over ``calls`` back-to-back calls, CUDA events around them."""
     from numba import cuda
 
-    calls = max(1, min(200, int(TARGET_MS / max(once.median_ms, 1e-3))))
-    samples = []
     start, stop = cuda.event(), cuda.event()
-    for _ in range(5):
-        cuda.synchronize()
-        start.record()
-        for i in range(calls):
-            fn(*inputs[i % len(inputs)])
-        stop.record()
-        stop.synchronize()
-        samples.append(cuda.event_elapsed_time(start, stop) / calls)
-    samples.sort()
-    return Timing(samples[2], samples[0], samples[-1], 5 * calls, f"cuda events, {calls} back-to-back calls")
+    cuda.synchronize()
+    start.record()
+    for i in range(calls):
+        fn(*inputs[i % len(inputs)])
+    stop.record()
+    stop.synchronize()
+    return cuda.event_elapsed_time(start, stop) / calls
+
+
+def _time_pair(ctx, plain_fn, ours_fn, inputs, once):
+    """(plain's Timing, ours, the rounds' ratios plain / ours, sorted) of a cell, in ms a call,
+    after ``once``: each side's first call (compiling, binding), then one timed. Where either
+    took over half a second: those times. Otherwise ``ROUNDS`` rounds, each a run of
+    back-to-back calls of one side and one of the other (which goes first alternates; CUDA
+    events around ``TARGET_MS`` worth of calls, divided by their number): how long a call
+    holds up a model whose calls follow one another, the host's work overlapping the GPU's.
+    The two take turns so that a slow stretch of the host (at the smallest sizes a side's runs
+    differ by tens of percent within a cell) falls on both; a round's ratio compares the two
+    in the same stretch. A Timing's median is its side's median run, p10 and p90 its second
+    fastest and second slowest."""
+    if ctx.simulator or max(t.median_ms for t in once) > 500:
+        return once[0], once[1], [once[0].median_ms / once[1].median_ms]
+    calls = [max(1, min(200, int(TARGET_MS / max(t.median_ms, 1e-3)))) for t in once]
+    samples = ([], [])
+    for r in range(ROUNDS):
+        for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+            samples[side].append(_back_to_back((plain_fn, ours_fn)[side], inputs, calls[side]))
+    ratios = sorted(p / o for p, o in zip(*samples))
+    timings = []
+    for side in (0, 1):
+        x = sorted(samples[side])
+        timings.append(Timing(x[ROUNDS // 2], x[1], x[-2], ROUNDS * calls[side],
+                              f"cuda events, {calls[side]} back-to-back calls, {ROUNDS} runs alternating"))
+    return timings[0], timings[1], ratios
 
 
 def run(ctx, precisions=None) -> list[Result]:
@@ -147,29 +165,41 @@ def _cell(ctx, torch, results, attention, plain, inputs, precision, b, h, n, d, 
             return torch.autograd.grad(attend(q, k, v), (q, k, v), do)
         return forward_backward
 
-    calls = ((PLAIN, as_call(lambda q, k, v: plain(q, k, v, causal)), True),
-             (OURS, as_call(lambda q, k, v: attention(q, k, v, causal=causal)), False))
-    times, rows = {}, {}
-    for name, fn, is_peer in calls:
-        ctx.progress(f"  ch{CHAPTER} {name:<20} {config}")
-        note = ""
-        try:
-            if name == OURS and times[PLAIN] != times[PLAIN]:     # the peer could not run: ours once, to show it does
-                timing = time_fn(fn, inputs, warmup=0, repeat=1)
-                note = "one run (plain PyTorch ran out of memory)"
-            else:
-                timing = _time(ctx, fn, inputs)
-            median, p10, p90 = timing.median_ms, timing.p10_ms, timing.p90_ms
-        except torch.OutOfMemoryError:
-            median = p10 = p90 = float("nan")
-            note = "out of memory"
-            torch.cuda.empty_cache()
-        times[name] = median
-        rows[name] = Result(CHAPTER, name, config, median, p10, p90, flops, float("nan"),
-                            flops / median / 1e9 if median == median else float("nan"), float("nan"),
-                            float("nan"), float("nan"), is_peer, note, dict(extra))
-    speedup = times[PLAIN] / times[OURS] if times[PLAIN] == times[PLAIN] else float("nan")
-    rows[OURS].extra["speedup over plain"] = round(speedup, 4) if speedup == speedup else "plain out of memory"
+    plain_fn = as_call(lambda q, k, v: plain(q, k, v, causal))
+    ours_fn = as_call(lambda q, k, v: attention(q, k, v, causal=causal))
+    ctx.progress(f"  ch{CHAPTER} {PLAIN} and {OURS}, taking turns: {config}")
+    warmup = 0 if ctx.simulator else 1
+    nan = float("nan")
+    timings, notes, ratios = {PLAIN: None, OURS: None}, {PLAIN: "", OURS: ""}, []
+    try:
+        first = time_fn(plain_fn, inputs, warmup=warmup, repeat=1)
+    except torch.OutOfMemoryError:
+        first, notes[PLAIN] = None, "out of memory"
+        torch.cuda.empty_cache()
+    try:
+        if first is None:                            # the peer could not run: ours once, to show it fits
+            timings[OURS] = time_fn(ours_fn, inputs, warmup=0, repeat=1)
+            notes[OURS] = "one run (plain PyTorch ran out of memory)"
+        else:
+            once = (first, time_fn(ours_fn, inputs, warmup=warmup, repeat=1))
+            timings[PLAIN], timings[OURS], ratios = _time_pair(ctx, plain_fn, ours_fn, inputs, once)
+    except torch.OutOfMemoryError:
+        timings[OURS], notes[OURS] = None, "out of memory"
+        torch.cuda.empty_cache()
+    rows = {}
+    for name in (PLAIN, OURS):
+        t = timings[name]
+        median, p10, p90 = (t.median_ms, t.p10_ms, t.p90_ms) if t is not None else (nan, nan, nan)
+        rows[name] = Result(CHAPTER, name, config, median, p10, p90, flops, nan,
+                            flops / median / 1e9 if median == median else nan, nan, nan, nan, name == PLAIN,
+                            notes[name], dict(extra))
+    if timings[PLAIN] is None:
+        rows[OURS].extra["speedup over plain"] = "plain out of memory"
+    elif timings[OURS] is not None:
+        rows[OURS].extra["speedup over plain"] = round(timings[PLAIN].median_ms / timings[OURS].median_ms, 4)
+        if len(ratios) > 2:          # the rounds' own ratios: below 1 in most of them, or in a few
+            rows[OURS].extra["round ratios p10"] = round(ratios[1], 4)
+            rows[OURS].extra["round ratios p90"] = round(ratios[-2], 4)
     results.extend((rows[OURS], rows[PLAIN]))
 
 
