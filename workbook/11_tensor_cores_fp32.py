@@ -715,8 +715,9 @@ _ = check_accumulator_as_a(accumulator_as_a)
 _ = check_accumulator_as_a(lambda c: (c, np.stack([2 * (np.arange(32) % 4), 2 * (np.arange(32) % 4) + 1], axis=1)))
 
 # %% [markdown]
-# **Results on the H100.** `python -m kernels --chapters 11`, 2026-12-05, on the backward as it
-# is now (section 7's key chunks; `workbook/results/tf32_backward.csv`): fp32, H = 16, B N = 16k tokens, O and L from
+# **Results on the H100.** `python -m kernels --chapters 11`, 2026-12-06, on the backward as it
+# is now (section 7's key chunks, dQ added a warp's tiles at a time at d > 64;
+# `workbook/results/tf32_backward.csv`): fp32, H = 16, B N = 16k tokens, O and L from
 # section 4's forward; the peers in the same run on the same inputs, each timed as its
 # backward alone, TF32 off (PyTorch's default). "Launcher" is chapter 5's
 # `flash_attention_backward` with PyTorch tensors, whose default here is 3xTF32:
@@ -747,13 +748,13 @@ if brows:
 #   4096, `workbook/results/tf32_backward_errors.csv`, a run with `cvt.rna`): 0.80-1.46x
 #   float32's for 3xTF32, 0.50-1.49x for the FMA kernels; alike without the causal mask, and with it the FMA
 #   kernels' dK and dV err about half as much (0.5-0.6x against 1.0-1.5x).
-# * **Speed: ahead of SDPA, behind cuBLAS at d = 128.** At N = 4096 the launcher takes 15.4 ms
-#   at d = 64 (8.6 causal) and 35.3 ms at d = 128 (18.8 causal); SDPA memory-efficient, itself
-#   3xTF32, takes 19.9 (10.7) and 38.0 (19.6). Over N = 1k-16k the launcher is **1.02-1.30x**
+# * **Speed: ahead of SDPA, behind cuBLAS at d = 128.** At N = 4096 the launcher takes 15.5 ms
+#   at d = 64 (8.8 causal) and 35.1 ms at d = 128 (19.1 causal); SDPA memory-efficient, itself
+#   3xTF32, takes 20.2 (11.1) and 38.3 (20.0). Over N = 1k-16k the launcher is **1.03-1.35x**
 #   SDPA memory-efficient (before section 7's key chunks, 2026-11-25: 0.90-0.99x). Against plain
-#   PyTorch it wins at d = 64 (1.42-1.60x, causal 3.1-3.8x) and with the causal mask at d = 128
-#   (1.9-2.2x), and still loses at d = 128 without it (0.96-0.98x). Against chapter 5's FMA
-#   backward: 1.59x at d = 64, 1.79x at d = 128.
+#   PyTorch it wins at d = 64 (1.51-1.58x, causal 3.0-3.8x) and with the causal mask at d = 128
+#   (1.9-2.2x), and without it at d = 128 is level at N = 1024 (1.01x) and behind from 2048 to
+#   8192 (0.96-0.97x). Against chapter 5's FMA backward: 1.60x at d = 64, 1.80x at d = 128.
 # * **Where the time went** (Nsight Compute, d = 64, N = 4096, with `cvt.rna`): 15.7
 #   instructions issued per mma, most of them the splits' roundings; the tensor pipe busy 24%
 #   of the time, and the warps (two a scheduler: one block of 8 warps an SM, 174 KB of shared

@@ -311,7 +311,11 @@ _ = show_results("capstone", columns=("kernel", "config", "median_ms", "tflops",
 # PV; fp32 matmuls in fp32), in the same run: B·H ∈ {1, 8, 64, 512}, N ∈ {64, 256, 1024, 4096,
 # 16384}, d ∈ {32, 64, 96, 128}, causal or not, forward and forward + backward, fp32 and bf16:
 # 640 cells. A cell is the time a call adds when calls follow one another (CUDA events around a
-# run of back-to-back calls). Each square is plain PyTorch's time over ours: green, ours faster.
+# run of back-to-back calls), the median of 9 such runs a side, ours and plain PyTorch taking
+# turns: at the smallest sizes a side's runs spread by tens of percent, and a slow stretch of the
+# host should fall on both. Each round's ratio is kept as well (`round ratios p10` and `p90` in
+# the CSV): a cell whose rounds nearly all fall below 1 is slower, one whose rounds straddle 1 is
+# level within that noise. Each square is plain PyTorch's time over ours: green, ours faster.
 
 # %%
 from kernels.bench import capstone_floor  # noqa: E402
@@ -331,29 +335,27 @@ if rows:
     display(Image(str(RESULTS_DIR / "capstone_floor.png")))
 
 # %% [markdown]
-# The floor does not hold yet. Ours is slower than plain PyTorch in 10 of the 576 cells where
-# plain PyTorch runs; plain PyTorch runs out of memory in the other 64, where ours runs. The fp32
-# half ran on an H100 on 2026-12-05, after chapter 11's short heads took 64-row tiles and its
-# backward split its keys once a chunk of query tiles (notebook 11, section 7). The bf16 half ran
-# on an H200 on 2026-11-29, with the plans of the end of this section; nothing on its path has
-# changed since. Each cell's two timings come from one run on one card. The sweep before (fp32 on
-# the H200) had 21 slower cells; before chapter 11's forward was rewritten, 56; before the raw
-# launches, the no-grad forward and the plans below, 229. What is left:
+# The floor does not hold yet, by a little. Ours is slower than plain PyTorch in **3 of the 568
+# cells** where plain PyTorch runs; plain PyTorch runs out of memory in the other 72, where ours
+# runs. Both halves ran on one H100 on 2026-12-06, on the code as it is now, the two sides of
+# each cell taking turns. In two of the three even our second-best round is slower:
 #
-# * **One fp32 forward**, B·H = 8, N = 1024, d = 64 (0.80x): a noisy cell (ours 0.178 ms, p10
-#   0.125, p90 0.456; 0.084 in the sweep before). The five short-sequence fp32 forwards at d = 96
-#   and 128 of the sweep before are now faster than plain PyTorch: at N = 64, half of a 128-row
-#   block's warps had no rows; 64-row tiles give every warp some.
-# * **Two fp32 forward + backward cells**, B·H = 512, d = 128 without the mask (0.95x and
-#   0.998x), where chapter 11's backward is the slower half: at d = 128 it is still 0.96-0.98x
-#   plain PyTorch's backward (notebook 11's bench), and the forward's lead covers that in the
-#   other d = 128 cells.
-# * **Seven bf16 forward + backward cells** (0.83-0.99x), each 0.59 to 0.99 ms a call for ours and
-#   for plain PyTorch: no bf16 forward is slower any more.
+# * **Two fp32 forward + backward cells**, B·H = 512, d = 128 without the mask: N = 256 0.94x
+#   (2.01 against 1.89 ms; the rounds' ratios 0.93-0.95) and N = 1024 0.99x (25.9 against 25.6;
+#   0.987-0.995). Chapter 11's backward is the slower half: at d = 128 without the mask it is
+#   0.96-1.01x plain PyTorch's backward (cuBLAS in fp32; notebook 11's bench), and the forward's
+#   lead covers that in the other d = 128 cells.
+# * **One fp32 forward**, B·H = 64, N = 256, d = 128, 0.994x (0.0849 against 0.0844 ms), its
+#   rounds 0.96-1.02: level within the host's noise.
 #
-# The fp32 half changed card as well as code, so it is no A/B of the code: plain PyTorch's fp32
-# times were a median 10% longer on this H100 than on that H200; ours 1% shorter forward and 9%
-# shorter forward + backward.
+# No bf16 cell is slower. The sweep before had 10 slower cells (its fp32 half on an H100 on
+# 2026-12-05, its bf16 half on an H200 on 2026-11-29, each side's runs one after the other):
+# seven bf16 forward + backward cells of 0.56-0.99 ms a call (0.83-0.99x) and a noisy fp32
+# forward (B·H = 8, N = 1024, d = 64, 0.80x). All eight are faster than plain PyTorch here
+# (1.08-1.64x). Between the two sweeps the card (for bf16) and the timing changed, not the code
+# on those cells' paths: no kernel got faster, and which of the two changes moved them is not
+# known. Before that sweep: 21 slower cells (fp32 on the H200), 56 before chapter 11's forward
+# was rewritten, 229 before the raw launches, the no-grad forward and the plans below.
 #
 # A third cause showed in earlier runs, on the H100: **too few blocks** (B·H = 1 and 8, N of
 # 1024 and 4096). The forward's grid is one block a query tile a head, the backward's one block
