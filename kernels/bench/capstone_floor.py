@@ -114,8 +114,10 @@ def _time_pair(ctx, plain_fn, ours_fn, inputs, once):
     return timings[0], timings[1], ratios
 
 
-def run(ctx, precisions=None) -> list[Result]:
-    """The sweep's results (``precisions``: some of ("fp32", "bf16"), by default both)."""
+def run(ctx, precisions=None, bhs=None) -> list[Result]:
+    """The sweep's results (``precisions``: some of ("fp32", "bf16"), by default both;
+    ``bhs``: some of the sweep's B*H values, by default all: a part of the sweep a call, so
+    that a run cut short keeps the parts done)."""
     import torch
 
     from kernels.torch_attention import attention
@@ -126,8 +128,9 @@ def run(ctx, precisions=None) -> list[Result]:
         return []
     device = "cpu" if ctx.simulator else "cuda"
     plain = PlainAttention(torch)
-    bhs, ns, ds, every_precision = sweep(ctx)
+    every_bh, ns, ds, every_precision = sweep(ctx)
     precisions = every_precision if precisions is None else precisions
+    bhs = every_bh if bhs is None else bhs
     results: list[Result] = []
     gen = torch.Generator(device=device).manual_seed(1313)
     for precision in precisions:
@@ -197,7 +200,7 @@ def _cell(ctx, torch, results, attention, plain, inputs, precision, b, h, n, d, 
         rows[OURS].extra["speedup over plain"] = "plain out of memory"
     elif timings[OURS] is not None:
         rows[OURS].extra["speedup over plain"] = round(timings[PLAIN].median_ms / timings[OURS].median_ms, 4)
-        if len(ratios) > 2:          # the rounds' own ratios: below 1 in most of them, or in a few
+        if len(ratios) > 2:          # (one ratio, no spread: the simulator, or a call over half a second)
             rows[OURS].extra["round ratios p10"] = round(ratios[1], 4)
             rows[OURS].extra["round ratios p90"] = round(ratios[-2], 4)
     results.extend((rows[OURS], rows[PLAIN]))
