@@ -58,9 +58,10 @@ class Result:
 class Context:
     """What a chapter's ``run`` gets: the sizes to use, the measuring function, progress."""
 
-    def __init__(self, *, quick: bool, warmup: int, repeat: int, progress=print):
+    def __init__(self, *, quick: bool, warmup: int, repeat: int, progress=print, out=None):
         self.simulator = on_simulator()
         self.quick = quick
+        self.out = out                  # the run's results folder (None: workbook/results), for extra files
         self.warmup = warmup
         self.repeat = repeat
         self.progress = progress

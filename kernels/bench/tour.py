@@ -321,7 +321,8 @@ def main(argv=None) -> int:
     warmup = args.warmup if args.warmup is not None else (0 if simulator else 3)
     repeat = args.repeat if args.repeat is not None else (
         (1 if args.quick else 3) if simulator else (10 if args.quick else 30))
-    ctx = harness.Context(quick=args.quick, warmup=warmup, repeat=repeat, progress=lambda s: print(s, flush=True))
+    ctx = harness.Context(quick=args.quick, warmup=warmup, repeat=repeat, progress=lambda s: print(s, flush=True),
+                          out=out)
     t_start = time.perf_counter()
     ran = 0
     for c in chapters:
