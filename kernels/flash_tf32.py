@@ -12,8 +12,10 @@ and three TF32 products still run faster than the FMA units' fp32 (chapter 0).
 
 The kernel is chapter 8's loop with the m16n8k8 layout (``kernels.base.mma``):
 
-    one block          Br = 16 W query rows, W warps; Q_i's A fragments stay in registers (raw
-                       fp32, split at each use)
+    one block          Br = 16 W query rows, W warps; Q_i's A fragments split once, their hi
+                       and lo parts kept in shared memory, each lane's in 16 bytes a part (at
+                       D = 128, where one block fills an SM; elsewhere kept raw and split at
+                       each use: ``tf32_query_parts``)
     for each K/V tile (Bc keys):
         K_j lands      raw fp32 rows, by cp.async, in shared memory; the block splits each
                        element once into hi and lo and lays the parts out as the k-steps read
@@ -53,7 +55,7 @@ from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, ch
     fill, given_out, is_device_array, launch_stream, on_simulator, run_bound, to_device
 
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", "forward_kernel", "tf32_tiles",
-           "tf32_min_blocks", "SHORT_QUERIES", "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets",
+           "tf32_min_blocks", "tf32_query_parts", "SHORT_QUERIES", "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets",
            "fragment_strides", "check_fragment_strides", "check_fragment_strides_case", "KERNEL_HEAD_DIMS"]
 
 
@@ -96,16 +98,30 @@ def v_stride(D: int) -> int:
     return 4 * D + 8
 
 
-def shared_words(Bc: int, D: int) -> int:
+def shared_words(Bc: int, D: int, Br: int = 0, query_parts: bool = False) -> int:
     """32-bit words of shared memory a block: K_j's parts (Bc rows of ``k_stride``), V_j's (Bc / 2
-    key pairs of ``v_stride``) and the rows a tile lands in (Bc of D + 4)."""
-    return Bc * k_stride(D) + Bc // 2 * v_stride(D) + Bc * (D + 4)
+    key pairs of ``v_stride``) and the rows a tile lands in (Bc of D + 4); with ``query_parts``,
+    Q_i's hi and lo parts too (Br x D words each)."""
+    return Bc * k_stride(D) + Bc // 2 * v_stride(D) + Bc * (D + 4) + (2 * Br * D if query_parts else 0)
+
+
+def tf32_query_parts(Br: int, D: int) -> bool:
+    """Whether Q_i's A fragments are split once and kept in shared memory (hi and lo, 2 Br D
+    words: 128 KB at D = 128) rather than kept raw and split at every k-step of every key tile:
+    at D = 128 with 128 rows, where one block has the SM to itself (``tf32_min_blocks`` = 1), so
+    the extra shared memory costs no second block. Each k-step of S then loads its A parts (two
+    16-byte loads) instead of splitting them (eight cvt and four subtractions): S's loop went
+    from 4.1 to 3.0 instructions an mma (SASS for sm_90). Measured on the H100, bare launches
+    (``workbook/results/flash_tf32_query_parts_ab.csv``): at D = 128 1.08x faster at B*H = 512,
+    N = 256, 1.03x at N = 1024, level (0.999-1.011x) at N = 4096 and 16384; at D = 96 0.977x at
+    N = 4096, so not there."""
+    return D == 128 and tf32_min_blocks(D, Br) == 1
 
 
 @functools.lru_cache(maxsize=None)
 def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False,
                             max_registers: int | None = None, split: bool = False, grouped: bool = False,
-                            min_blocks: int = 1):
+                            min_blocks: int = 1, query_parts: bool = False):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
@@ -113,7 +129,8 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     must hold at once, told to the compiler with the block's size (launch bounds). Told
     nothing, ptxas keeps registers low by issuing each product's three dependent mma one
     after another, waiting on each; told that one block of 2 Br threads is all an SM
-    holds, it spends up to 255 registers to keep several products in flight.
+    holds, it spends up to 255 registers to keep several products in flight. ``query_parts``:
+    Q_i's split parts kept in shared memory (``tf32_query_parts``).
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d), k, v (B*Hkv,
     Nk, d) float32; o (B*H, Nq, d) and lse (B*H, Nq) float32; scale (float32), causal (int32
@@ -137,7 +154,10 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     KS, NS, ND = D // 8, Bc // 8, D // 8
     KW, VW, RW = k_stride(D), v_stride(D), D + 4  # row strides (words) of K's parts, V's parts, landed rows
     CH = D // 4                                   # 16-byte chunks a row
-    SHARED = 0 if dynamic else shared_words(Bc, D)
+    QPARTS = bool(query_parts)
+    SHARED = 0 if dynamic else shared_words(Bc, D, Br, QPARTS)
+    QROWS = W * KS * 32 if QPARTS else 1          # rows of 4 words of each of Q_i's part planes
+    QAT = shared_words(Bc, D)                     # where they start
     GROUPED = bool(grouped)
     U = int if on_simulator() else uint32         # unsigned loop indices: the compiler unrolls or folds them
     split4, _, _ = make_tf32_product(passes)      # 3xTF32 (or plain TF32) k-steps
@@ -216,20 +236,28 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         Kp = shared_view(smem, 0, (Bc, KW))          # K_j's parts
         Vp = shared_view(smem, Bc * KW, (Bc // 2, VW))                  # V_j's parts
         R = shared_view(smem, Bc * KW + Bc // 2 * VW, (Bc, RW))         # where K_j, then V_j, lands
+        Qh = shared_view(smem, QAT if QPARTS else 0, (QROWS, 4))        # Q_i's parts: lane's k-step s at row
+        Ql = shared_view(smem, QAT + QROWS * 4 if QPARTS else 0, (QROWS, 4))    # (warp KS + s) 32 + lane
         kvh = bh
         if GROUPED:                                  # its KV head (a 32-bit division: // on int32 is 64-bit)
             kvh = int32(uint32(bh) // uint32(kv_group))
         kh, vh = k[kvh], v[kvh]
         wrow0 = q0 + warp * 16                       # this warp's first query row
 
-        # ---- Q_i's A fragments, straight from HBM (each element once), kept as fp32:
+        # ---- Q_i's A fragments, straight from HBM (each element once), kept as fp32 or (QPARTS) split
+        # once, each part to the lane's own 16 bytes of shared memory (only this lane reads them):
         # a0 = Q[g, 8s + t], a1 = Q[g + 8, 8s + t], a2 = Q[g, 8s + t + 4], a3 = Q[g + 8, 8s + t + 4]
         qf = cuda.local.array((KS, 4), float32)
+        qrow = U(warp * KS * 32 + lane) if QPARTS else U(0)
         for s_ in range(KS):
             for e in range(4):
                 row = wrow0 + g + 8 * (e % 2)
                 col = 8 * s_ + t + 4 * (e // 2)
                 qf[s_, e] = q[bh, row, col] if row < n_q and col < d else float32(0.0)
+            if QPARTS:
+                hi, lo = split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
+                store_words(Qh, qrow + U(32 * s_), 0, hi[0], hi[1], hi[2], hi[3])
+                store_words(Ql, qrow + U(32 * s_), 0, lo[0], lo[1], lo[2], lo[3])
 
         m = cuda.local.array(2, float32)             # running max (base 2), rows g, g + 8
         l = cuda.local.array(2, float32)             # this lane's share of the running sums
@@ -277,7 +305,11 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                     sc[nt, e] = float32(0.0)
             s_ = U(0)
             while s_ < U(KS):                        # (unsigned: its addresses fold into the loads)
-                a_hi, a_lo = split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
+                if QPARTS:
+                    a_hi = load_words(Qh, qrow + U(32) * s_, 0)
+                    a_lo = load_words(Ql, qrow + U(32) * s_, 0)
+                else:
+                    a_hi, a_lo = split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
                 for nt in range(NS):
                     b = load_words(Kp, U(nt * 8) + ug, U(16) * s_ + U(4) * ut)
                     for e in range(4):
@@ -328,25 +360,28 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
 
 def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: bool = False, tiles=None,
-                   max_registers=None, min_blocks=None):
+                   max_registers=None, min_blocks=None, query_parts=None):
     """(kernel, Br, dynamic shared bytes or 0) for this call shape: the tiles ``tf32_tiles``
     chooses (or ``tiles`` (Br, Bc)), the launch bounds ``tf32_min_blocks`` (or ``min_blocks``),
     the grouped kernel where Hkv < H, and a raised shared-memory limit where the tiles need
-    more than 48 KB (the caller passes the args to ``allow_dynamic_shared_memory``)."""
+    more than 48 KB (the caller passes the args to ``allow_dynamic_shared_memory``); Q_i's parts
+    in shared memory as ``tf32_query_parts`` says (or ``query_parts``)."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES
 
     Br, Bc, D = tf32_tiles(d, n_q)
     if tiles is not None:
         Br, Bc = tiles
-    nbytes = 4 * shared_words(Bc, D)
+    min_blocks = tf32_min_blocks(D, Br) if min_blocks is None else min_blocks
+    query_parts = tf32_query_parts(Br, D) if query_parts is None else bool(query_parts)
+    nbytes = 4 * shared_words(Bc, D, Br, query_parts)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, split=split,
-                                     grouped=BH > BHkv, min_blocks=tf32_min_blocks(D, Br) if min_blocks is None
-                                     else min_blocks)
+                                     grouped=BH > BHkv, min_blocks=min_blocks, query_parts=query_parts)
     return kernel, Br, nbytes if dynamic else 0
 
 
-def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_registers=None, min_blocks=None):
+def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_registers=None, min_blocks=None,
+                   query_parts=None):
     """The forward on device views: qd (B*H, Nq, d), kd and vd (B*Hkv, Nk, d) float32, Hkv
     dividing H, into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default
     ``tf32_tiles``."""
@@ -354,7 +389,7 @@ def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_re
 
     BH, n_q, d = qd.shape
     kernel, Br, nbytes = forward_kernel(BH, kd.shape[0], n_q, d, passes, tiles=tiles, max_registers=max_registers,
-                                        min_blocks=min_blocks)
+                                        min_blocks=min_blocks, query_parts=query_parts)
     aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
         if not on_simulator() else int(d % 4 == 0)
     args = (qd, kd, vd, o, lse, np.float32(scale), np.int32(causal), np.int32(BH // kd.shape[0]), np.int32(aligned))
@@ -385,13 +420,14 @@ def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
     return kind.result(o), kind.result(lse)
 
 
-def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=None, lse=None):
+def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=None, lse=None, query_parts=None):
     """What ``flash_attention_tf32`` runs once its checks pass, for callers that made them
     (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, Hkv, Nk, d), H a
     multiple of Hkv, C-contiguous float32 device arrays, ``scale`` a float. (o, lse) from ``kind``'s
     allocator (an ``ArrayKind``), or the ``o`` (like q) and ``lse`` (B, H, Nq) float32 given.
     ``splits``: the keys split among that many blocks a query tile, their partials merged after
-    (``kernels.base.key_split``); None: split only where the grid would not fill the GPU."""
+    (``kernels.base.key_split``); None: split only where the grid would not fill the GPU.
+    ``query_parts``: Q_i's split parts in shared memory or not (None: ``tf32_query_parts``)."""
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     o = kind.new((B, H, n_q, d), np.float32) if o is None else given_out(o, (B, H, n_q, d), "o")
@@ -403,9 +439,9 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=No
             else int(splits)
         arrays = dict(q=q, k=k, v=v)
         arrays.update(partials(kind, splits, B * H, n_q, d))
-        run_bound(_launches, (B, H, hkv, n_q, n_k, d, causal, scale, int(passes), splits),
+        run_bound(_launches, (B, H, hkv, n_q, n_k, d, causal, scale, int(passes), splits, query_parts),
                   dict(arrays, o=o, lse=lse), lambda a: _views(a, B * H, B * hkv, n_q, n_k, d),
-                  lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits),
+                  lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits, query_parts),
                   aligned_names=("q", "k", "v"), aligned_d=d % 4 == 0)
     elif B * H and n_q:          # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
         fill(o, 0.0)
@@ -426,13 +462,14 @@ def _views(arrays, BH, BHkv, n_q, n_k, d):
     return views
 
 
-def _bind_forward(views, causal, scale, passes, aligned, splits=1):
+def _bind_forward(views, causal, scale, passes, aligned, splits=1, query_parts=None):
     """The launch, bound; with ``splits`` > 1 the forward writes the splits' partials and one
     more launch merges them."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory
 
     BH, n_q, d = views["q"].shape
-    kernel, Br, nbytes = forward_kernel(BH, views["k"].shape[0], n_q, d, passes, split=splits > 1)
+    kernel, Br, nbytes = forward_kernel(BH, views["k"].shape[0], n_q, d, passes, split=splits > 1,
+                                        query_parts=query_parts)
     names = ("q", "k", "v", *output_names(splits))
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(BH // views["k"].shape[0]),
                                              np.int32(aligned))
@@ -453,17 +490,22 @@ def ptx_targets(every_shape: bool = False):
     out = []
     for D, Bc in ((64, 64), (128, 32)):
         Br = 128
-        dynamic = 4 * shared_words(Bc, D) > 48 * 1024
+        qp = tf32_query_parts(Br, D)
+        dynamic = 4 * shared_words(Bc, D, Br, qp) > 48 * 1024
         for passes in (3, 1) if every_shape else (3,):
             out.append((f"flash fwd 3xTF32 passes={passes} Br={Br} Bc={Bc} D={D}",
-                        make_flash_forward_tf32(Br, Bc, D, passes, dynamic, min_blocks=tf32_min_blocks(D)), sig))
+                        make_flash_forward_tf32(Br, Bc, D, passes, dynamic, min_blocks=tf32_min_blocks(D),
+                                                query_parts=qp), sig))
         if D == 128 or every_shape:
             out.append((f"flash fwd 3xTF32 grouped-query Br={Br} Bc={Bc} D={D}",
-                        make_flash_forward_tf32(Br, Bc, D, 3, dynamic, grouped=True, min_blocks=tf32_min_blocks(D)),
-                        sig))
+                        make_flash_forward_tf32(Br, Bc, D, 3, dynamic, grouped=True, min_blocks=tf32_min_blocks(D),
+                                                query_parts=qp), sig))
     dynamic = 4 * shared_words(32, 128) > 48 * 1024                 # short heads: 64-row tiles (tf32_tiles)
     out.append(("flash fwd 3xTF32 short queries Br=64 Bc=32 D=128",
                 make_flash_forward_tf32(64, 32, 128, 3, dynamic, min_blocks=tf32_min_blocks(128, 64)), sig))
+    if every_shape:
+        out.append(("flash fwd 3xTF32 raw queries Br=128 Bc=32 D=128 (before Q's parts)",
+                    make_flash_forward_tf32(128, 32, 128, 3, True, min_blocks=1), sig))
     return out
 
 

@@ -416,6 +416,15 @@ MUTANTS += [
            (("store_words(Kp, r, 2 * c + 4 * t, h0, h1, l0, l1)", "store_words(Kp, r, 2 * c + 4 * t, h0, h1, uint32(0), uint32(0))"),),
            T11, "test_matches_oracle", "K_j's lo parts never written (zeros): S from K's hi parts alone, about 2^-11 of "
                                        "|q||k| lost"),
+    Mutant("tf32-q-lo-parts-dropped", 11, TF32,
+           (("store_words(Ql, qrow + U(32 * s_), 0, lo[0], lo[1], lo[2], lo[3])",
+             "store_words(Ql, qrow + U(32 * s_), 0, uint32(0), uint32(0), uint32(0), uint32(0))"),),
+           T11, "test_query_parts", "Q_i's lo parts, kept in shared memory, never written (zeros): S from Q's hi "
+                                    "parts alone, about 2^-11 of |q||k| lost"),
+    Mutant("tf32-q-parts-of-another-lane", 11, TF32,
+           (("a_hi = load_words(Qh, qrow + U(32) * s_, 0)", "a_hi = load_words(Qh, (qrow ^ U(4)) + U(32) * s_, 0)"),),
+           T11, "test_query_parts", "Q_i's hi parts read back from lane ^ 4's row (the fragment of query row g ^ 1): "
+                                    "S mixes two queries' rows"),
     Mutant("tf32-v-pair-swapped", 11, TF32,
            (("store_words(Vp, p, 4 * (c + e), h0, h1, l0, l1)", "store_words(Vp, p, 4 * (c + e), h1, h0, l1, l0)"),),
            T11, "test_matches_oracle", "V's parts laid out with the keys of a pair swapped: key 2p's P weighs V row "

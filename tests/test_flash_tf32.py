@@ -20,8 +20,8 @@ from kernels.base.runtime import ArrayKind, is_device_array, on_simulator
 from kernels.base.testing import gpu_examples, assert_close, attention_cases, case_with, forward_floor_scales, \
     grouped_attention_cases
 from kernels.flash_tf32 import KERNEL_HEAD_DIMS, check_fragment_strides, check_fragment_strides_case, \
-    flash_attention_tf32, forward_checked, fragment_strides, k_stride, make_flash_forward_tf32, shared_words, tf32_tiles, \
-    v_stride
+    flash_attention_tf32, forward_checked, fragment_strides, k_stride, make_flash_forward_tf32, shared_words, \
+    tf32_query_parts, tf32_tiles, v_stride
 
 SIM = on_simulator()
 MAX_N = 18 if SIM else 300
@@ -39,14 +39,16 @@ def on_device(x, misaligned=False):
     return view
 
 
-def check(case, passes=3, splits=None, misaligned=None):
-    if splits is None and misaligned is None:
+def check(case, passes=3, splits=None, misaligned=None, query_parts=None):
+    if splits is None and misaligned is None and query_parts is None:
         o, lse = flash_attention_tf32(case.q, case.k, case.v, causal=case.causal, scale=case.scale, passes=passes)
     else:                        # the checked entry: the keys split among ``splits`` blocks a query tile,
-        kind = ArrayKind(case.q)  # inputs 4 bytes off a 16-byte boundary (``misaligned``)
+        kind = ArrayKind(case.q)  # inputs 4 bytes off a 16-byte boundary (``misaligned``), Q's parts in
+        #                           shared memory or split at each use (``query_parts``; None: the launcher's choice)
         scale = case.scale if case.scale is not None else 1 / np.sqrt(case.q.shape[-1])
         o, lse = forward_checked(kind, *(on_device(x, bool(misaligned)) for x in (case.q, case.k, case.v)),
-                                 causal=case.causal, scale=scale, passes=passes, splits=splits)
+                                 causal=case.causal, scale=scale, passes=passes, splits=splits,
+                                 query_parts=query_parts)
         o, lse = kind.result(o), kind.result(lse)
     group = case.q.shape[1] // case.k.shape[1]          # query head h reads KV head h // group
     k, v = (np.repeat(x, group, axis=1) for x in (case.k, case.v))
@@ -106,6 +108,32 @@ def test_tiles_landed_by_cp_async_or_by_plain_loads_meet_the_same_rule(case, mis
     16-byte aligned, else by plain loads (d % 4 != 0, or arrays 4 bytes off a 16-byte
     boundary): split into their TF32 parts from there, the same rule either way."""
     check(case, splits=splits, misaligned=misaligned)
+
+
+@given(case=tf32_cases(), query_parts=st.booleans(), splits=st.sampled_from([1, 3]), misaligned=st.booleans())
+@settings(max_examples=4 if SIM else gpu_examples(100))
+@example(case=case_with((1, 1, ONE_PAST, 13), (1, 1, 40, 13), causal=True), query_parts=True, splits=1,
+         misaligned=False)                                                                     # ragged d, past a block
+@example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0), query_parts=True, splits=1,
+         misaligned=True)                                                                      # large logits
+@example(case=GQA, query_parts=True, splits=3, misaligned=False)
+@example(case=case_with((1, 1, 1, 8), (1, 1, 1, 8)), query_parts=True, splits=1, misaligned=False)      # N = 1
+def test_query_parts_in_shared_memory_or_split_at_each_use_meet_the_same_rule(case, query_parts, splits, misaligned):
+    """Q_i's A fragments split once and their parts kept in shared memory (the GPU's choice at
+    d > 120, ``tf32_query_parts``), or kept raw and split at every k-step: either at any head dim,
+    the same rule."""
+    check(case, splits=splits, misaligned=misaligned, query_parts=query_parts)
+
+
+def test_query_parts_where_one_block_fills_an_sm():
+    """Q's parts go to shared memory at D = 128 where one block has an SM to itself (128 rows), and
+    the block's shared memory then still fits the H100's 227 KB."""
+    assert tf32_query_parts(128, 128)
+    assert not tf32_query_parts(128, 96) and not tf32_query_parts(128, 64) and not tf32_query_parts(64, 128)
+    for D in KERNEL_HEAD_DIMS:
+        if tf32_query_parts(128, D):
+            assert 4 * shared_words(32, D, 128, True) <= 227 * 1024
+    assert shared_words(32, 128, 128, True) == shared_words(32, 128) + 2 * 128 * 128
 
 
 @pytest.mark.parametrize("D", KERNEL_HEAD_DIMS)
