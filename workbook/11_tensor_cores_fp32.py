@@ -279,7 +279,11 @@ _ = te.check_split_tf32(lambda x: (te.to_tf32(x), x - te.to_tf32(x)))
 # the D / 8 k-steps of three mma the element feeds in each of the block's 8 warps. (The
 # first version split K and V once a call, by a kernel of their own, into four buffers in
 # global memory. Section 6 measures the change.) Q's fragments are split in registers once a K/V tile,
-# and P's once a key step, because P only exists there. Which rounding instruction matters:
+# and P's once a key step, because P only exists there. At d = 128, where one block has an SM
+# to itself, Q's fragments are split once instead, their hi and lo parts kept in shared memory
+# in the order each lane reads them (`tf32_query_parts`, 128 KB more): a k-step of S loads
+# them (two 16-byte loads) where it split them (twelve instructions), and only the lane that
+# stored a part reads it, so no barrier is needed. Section 6 measures it. Which rounding instruction matters:
 # `cvt.rna.tf32.f32` (ties away, all that sm_80 has) is four SASS instructions on the H100
 # (an add, a mask, and a check for Inf and NaN), while `cvt.rn.tf32.f32` (ties to even,
 # sm_90 and later) is one (`F2FP.TF32.F32`). Both give the nearest TF32 value; they differ
@@ -401,10 +405,13 @@ for passes in (3, 1):
 # ## 6. Results on the H100
 #
 # The table and the plot below print `workbook/results/flash_tf32.csv`: the bench rerun on an
-# H100 on 2026-12-05, on section 4's kernel as it is now. Over N = 1k-16k the launcher is
-# 1.20-1.29x SDPA memory-efficient at d = 64 (causal 1.06-1.24x) and 0.79-0.87x at d = 128
-# (causal 0.70-0.85x), and faster than plain PyTorch everywhere (d = 128 without the mask:
-# 1.18-1.35x). The list after them, "What the GPU says", reads the first version's run (K and
+# H100 on 2026-12-06, on section 4's kernel as it is now (Q's parts in shared memory at d =
+# 128). Over N = 1k-16k the launcher is 1.20-1.30x SDPA memory-efficient at d = 64 (causal
+# 1.06-1.25x) and 0.81-0.88x at d = 128 (causal 0.75-0.85x; before Q's parts 0.79-0.87x and
+# 0.70-0.85x), and faster than plain PyTorch everywhere (d = 128 without the mask: 1.20-1.36x).
+# Q's parts alone, bare launches in one process (`workbook/results/flash_tf32_query_parts_ab.csv`,
+# outputs bit for bit equal): 1.08x at B·H = 512, N = 256, 1.03x at N = 1024, level at N = 4096
+# and 16384, and 0.98x at d = 96, where the kernel keeps Q raw. The list after them, "What the GPU says", reads the first version's run (K and
 # V split by a launch of their own, products issued one after another, no launch bounds): its
 # numbers are quoted there, and the A/B after the list measures the change.
 #

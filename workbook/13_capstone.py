@@ -334,18 +334,19 @@ if rows:
     display(Image(str(RESULTS_DIR / "capstone_floor.png")))
 
 # %% [markdown]
-# The floor does not hold yet, by a little. Ours is slower than plain PyTorch in **3 of the 568
+# The floor does not hold yet, by a little. Ours is slower than plain PyTorch in **2 of the 568
 # cells** where plain PyTorch runs; plain PyTorch runs out of memory in the other 72, where ours
-# runs. Both halves ran on one H100 on 2026-12-06, on the code as it is now, the two sides of
-# each cell taking turns. In two of the three even our second-best round is slower:
+# runs. Both halves ran on an H100 on 2026-12-06, the two sides of each cell taking turns: bf16
+# on the morning's code, fp32 again after chapter 11's forward kept Q's parts in shared memory at
+# d = 128 (notebook 11, section 4). In both cells every round is slower:
 #
-# * **Two fp32 forward + backward cells**, B·H = 512, d = 128 without the mask: N = 256 0.94x
-#   (2.01 against 1.89 ms; the rounds' ratios 0.93-0.95) and N = 1024 0.99x (25.9 against 25.6;
-#   0.987-0.995). Chapter 11's backward is the slower half: at d = 128 without the mask it is
-#   0.96-1.01x plain PyTorch's backward (cuBLAS in fp32; notebook 11's bench), and the forward's
-#   lead covers that in the other d = 128 cells.
-# * **One fp32 forward**, B·H = 64, N = 256, d = 128, 0.994x (0.0849 against 0.0844 ms), its
-#   rounds 0.96-1.02: level within the host's noise.
+# * **Two fp32 forward + backward cells**, B·H = 512, d = 128 without the mask: N = 256 0.97x
+#   (1.95 against 1.88 ms; the rounds' ratios 0.962-0.981) and N = 1024 0.994x (25.8 against
+#   25.6; 0.992-0.997); in the morning's fp32 half 0.94x and 0.987x. Chapter 11's backward is the
+#   slower half: at d = 128 without the mask it is 0.96-1.01x plain PyTorch's backward (cuBLAS in
+#   fp32; notebook 11's bench), and the forward's lead covers that in the other d = 128 cells.
+# * The morning's third cell, an fp32 forward at B·H = 64, N = 256, d = 128 (0.994x, level
+#   within its rounds), is 1.10x with Q's parts.
 #
 # No bf16 cell is slower. The sweep before had 10 slower cells (its fp32 half on an H100 on
 # 2026-12-05, its bf16 half on an H200 on 2026-11-29, each side's runs one after the other):
