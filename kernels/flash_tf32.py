@@ -61,8 +61,9 @@ __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", 
 
 def tf32_tiles(d: int, n_q: int | None = None) -> tuple[int, int, int]:
     """(Br, Bc, D), D = d rounded up to a multiple of 8 (an m16n8k8 k-step). On a GPU 128
-    query rows (8 warps) and 64 keys a tile at D <= 64, 32 at D = 128 (``shared_words``: 88 KB
-    and 85 KB, dynamic shared memory); where a head has at most ``SHORT_QUERIES`` query rows
+    query rows (8 warps) and 64 keys a tile at D <= 64, 32 at D = 128 (``shared_words``: 86 KB
+    and 83 KB, dynamic shared memory; at D = 128 with Q's parts, ``tf32_query_parts``, 211 KB);
+    where a head has at most ``SHORT_QUERIES`` query rows
     (``n_q``), 64 rows (4 warps): of 128, half the warps would have no row to compute. In the
     simulator 16 or 32 rows and 8 or 16 keys."""
     D = 8 * cdiv(max(int(d), 1), 8)
