@@ -355,5 +355,5 @@ def run(ctx) -> list[Result]:
     if curves and not ctx.simulator and not ctx.quick:
         from kernels.bench.harness import RESULTS_DIR
 
-        write_losses(curves, getattr(ctx, "out", None) or RESULTS_DIR)    # beside the run's CSV
+        write_losses(curves, ctx.out or RESULTS_DIR)    # beside the run's CSV (--out), else the committed results
     return results
