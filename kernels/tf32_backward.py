@@ -46,8 +46,15 @@ read with one 64-bit load an element, measured no faster with cvt.rna: 28.3 agai
 ms at the same tiles.) Splitting K_w's and V_w's fragments once for QN = 2 or 4 query
 tiles, not for each, and (at d = 64) launch bounds that let ptxas keep more mma in flight:
 20.9 -> 15.8 ms at d = 64 and 37.8 -> 35.8 at d = 128 on the H200 (B=4 H=16 N=4096, bare
-launches; ``tf32_backward_chunk``). ``passes=1`` multiplies hi by hi alone (plain TF32), to
-show what that loses.
+launches; ``tf32_backward_chunk``). The split's rounding of lo buys nothing: x - hi is at
+most 2^12 of x's float32 ulps, so tf32's 11 significant bits drop at most its last bit, and
+one dropped bit is 0 or a tie: a rounded lo misses x by exactly what the mma's own
+truncation of an unrounded one does (``kernels.tf32_error.split_tf32``). ``lo="truncated"``
+leaves x - hi as it is (``split_tf32_at``: a load, one cvt.rn and one subtraction): at d =
+128, S^T and dP^T's loop then takes 6.4 instructions an mma where it takes 7.4, dQ's 6.1
+where 7.1 (SASS for sm_90). The launchers keep ``DEFAULT_LO``, the rounding, until the GPU
+has timed both. ``passes=1`` multiplies hi by hi alone (plain TF32), to show what that
+loses.
 
 Before it, chapter 5's pre-pass D = rowsum(dO o O) (zeroing dQ for the atomic adds).
 Inputs float32 (q, do (B, H, Nq, d); k, v (B, Hkv, Nk, d): grouped-query attention), o and
@@ -78,6 +85,10 @@ __all__ = ["flash_attention_backward_tf32", "launch_backward", "make_backward_tf
 
 # The base-2 logsumexp of a dead row (past Nq, or L = -inf): exp2(S - DEAD) = 0.
 DEAD = float32(1.0e30)
+# How a fragment load's split leaves lo = x - hi: rounded to tf32, or its float32 bits as
+# they are, which the mma truncates to tf32 (one instruction less a split)
+SPLIT_LO = ("rounded", "truncated")
+DEFAULT_LO = "rounded"          # the launchers' (the GPU has not yet timed "truncated")
 
 
 def tf32_backward_tiles(d: int) -> tuple[int, int, int]:
@@ -136,7 +147,8 @@ def shared_words(Br: int, W: int, D: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool = False, split: bool = False,
-                       min_blocks: int | None = None, chunk: int | None = None, tile_adds: bool | None = None):
+                       min_blocks: int | None = None, chunk: int | None = None, tile_adds: bool | None = None,
+                       lo: str = DEFAULT_LO):
     """The dK/dV/dQ kernel for Br query rows a tile, W warps (Bc = 16 W keys), head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic; ``split``: the (query head, query tile) pairs split
@@ -144,7 +156,10 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     (``kernels.base.query_split``); ``min_blocks``: launch bounds (``tf32_backward_min_blocks``);
     ``chunk``: QN, the 8-query tiles a chunk of S^T and dP^T (a divisor of Br / 8; by default
     ``tf32_backward_chunk``); ``tile_adds``: dQ added a warp's tiles at a time with one bounds
-    test (by default ``tf32_backward_tile_adds``).
+    test (by default ``tf32_backward_tile_adds``); ``lo``: how a fragment load's split leaves
+    lo = x - hi (``SPLIT_LO``, by default ``DEFAULT_LO``): "rounded" to tf32
+    (``split_tf32_at_rounded``), or "truncated": its float32 bits as they are, which the mma
+    truncates (``split_tf32_at``).
 
     Launch: grid (ceil(Nk / Bc), B * Hkv[, S]), 32 W threads. Arguments: q, do (B*H, Nq, d) and
     k, v (B*Hkv, Nk, d) float32; lse and delta (B*H, Nq) float32 (L, natural log, and D from
@@ -152,12 +167,15 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     (float32), causal (int32 0/1), group (int32: H / Hkv), aligned (int32: rows of q, k, v,
     dO and dQ 16-byte aligned and d % 4 == 0: cp.async copies, and dQ's adds in pairs)."""
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all,
-                                  shared_address, split_tf32_at)
+                                  shared_address, split_tf32_at, split_tf32_at_rounded)
     from kernels.base.query_split import make_block_steps, make_gradient_store
     from kernels.base.shared_memory import shared_view
 
     if passes not in PASSES:
         raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
+    if lo not in SPLIT_LO:
+        raise ValueError(f"lo: expected one of {SPLIT_LO}, got {lo!r}")
+    split_at = split_tf32_at if lo == "truncated" else split_tf32_at_rounded
     if D % 8 or Br % 16 or W < 1:
         raise ValueError(f"tiles: expected D a multiple of 8, Br of 16 and W >= 1, got Br={Br}, W={W}, D={D}")
     split4, split2, product = make_tf32_product(passes)
@@ -193,17 +211,17 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     def a_at(addr, o1, o2):
         """An A fragment's hi and lo parts from shared memory: a0 at addr, a1 at addr + o1,
         a2 at addr + o2, a3 at addr + o1 + o2 (byte offsets)."""
-        h0, l0 = split_tf32_at(addr)
-        h1, l1 = split_tf32_at(addr + o1)
-        h2, l2 = split_tf32_at(addr + o2)
-        h3, l3 = split_tf32_at(addr + o1 + o2)
+        h0, l0 = split_at(addr)
+        h1, l1 = split_at(addr + o1)
+        h2, l2 = split_at(addr + o2)
+        h3, l3 = split_at(addr + o1 + o2)
         return (h0, h1, h2, h3), (l0, l1, l2, l3)
 
     @cuda.jit(device=True, inline=True)
     def b_at(addr, o1):
         """A B fragment's hi and lo parts: b0 at addr, b1 at addr + o1."""
-        h0, l0 = split_tf32_at(addr)
-        h1, l1 = split_tf32_at(addr + o1)
+        h0, l0 = split_at(addr)
+        h1, l1 = split_at(addr + o1)
         return (h0, h1), (l0, l1)
 
     stage_keys = make_async_tile_copy(Bc, D, THREADS, 4, float32)      # K_j, V_j: Bc rows
@@ -417,13 +435,14 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
 # --------------------------------------------------------------------------- the launcher
 
 def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None, splits=1, chunk=None,
-                  tile_adds=None):
+                  tile_adds=None, lo=DEFAULT_LO):
     """The two launches on these views, as (kernel, grid, threads, args, dynamic shared bytes)
     each: chapter 5's pre-pass (D, and dQ = 0), then the dK/dV/dQ kernel (its shared-memory
     limit raised where it needs more than 48 KB). ``tiles``: (Br, W), by default
     ``tf32_backward_tiles``; ``splits``: S blocks a key tile (``kernels.base.query_split``;
     the caller zeroes dk and dv first when S > 1); ``chunk``: 8-query tiles a chunk, by
-    default ``tf32_backward_chunk``; ``tile_adds``: dQ's adds (``tf32_backward_tile_adds``)."""
+    default ``tf32_backward_chunk``; ``tile_adds``: dQ's adds (``tf32_backward_tile_adds``);
+    ``lo``: the splits' lo (``SPLIT_LO``)."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
     from kernels.flash_backward import make_delta
 
@@ -438,7 +457,7 @@ def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None
     nbytes = 4 * shared_words(Br, W, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make_backward_tf32(Br, W, D, int(passes), dynamic, splits > 1, tf32_backward_min_blocks(D),
-                                int(chunk) if chunk else tf32_backward_chunk(Br, D), tile_adds)
+                                int(chunk) if chunk else tf32_backward_chunk(Br, D), tile_adds, lo=lo)
     args = (views["q"], views["k"], views["v"], views["do"], views["lse"], delta, views["dq"], views["dk"],
             views["dv"], np.float32(scale), np.int32(causal), np.int32(bh // bkv), np.int32(aligned))
     if dynamic:
@@ -455,15 +474,16 @@ def _aligned(d, arrays) -> int:
 
 
 def launch_backward(qd, kd, vd, od, lsed, dod, delta, dq, dk, dv, scale, causal, passes=3, tiles=None, splits=1,
-                    chunk=None, tile_adds=None):
+                    chunk=None, tile_adds=None, lo=DEFAULT_LO):
     """The two kernels on device views: qd, od, dod (B*H, Nq, d), kd, vd (B*Hkv, Nk, d),
     lsed (B*H, Nq), float32; into the buffers delta (B*H, Nq) and dq, dk, dv, launched as
     Numba launches them (the bench's bare launch). ``tiles``: (Br, W); ``splits``: S blocks a
     key tile (dK and dV zeroed first); ``chunk``: 8-query tiles a chunk (``tf32_backward_chunk``);
-    ``tile_adds``: dQ's adds a warp's tiles at a time (``tf32_backward_tile_adds``)."""
+    ``tile_adds``: dQ's adds a warp's tiles at a time (``tf32_backward_tile_adds``); ``lo``: the
+    splits' lo (``SPLIT_LO``)."""
     views = dict(q=qd, k=kd, v=vd, o=od, lse=lsed, do=dod, dq=dq, dk=dk, dv=dv)
     aligned = _aligned(qd.shape[2], (qd, kd, vd, dod, dq))
-    launches = list(_two_launches(views, delta, scale, causal, passes, aligned, tiles, splits, chunk, tile_adds))
+    launches = list(_two_launches(views, delta, scale, causal, passes, aligned, tiles, splits, chunk, tile_adds, lo))
     add_zero_gradients(launches, [None, None], views, splits)
     for kernel, grid, threads, args, nbytes in launches:
         kernel[grid, threads, launch_stream(), nbytes](*args)

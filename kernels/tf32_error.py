@@ -56,7 +56,7 @@ from kernels.base.mma import tf32_bits
 
 __all__ = [
     "TF32_MANTISSA", "U", "PASSES", "PASS_TERMS", "TERM_ERROR", "MMA_K",
-    "to_tf32", "split_tf32", "product", "product_bound", "error_terms", "dot_errors",
+    "to_tf32", "truncate_tf32", "SPLIT_LO", "split_tf32", "product", "product_bound", "error_terms", "dot_errors",
     "draw_error_terms", "draw_dot_errors",
     "attention_tf32", "attention_error", "attention_check",
     "SplitCase", "split_cases", "check_split_tf32_case", "check_split_tf32",
@@ -108,14 +108,31 @@ def to_tf32(x) -> np.ndarray:
     return tf32_bits(x).view(np.float32).reshape(x.shape)
 
 
-def split_tf32(x) -> tuple[np.ndarray, np.ndarray]:
-    """(x_hi, x_lo), float32 tf32 values with x_hi = tf32(x), x_lo = tf32(x - x_hi):
-    |x - x_hi - x_lo| <= 2^-23 |x| for 2^-103 <= |x| < (2 - 2^-11) 2^127 (module docstring)."""
+def truncate_tf32(x) -> np.ndarray:
+    """x (float32) with its 13 low mantissa bits cleared: the tf32 value a tensor core
+    multiplies when a register holds x's float32 bits (it reads the top 19; ``tests/test_mma.py``
+    checks that on the GPU)."""
     x = _float32(x, "x")
+    return (x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).reshape(x.shape)
+
+
+SPLIT_LO = ("rounded", "truncated")
+
+
+def split_tf32(x, lo: str = "rounded") -> tuple[np.ndarray, np.ndarray]:
+    """(x_hi, x_lo), float32 tf32 values with x_hi = tf32(x), x_lo = tf32(x - x_hi):
+    |x - x_hi - x_lo| <= 2^-23 |x| for 2^-103 <= |x| < (2 - 2^-11) 2^127 (module docstring).
+    ``lo="truncated"``: x_lo = x - x_hi truncated to tf32 (``truncate_tf32``), what the mma
+    multiplies where a kernel leaves x - x_hi unrounded (chapter 11's backward): x - x_hi is
+    at most 2^12 of x's float32 ulps, so tf32's 11 significant bits drop at most its last bit,
+    and a single dropped bit is 0 or a tie: |x - x_hi - x_lo| is the same either way."""
+    x = _float32(x, "x")
+    if lo not in SPLIT_LO:
+        raise ValueError(f"lo: expected one of {SPLIT_LO}, got {lo!r}")
     hi = to_tf32(x)
     with np.errstate(invalid="ignore"):
-        lo = to_tf32((x - hi).astype(np.float32))      # x - hi is exact in float32
-    return hi, lo
+        rest = (x - hi).astype(np.float32)              # x - hi is exact in float32
+    return hi, (to_tf32(rest) if lo == "rounded" else truncate_tf32(rest))
 
 
 # =========================================================================== the product

@@ -557,6 +557,17 @@ MUTANTS += [
              "b_hi, b_lo = b_at(qb + cb + U(32 * s_), U(16))   # PLANTED: every tile of the chunk reads the first"),),
            T11B, "test_chunks_of_query_tiles_meet_the_same_rule",
            "S^T for a chunk of query tiles: every tile's Q_c fragment read from the chunk's first tile"),
+    Mutant("tfb-split-lo-not-subtracted", 11, "kernels.base.mma",
+           (("        return hi, np.uint32(int(np.array(rest, np.float32).view(np.uint32)))",
+             "        return hi, np.uint32(int(np.array(x, np.float32).view(np.uint32)))   # PLANTED"),),
+           T11B, CH11B, "the split at a fragment load leaves lo as x itself, not x - hi (the mma then adds "
+                        "a second x_hi b)"),
+    Mutant("tfb-mma-reads-whole-registers", 11, "kernels.base.mma",
+           (("values = (words & np.uint32(TF32_MASK)).view(np.float32)",
+             "values = words.view(np.float32)   # PLANTED: the 13 low bits kept"),),
+           ("tests/test_mma.py",), "test_the_mma_truncates_a_tf32_operands_low_bits",
+           "the tf32 mma's emulation multiplies a register's whole float32 value, where the tensor core "
+           "truncates it to tf32 (a lo left unrounded would then count bits the GPU drops)"),
     Mutant("tfb-tile-adds-rows-not-offset", 11, TFB,
            (("add_tiles(dqh, acc, q0 + int32(rg * U(16)), int32(n0 * U(8)), g, t, scale, n_q, d, aligned)",
              "add_tiles(dqh, acc, q0, int32(n0 * U(8)), g, t, scale, n_q, d, aligned)   # PLANTED"),),

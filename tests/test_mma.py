@@ -82,6 +82,70 @@ def test_split_tf32_is_hi_and_the_rounded_rest():
     assert np.all(np.abs(both - x) <= 2.0**-22 * np.abs(x) + 2.0**-136)
 
 
+@cuda.jit
+def _split_at_kernel(x, out):
+    i = cuda.threadIdx.x
+    s = cuda.shared.array((1, 96), np.float32)
+    if i < x.shape[0]:
+        s[0, i] = x[i]
+    cuda.syncthreads()
+    if i < x.shape[0]:
+        addr = mma.shared_address(s, 0, 0) + uint32(4 * i)
+        hi, lo = mma.split_tf32_at(addr)
+        rhi, rlo = mma.split_tf32_at_rounded(addr)
+        out[i, 0] = hi
+        out[i, 1] = lo
+        out[i, 2] = rhi
+        out[i, 3] = rlo
+
+
+def test_split_tf32_at_leaves_lo_for_the_mma_to_truncate():
+    """split_tf32_at: hi as split_tf32's, lo = x - hi exactly, its float32 bits as they are
+    (the mma reads a tf32 operand's top 19 bits: it truncates lo itself); hi + lo is x.
+    split_tf32_at_rounded: split_tf32's hi and lo."""
+    rng = np.random.default_rng(8)
+    x = np.concatenate([rng.standard_normal(61), [0.0, -0.0, 1.0 + 2.0**-12, 3.0e-39]]).astype(np.float32)
+    out = np.zeros((len(x), 4), np.uint32)
+    _split_at_kernel[1, 96](x, out)
+    ties = mma.split_ties()
+    hi = mma.tf32_bits(x, ties)
+    rest = (x - hi.view(np.float32)).astype(np.float32)
+    np.testing.assert_array_equal(out[:, 0], hi)
+    np.testing.assert_array_equal(out[:, 1], rest.view(np.uint32))
+    np.testing.assert_array_equal(out[:, 2], hi)
+    np.testing.assert_array_equal(out[:, 3], mma.tf32_bits(rest, ties))
+    assert np.all(out[:, 0].view(np.float32).astype(np.float64) + out[:, 1].view(np.float32) == x)
+    assert np.any(out[:, 1] & ~np.uint32(mma.TF32_MASK)), "lo keeps bits below tf32's"
+
+
+def _raw_fragments(a, b):
+    """A's and B's fragments holding the float32 values' bits as they are (not rounded to tf32)."""
+    fa = np.array([[a[mma.a_position_tf32(l, i)] for i in range(4)] for l in range(32)], np.float32)
+    fb = np.array([[b[mma.b_position_tf32(l, i)] for i in range(2)] for l in range(32)], np.float32)
+    return fa.view(np.uint32), fb.view(np.uint32)
+
+
+def test_the_mma_truncates_a_tf32_operands_low_bits():
+    """Registers holding float32 values with bits below tf32's: the tf32 mma multiplies the
+    values truncated to tf32 (the 13 low bits dropped), neither rounded nor whole. On the GPU
+    the hardware decides this; the simulator's emulation must do the same (split_tf32_at
+    relies on it)."""
+    rng = np.random.default_rng(11)
+    for _ in range(4):
+        a = rng.standard_normal((16, 8)).astype(np.float32)
+        b = rng.standard_normal((8, 8)).astype(np.float32)
+        c = np.zeros((16, 8), np.float32)
+        got = _run_mma(*_raw_fragments(a, b), mma.fragment_c(c), "tf32")
+
+        def truncated(x):
+            return (x.view(np.uint32) & np.uint32(mma.TF32_MASK)).view(np.float32).astype(np.float64)
+
+        tol = 8 * np.finfo(np.float32).eps * (np.abs(truncated(a)) @ np.abs(truncated(b))) + 1e-30
+        assert np.all(np.abs(got - truncated(a) @ truncated(b)) <= tol)
+        assert np.any(np.abs(got - _rounded(a, "tf32") @ _rounded(b, "tf32")) > 100 * tol), "rounded operands"
+        assert np.any(np.abs(got - a.astype(np.float64) @ b.astype(np.float64)) > 100 * tol), "whole operands"
+
+
 def _run_mma(fa, fb, fc, kind):
     out = np.zeros((32, 4), np.float32)
     _mma_kernel[1, 32](fa, fb, fc, out, KINDS.index(kind))
@@ -357,7 +421,8 @@ def test_each_function_emits_its_instruction():
         "               (t._ldmatrix_kernel, 'void(float16[:, ::1], uint32[:, ::1], boolean)'),\n"
         "               (t._copy_kernel, 'void(float16[:, ::1], float32[:, ::1])'),\n"
         "               (t._word_copy_kernel, 'void(float32[:, ::1], float32[::1])'),\n"
-        "               (t._split_kernel, 'void(float32[::1], uint32[:, ::1])')]:\n"
+        "               (t._split_kernel, 'void(float32[::1], uint32[:, ::1])'),\n"
+        "               (t._split_at_kernel, 'void(float32[::1], uint32[:, ::1])')]:\n"
         "    ptx += cuda.compile_ptx(f.py_func, sig, cc=(9, 0))[0]\n"
         "print(ptx)\n")
     env = dict(os.environ, WORKBOOK_DEVICE="gpu")

@@ -192,6 +192,27 @@ def test_dq_added_a_tile_at_a_time_meets_the_rule(d):
     x.check(_bare_backward(case, x, tiles=(br, w), tile_adds=True))
 
 
+@given(seed=st.integers(0, 2**16), causal=st.booleans(), d=st.sampled_from([8, 13] if SIM else [13, 64, 128]))
+@settings(max_examples=2 if SIM else gpu_examples(20))
+@pytest.mark.parametrize("lo", ["rounded", "truncated"])
+def test_lo_truncated_by_the_mma_or_rounded_meets_the_same_rule(lo, seed, causal, d):
+    """A fragment load's split rounds lo = x - hi to tf32 (``split_tf32_at_rounded``, the
+    launchers' default) or leaves its float32 bits for the mma to truncate
+    (``split_tf32_at``): both give gradients under the fp32 rule, on ragged query and key
+    tiles, two query heads on one KV head."""
+    w, br = (1, 16) if SIM else (W, tf32_backward_tiles(d)[0])
+    case = pinned((1, 2, br + 5, d), (1, 1, 16 * w + 3, d), causal=causal, seed=seed)
+    x = Inputs(case, seed=seed + 1)
+    x.check(_bare_backward(case, x, tiles=(br, w), lo=lo))
+
+
+def test_an_unknown_lo_is_named():
+    from kernels.tf32_backward import make_backward_tf32
+
+    with pytest.raises(ValueError, match=r"^lo: expected one of \('rounded', 'truncated'\), got 'even'"):
+        make_backward_tf32(16, 1, 8, lo="even")
+
+
 def test_a_chunk_that_does_not_divide_the_tile_is_named():
     from kernels.tf32_backward import make_backward_tf32
 

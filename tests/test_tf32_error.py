@@ -84,6 +84,31 @@ def test_split_represents_x_to_2_to_minus_23(case):
     assert np.all(np.abs(lo.astype(np.float64)) <= 2.0 ** -11 * np.abs(x64))
 
 
+@given(te.split_cases())
+@example(te.SplitCase(TIGHT))
+def test_a_truncated_lo_misses_x_by_what_a_rounded_one_does(case):
+    """x - x_hi has at most 12 significant bits (13 only at 2^12 ulps, a power of two), so
+    tf32 drops at most its last bit, and one dropped bit is 0 or a tie: rounding lo and
+    truncating it (what the mma does to a register left as x - x_hi) leave the same |x - hi -
+    lo|, element by element. TIGHT is such a tie: both miss by one ulp."""
+    x64 = case.x.astype(np.float64)
+    hi, rounded = te.split_tf32(case.x)
+    hi_t, truncated = te.split_tf32(case.x, lo="truncated")
+    np.testing.assert_array_equal(hi, hi_t)
+    assert not np.any(truncated.view(np.uint32) & 0x1FFF)
+    np.testing.assert_array_equal(np.abs(x64 - hi - truncated), np.abs(x64 - hi - rounded))
+
+
+def test_truncating_lo_differs_from_rounding_it():
+    """(So that the test above compares two different splits.) At TIGHT the rounded lo goes
+    up to the even neighbour, the truncated one down."""
+    _, rounded = te.split_tf32(TIGHT)
+    _, truncated = te.split_tf32(TIGHT, lo="truncated")
+    assert rounded[0] != truncated[0]
+    with pytest.raises(ValueError, match=r"^lo: expected one of"):
+        te.split_tf32(TIGHT, lo="even")
+
+
 def test_split_bound_is_attained():
     hi, lo = te.split_tf32(TIGHT)
     err = abs(float(TIGHT[0]) - float(hi[0]) - float(lo[0]))

@@ -643,6 +643,44 @@ from kernels import tf32_backward
 show_source(tf32_backward.make_backward_tf32, "# ---- dV_w += P^T dO_c, dK_w += dS^T Q_c", "dka[dt, e] += y[e]")
 
 # %% [markdown]
+# **lo left unrounded.** Every fragment load splits, so each instruction of the split is paid
+# at every product, and one of them buys nothing. $a - a_{hi}$ is a whole number of $a$'s
+# float32 ulps, at most $2^{12}$ of them: 12 significant bits (13 only for $2^{12}$ itself, a
+# power of two). TF32 keeps 11, so rounding $a_{lo}$ drops at most its last bit, and a single
+# dropped bit is either 0 or a tie: the rounded $a_{lo}$ and the truncated one miss $a$ by the
+# same amount, element by element. The tensor core truncates its operands anyway (it reads a
+# tf32 register's top 19 bits: `tests/test_mma.py` checks it on the GPU and holds the
+# simulator's emulation to it). So the backward's split may leave $a - a_{hi}$ as it is: a
+# load, one `cvt.rn` and one subtraction (`make_backward_tf32(..., lo="truncated")`, whose
+# loads split with `split_tf32_at`; the launchers' default, `DEFAULT_LO`, still rounds, with
+# `split_tf32_at_rounded`, until the GPU has timed both). In NumPy, on a million float32 values:
+
+# %%
+x_split = np.random.default_rng(3).standard_normal(1_000_000).astype(np.float32)
+hi_split, lo_rounded = te.split_tf32(x_split)
+_, lo_truncated = te.split_tf32(x_split, lo="truncated")
+miss = {name: np.abs(x_split.astype(np.float64) - hi_split - lo)
+        for name, lo in (("rounded", lo_rounded), ("truncated", lo_truncated))}
+print(f"lo differs in {np.mean(lo_rounded != lo_truncated):.0%} of the values; |a - a_hi - a_lo| equal in all: "
+      f"{np.array_equal(miss['rounded'], miss['truncated'])}; "
+      f"largest {(miss['rounded'] / np.spacing(np.abs(x_split))).max():.0f} ulp")
+
+# %% [markdown]
+# What the instruction cost, in the SASS for sm_90 (`kernels.base.sass`) at d = 128: S^T and
+# dP^T's loop 7.4 instructions an mma with the rounding, 6.4 without; dQ's 7.1 and 6.1; dK and
+# dV's 5.4 and 5.2 (their A fragments, P^T and dS^T, are split in registers once a tile by
+# `split_tf32`, which keeps rounding). Measured, both ways in one process, where the
+# results hold a run (`tf32_backward_lo_ab.csv`):
+
+# %%
+lo_ab = RESULTS_DIR / "tf32_backward_lo_ab.csv"
+if lo_ab.exists():
+    for r in csv.DictReader(line for line in open(lo_ab) if not line.startswith("#")):
+        print(f"{r['cell']:34s} lo rounded {float(r['rounded_ms']):7.3f} ms, left to the mma "
+              f"{float(r['truncated_ms']):7.3f} ms ({float(r['rounded_ms']) / float(r['truncated_ms']):.3f}x); "
+              f"plain PyTorch {float(r['plain_ms']):7.3f} ms")
+
+# %% [markdown]
 # **The launchers.** Chapter 4's `flash_attention` and chapter 5's `flash_attention_backward`
 # take `products=`: `"3xtf32"` runs this chapter's kernels, `"fma"` the course's FMA kernels,
 # and `"auto"`, the default, picks 3xTF32 for float32 inputs on a GPU with TF32 tensor cores

@@ -32,8 +32,12 @@ so any PTX instruction: that is all this module does on the GPU. The device func
                                             on sm_90 and later rounded to nearest even
                                             (cvt.rn.tf32.f32: one instruction), before
                                             sm_90 ties away (cvt.rna: four); ``split_ties()``
-    split_tf32_at(addr)                     split_tf32 of the float32 at a shared address (from
-                                            shared_address plus a byte offset): one ld.shared
+    split_tf32_at(addr)                     the float32 at a shared address (from shared_address
+                                            plus a byte offset) split: one ld.shared; hi as
+                                            split_tf32's, lo = x - hi left as it is (float32 bits:
+                                            the mma reads a tf32 operand's top 19 bits, so it
+                                            truncates lo itself; one instruction less a split)
+    split_tf32_at_rounded(addr)             the same with lo rounded, as split_tf32's
     load_words(a, row, col)                 16 bytes of a 2-D array from a[row, col] -> 4 uint32
     store_word(a, row, col, w)              one uint32 into a 2-D 16-bit array at a[row, col .. col + 1]
     store_words(a, row, col, w0, w1, w2, w3)   4 uint32 into a 2-D 32-bit array at a[row, col .. col + 3]
@@ -78,10 +82,10 @@ from kernels.base.runtime import on_simulator
 
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
-           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_at",
+           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_at", "split_tf32_at_rounded",
            "load_words", "store_word", "store_words", "float_of_word", "word_of_float", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "global_address", "cp_async_at", "cp_async_word_at", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
-           "half_bits", "bf16_bits", "tf32_bits", "split_ties", "words_to_halves", "make_output_store",
+           "half_bits", "bf16_bits", "tf32_bits", "TF32_MASK", "split_ties", "words_to_halves", "make_output_store",
            "OUTPUT_TYPES", "PTX"]
 
 M, N, K = 16, 8, 16          # the f16/bf16 shape; tf32 is 16 x 8 x 8
@@ -144,6 +148,9 @@ def bf16_bits(x) -> np.ndarray:
     return out.reshape(np.shape(x))
 
 
+TF32_MASK = 0xFFFFE000          # a float32's sign, exponent and top 10 mantissa bits: the tf32 it holds
+
+
 def tf32_bits(x, ties: str = "away") -> np.ndarray:
     """float32 values rounded to tf32 (10 mantissa bits; to nearest, ties away from zero, as
     ``cvt.rna.tf32.f32``, or with ``ties="even"`` ties to even, as ``cvt.rn.tf32.f32``), as
@@ -154,7 +161,7 @@ def tf32_bits(x, ties: str = "away") -> np.ndarray:
     # to nearest: add half a tf32 ulp to the magnitude bits, clear the 13 low bits; ties to
     # even add one less where the kept last bit is 0, so an exact tie rounds down to it
     half = 0x1000 if ties == "away" else 0xFFF + ((bits >> 13) & 1)
-    out = ((bits + half) & 0xFFFFE000).astype(np.uint32)
+    out = ((bits + half) & TF32_MASK).astype(np.uint32)
     finite = np.isfinite(np.atleast_1d(np.asarray(x, np.float32)))
     out = np.where(finite, out, np.atleast_1d(np.asarray(x, np.float32)).view(np.uint32))
     return out.reshape(np.shape(x))
@@ -239,6 +246,7 @@ PTX = {
     "pack_bf16": "cvt.rn.bf16x2.f32",
     "to_tf32": "cvt.rna.tf32.f32",
     "split_tf32": "sub.f32 r,",                  # within: cvt.rn.tf32.f32 (cvt.rna before sm_90) twice around it
+    "split_tf32_at": "ld.shared.f32 x,",         # then cvt.rn.tf32.f32 and sub.f32 (and, rounded, a cvt more)
     "ldmatrix": "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
     "ldmatrix_trans": "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
     "cp_async": "cp.async.cg.shared.global",
@@ -293,7 +301,10 @@ _OPERANDS = {   # kind: (A's positions, elements a lane; B's; A's shape, B's sha
 def _operand(words, kind, positions, shape):
     """An operand rebuilt from the lanes' registers, words (32, registers) uint32."""
     if kind == "tf32":
-        values = words.view(np.float32).astype(np.float64)
+        # the tensor core reads a tf32 operand's sign, exponent and 10 mantissa bits: the 13
+        # low bits of the register are dropped (truncated), whatever they hold (measured on
+        # the H100: tests/test_mma.py)
+        values = (words & np.uint32(TF32_MASK)).view(np.float32).astype(np.float64)
     else:
         values = words_to_halves(words, kind).reshape(32, -1)
     out = np.zeros(shape, np.float64)
@@ -348,18 +359,22 @@ def _sim_to_tf32(x):
     return np.uint32(int(tf32_bits(np.float32(x))))
 
 
-def _sim_split_tf32(x):
+def _sim_split_tf32(x, round_lo=True):
     x = np.float32(x)
     hi = np.uint32(int(tf32_bits(x, split_ties())))
     with np.errstate(invalid="ignore", over="ignore"):
         rest = np.float32(x - np.array(hi, np.uint32).view(np.float32))
+    if not round_lo:                                       # lo's float32 bits: the mma truncates them
+        return hi, np.uint32(int(np.array(rest, np.float32).view(np.uint32)))
     return hi, np.uint32(int(tf32_bits(rest, split_ties())))
 
 
-def _sim_split_tf32_at(addr):
-    array, row, col = addr.element()
-    x = np.asarray(array[row, col])                        # ld.shared.f32: the word's bits as a float32
-    return _sim_split_tf32(x.view(np.float32) if x.dtype != np.float32 else x)
+def _sim_split_tf32_at(round_lo):
+    def split_at(addr):
+        array, row, col = addr.element()
+        x = np.asarray(array[row, col])                    # ld.shared.f32: the word's bits as a float32
+        return _sim_split_tf32(x.view(np.float32) if x.dtype != np.float32 else x, round_lo)
+    return split_at
 
 
 def _sim_load_words(a, row, col):
@@ -648,28 +663,39 @@ def _gpu_functions():
     shared_address = make_address("shared_address", "shared", 32)
     global_address = make_address("global_address", "global", 64)
 
-    @intrinsic
-    def split_tf32_at(typingctx, addr):
-        if not isinstance(addr, types.Integer):
-            raise TypeError(f"split_tf32_at(addr): expected a 32-bit shared address, got {addr}")
-        result = types.UniTuple(types.uint32, 2)
+    def make_split_at(name, round_lo):
+        @intrinsic
+        def split_at(typingctx, addr):
+            if not isinstance(addr, types.Integer):
+                raise TypeError(f"{name}(addr): expected a 32-bit shared address, got {addr}")
+            result = types.UniTuple(types.uint32, 2)
 
-        def codegen(context, builder, sig, args):
-            a = context.cast(builder, args[0], sig.args[0], types.uint32)
-            if split_ties() == "away":
-                # before sm_90 lo is rounded by integer arithmetic (add half a tf32 ulp to the
-                # magnitude bits, clear the 13 low bits): cvt.rna's check for Inf and NaN costs
-                # two more instructions, and lo is finite wherever x is (for x = Inf or NaN, hi
-                # carries it and lo is a finite leftover)
-                body = ("{ .reg .f32 x, r; .reg .b32 u; ld.shared.f32 x, [$2]; cvt.rna.tf32.f32 $0, x; "
-                        "sub.f32 r, x, $0; mov.b32 u, r; add.u32 u, u, 4096; and.b32 $1, u, -8192; }")
-            else:
-                body = ("{ .reg .f32 x, r; ld.shared.f32 x, [$2]; cvt.rn.tf32.f32 $0, x; "
-                        "sub.f32 r, x, $0; cvt.rn.tf32.f32 $1, r; }")
-            outs = asm(builder, [i32, i32], body, "=&r,=r,r,~{memory}", [a], side_effect=True)
-            return context.make_tuple(builder, result, outs)
+            def codegen(context, builder, sig, args):
+                a = context.cast(builder, args[0], sig.args[0], types.uint32)
+                if not round_lo:
+                    # lo = x - hi as float32 bits: the mma reads only a tf32 operand's top 19
+                    # bits, so lo reaches the tensor core truncated, with no instruction here
+                    cvt = "cvt.rna.tf32.f32" if split_ties() == "away" else "cvt.rn.tf32.f32"
+                    body = f"{{ .reg .f32 x; ld.shared.f32 x, [$2]; {cvt} $0, x; sub.f32 $1, x, $0; }}"
+                elif split_ties() == "away":
+                    # before sm_90 lo is rounded by integer arithmetic (add half a tf32 ulp to the
+                    # magnitude bits, clear the 13 low bits): cvt.rna's check for Inf and NaN costs
+                    # two more instructions, and lo is finite wherever x is (for x = Inf or NaN, hi
+                    # carries it and lo is a finite leftover)
+                    body = ("{ .reg .f32 x, r; .reg .b32 u; ld.shared.f32 x, [$2]; cvt.rna.tf32.f32 $0, x; "
+                            "sub.f32 r, x, $0; mov.b32 u, r; add.u32 u, u, 4096; and.b32 $1, u, -8192; }")
+                else:
+                    body = ("{ .reg .f32 x, r; ld.shared.f32 x, [$2]; cvt.rn.tf32.f32 $0, x; "
+                            "sub.f32 r, x, $0; cvt.rn.tf32.f32 $1, r; }")
+                outs = asm(builder, [i32, i32], body, "=&r,=r,r,~{memory}", [a], side_effect=True)
+                return context.make_tuple(builder, result, outs)
 
-        return result(addr), codegen
+            return result(addr), codegen
+
+        return split_at
+
+    split_tf32_at = make_split_at("split_tf32_at", False)
+    split_tf32_at_rounded = make_split_at("split_tf32_at_rounded", True)
 
     def make_ldmatrix_at(text):
         result = types.UniTuple(types.uint32, 4)
@@ -833,6 +859,7 @@ def _gpu_functions():
         to_tf32=to_tf32,
         split_tf32=split_tf32,
         split_tf32_at=split_tf32_at,
+        split_tf32_at_rounded=split_tf32_at_rounded,
         load_words=load_words,
         store_word=store_word,
         store_words=store_words,
@@ -866,7 +893,8 @@ def _sim_functions():
         unpack_bf16=_sim_unpack_bf16,
         to_tf32=_sim_to_tf32,
         split_tf32=_sim_split_tf32,
-        split_tf32_at=_sim_split_tf32_at,
+        split_tf32_at=_sim_split_tf32_at(False),
+        split_tf32_at_rounded=_sim_split_tf32_at(True),
         load_words=_sim_load_words,
         store_word=_sim_store_word,
         store_words=_sim_store_words,
@@ -900,6 +928,7 @@ unpack_bf16 = _functions["unpack_bf16"]
 to_tf32 = _functions["to_tf32"]
 split_tf32 = _functions["split_tf32"]
 split_tf32_at = _functions["split_tf32_at"]
+split_tf32_at_rounded = _functions["split_tf32_at_rounded"]
 load_words = _functions["load_words"]
 store_word = _functions["store_word"]
 store_words = _functions["store_words"]
