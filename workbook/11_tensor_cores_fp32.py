@@ -669,16 +669,8 @@ print(f"lo differs in {np.mean(lo_rounded != lo_truncated):.0%} of the values; |
 # What the instruction cost, in the SASS for sm_90 (`kernels.base.sass`) at d = 128: S^T and
 # dP^T's loop 7.4 instructions an mma with the rounding, 6.4 without; dQ's 7.1 and 6.1; dK and
 # dV's 5.4 and 5.2 (their A fragments, P^T and dS^T, are split in registers once a tile by
-# `split_tf32`, which keeps rounding). Measured, both ways in one process, where the
-# results hold a run (`tf32_backward_lo_ab.csv`):
-
-# %%
-lo_ab = RESULTS_DIR / "tf32_backward_lo_ab.csv"
-if lo_ab.exists():
-    for r in csv.DictReader(line for line in open(lo_ab) if not line.startswith("#")):
-        print(f"{r['cell']:34s} lo rounded {float(r['rounded_ms']):7.3f} ms, left to the mma "
-              f"{float(r['truncated_ms']):7.3f} ms ({float(r['rounded_ms']) / float(r['truncated_ms']):.3f}x); "
-              f"plain PyTorch {float(r['plain_ms']):7.3f} ms")
+# `split_tf32`, which keeps rounding). About 8% of a query tile's instructions; the GPU has
+# not timed it yet, so the launchers keep the rounding (`workbook/results/TUNING.md`).
 
 # %% [markdown]
 # **The launchers.** Chapter 4's `flash_attention` and chapter 5's `flash_attention_backward`

@@ -302,8 +302,8 @@ def _operand(words, kind, positions, shape):
     """An operand rebuilt from the lanes' registers, words (32, registers) uint32."""
     if kind == "tf32":
         # the tensor core reads a tf32 operand's sign, exponent and 10 mantissa bits: the 13
-        # low bits of the register are dropped (truncated), whatever they hold (measured on
-        # the H100: tests/test_mma.py)
+        # low bits of the register are dropped (truncated), whatever they hold
+        # (tests/test_mma.py holds the GPU and this emulation to it)
         values = (words & np.uint32(TF32_MASK)).view(np.float32).astype(np.float64)
     else:
         values = words_to_halves(words, kind).reshape(32, -1)
