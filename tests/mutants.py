@@ -560,8 +560,8 @@ MUTANTS += [
     Mutant("tfb-split-lo-not-subtracted", 11, "kernels.base.mma",
            (("        return hi, np.uint32(int(np.array(rest, np.float32).view(np.uint32)))",
              "        return hi, np.uint32(int(np.array(x, np.float32).view(np.uint32)))   # PLANTED"),),
-           T11B, CH11B, "the split at a fragment load leaves lo as x itself, not x - hi (the mma then adds "
-                        "a second x_hi b)"),
+           T11B, "test_lo_truncated_by_the_mma_or_rounded_meets_the_same_rule",
+           "the split at a fragment load leaves lo as x itself, not x - hi (the mma then adds a second x_hi b)"),
     Mutant("tfb-mma-reads-whole-registers", 11, "kernels.base.mma",
            (("values = (words & np.uint32(TF32_MASK)).view(np.float32)",
              "values = words.view(np.float32)   # PLANTED: the 13 low bits kept"),),
