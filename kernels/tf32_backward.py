@@ -76,6 +76,7 @@ from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, ch
     launch_stream, on_simulator
 from kernels.base.key_block_walk import next_pair, pair_at, query_pairs
 from kernels.base.query_split import add_zero_gradients, query_splits_for
+from kernels.base.mma import SPLIT_LO  # how a fragment load's split leaves lo (rounded, or for the mma)
 from kernels.base.tf32_product import PASSES, make_tf32_product
 from kernels.base.tile_copy import make_async_tile_copy
 
@@ -85,9 +86,6 @@ __all__ = ["flash_attention_backward_tf32", "launch_backward", "make_backward_tf
 
 # The base-2 logsumexp of a dead row (past Nq, or L = -inf): exp2(S - DEAD) = 0.
 DEAD = float32(1.0e30)
-# How a fragment load's split leaves lo = x - hi: rounded to tf32, or its float32 bits as
-# they are, which the mma truncates to tf32 (one instruction less a split)
-SPLIT_LO = ("rounded", "truncated")
 DEFAULT_LO = "rounded"          # the launchers' (the GPU has not yet timed "truncated")
 
 

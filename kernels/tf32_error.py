@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels.base.mma import tf32_bits
+from kernels.base.mma import SPLIT_LO, TF32_MASK, tf32_bits
 
 __all__ = [
     "TF32_MANTISSA", "U", "PASSES", "PASS_TERMS", "TERM_ERROR", "MMA_K",
@@ -113,10 +113,7 @@ def truncate_tf32(x) -> np.ndarray:
     multiplies when a register holds x's float32 bits (it reads the top 19; ``tests/test_mma.py``
     checks that on the GPU)."""
     x = _float32(x, "x")
-    return (x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).reshape(x.shape)
-
-
-SPLIT_LO = ("rounded", "truncated")
+    return (x.view(np.uint32) & np.uint32(TF32_MASK)).view(np.float32).reshape(x.shape)
 
 
 def split_tf32(x, lo: str = "rounded") -> tuple[np.ndarray, np.ndarray]:

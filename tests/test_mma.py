@@ -65,11 +65,16 @@ def _split_kernel(x, out):
         out[i, 1] = lo
 
 
+def _split_inputs(seed):
+    """65 float32 values for a split: normal ones, +-0, the tie 1 + 2^-12, a subnormal."""
+    rng = np.random.default_rng(seed)
+    return np.concatenate([rng.standard_normal(61), [0.0, -0.0, 1.0 + 2.0**-12, 3.0e-39]]).astype(np.float32)
+
+
 def test_split_tf32_is_hi_and_the_rounded_rest():
     """hi = x rounded to tf32 (cvt.rn, ties to even, on sm_90; cvt.rna before), lo = (x - hi)
     rounded: hi + lo is x to 2^-22 of |x|. 1 + 2^-12 is a tie: the two roundings differ there."""
-    rng = np.random.default_rng(7)
-    x = np.concatenate([rng.standard_normal(61), [0.0, -0.0, 1.0 + 2.0**-12, 3.0e-39]]).astype(np.float32)
+    x = _split_inputs(7)
     out = np.zeros((len(x), 2), np.uint32)
     _split_kernel[1, 96](x, out)
     ties = mma.split_ties()
@@ -103,8 +108,7 @@ def test_split_tf32_at_leaves_lo_for_the_mma_to_truncate():
     """split_tf32_at: hi as split_tf32's, lo = x - hi exactly, its float32 bits as they are
     (the mma reads a tf32 operand's top 19 bits: it truncates lo itself); hi + lo is x.
     split_tf32_at_rounded: split_tf32's hi and lo."""
-    rng = np.random.default_rng(8)
-    x = np.concatenate([rng.standard_normal(61), [0.0, -0.0, 1.0 + 2.0**-12, 3.0e-39]]).astype(np.float32)
+    x = _split_inputs(8)
     out = np.zeros((len(x), 4), np.uint32)
     _split_at_kernel[1, 96](x, out)
     ties = mma.split_ties()

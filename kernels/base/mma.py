@@ -85,7 +85,7 @@ __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_posit
            "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_at", "split_tf32_at_rounded",
            "load_words", "store_word", "store_words", "float_of_word", "word_of_float", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "global_address", "cp_async_at", "cp_async_word_at", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
-           "half_bits", "bf16_bits", "tf32_bits", "TF32_MASK", "split_ties", "words_to_halves", "make_output_store",
+           "half_bits", "bf16_bits", "tf32_bits", "TF32_MASK", "SPLIT_LO", "split_ties", "words_to_halves", "make_output_store",
            "OUTPUT_TYPES", "PTX"]
 
 M, N, K = 16, 8, 16          # the f16/bf16 shape; tf32 is 16 x 8 x 8
@@ -149,6 +149,9 @@ def bf16_bits(x) -> np.ndarray:
 
 
 TF32_MASK = 0xFFFFE000          # a float32's sign, exponent and top 10 mantissa bits: the tf32 it holds
+# How a 3xTF32 split leaves lo = x - hi: rounded to tf32, or its float32 bits as they are,
+# which the mma truncates to tf32 (split_tf32_at; kernels.tf32_error.split_tf32 models both)
+SPLIT_LO = ("rounded", "truncated")
 
 
 def tf32_bits(x, ties: str = "away") -> np.ndarray:
