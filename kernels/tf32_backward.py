@@ -77,7 +77,7 @@ from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, ch
 from kernels.base.key_block_walk import next_pair, pair_at, query_pairs
 from kernels.base.query_split import add_zero_gradients, query_splits_for
 from kernels.base.mma import SPLIT_LO  # how a fragment load's split leaves lo (rounded, or for the mma)
-from kernels.base.tf32_product import PASSES, make_tf32_product
+from kernels.base.tf32_product import PASSES, make_tf32_product, make_tf32_product_pairs
 from kernels.base.tile_copy import make_async_tile_copy
 
 __all__ = ["flash_attention_backward_tf32", "launch_backward", "make_backward_tf32", "tf32_backward_tiles",
@@ -87,6 +87,7 @@ __all__ = ["flash_attention_backward_tf32", "launch_backward", "make_backward_tf
 # The base-2 logsumexp of a dead row (past Nq, or L = -inf): exp2(S - DEAD) = 0.
 DEAD = float32(1.0e30)
 DEFAULT_LO = "rounded"          # the launchers' (the GPU has not yet timed "truncated")
+DEFAULT_ROUNDS = False          # the launchers' (the GPU has not yet timed S^T's products round by round)
 
 
 def tf32_backward_tiles(d: int) -> tuple[int, int, int]:
@@ -146,7 +147,7 @@ def shared_words(Br: int, W: int, D: int) -> int:
 @functools.lru_cache(maxsize=None)
 def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool = False, split: bool = False,
                        min_blocks: int | None = None, chunk: int | None = None, tile_adds: bool | None = None,
-                       lo: str = DEFAULT_LO):
+                       lo: str = DEFAULT_LO, rounds: bool = DEFAULT_ROUNDS):
     """The dK/dV/dQ kernel for Br query rows a tile, W warps (Bc = 16 W keys), head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic; ``split``: the (query head, query tile) pairs split
@@ -157,7 +158,10 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     test (by default ``tf32_backward_tile_adds``); ``lo``: how a fragment load's split leaves
     lo = x - hi (``SPLIT_LO``, by default ``DEFAULT_LO``): "rounded" to tf32
     (``split_tf32_at_rounded``), or "truncated": its float32 bits as they are, which the mma
-    truncates (``split_tf32_at``).
+    truncates (``split_tf32_at``); ``rounds``: S^T's and dP^T's 2 QN products of a k-step
+    issued round by round (``make_tf32_product_pairs``: 2 QN mma between dependent ones), or
+    product by product (ptxas then interleaves a few; at D = 128, under 255 registers, it pads
+    between dependent mma). The same sums either way, bit for bit.
 
     Launch: grid (ceil(Nk / Bc), B * Hkv[, S]), 32 W threads. Arguments: q, do (B*H, Nq, d) and
     k, v (B*Hkv, Nk, d) float32; lse and delta (B*H, Nq) float32 (L, natural log, and D from
@@ -177,12 +181,14 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     if D % 8 or Br % 16 or W < 1:
         raise ValueError(f"tiles: expected D a multiple of 8, Br of 16 and W >= 1, got Br={Br}, W={W}, D={D}")
     split4, split2, product = make_tf32_product(passes)
+    ROUNDS = bool(rounds)
     Bc = 16 * W
     THREADS = 32 * W
     KS, ND, QC, KC = D // 8, D // 8, Br // 8, Bc // 8    # k-steps over d; tiles of d; 8-query tiles; 8-key steps
     QN = int(chunk) if chunk else tf32_backward_chunk(Br, D)     # 8-query tiles a chunk of S^T and dP^T
     if QC % QN:
         raise ValueError(f"chunk: expected a divisor of Br / 8 = {QC}, got {chunk}")
+    pairs = make_tf32_product_pairs(passes, QN)   # (ROUNDS) S^T's and dP^T's QN products each, round by round
     TILE_ADDS = tf32_backward_tile_adds(D) if tile_adds is None else bool(tile_adds)
     RG = Br // 16                                 # dQ_i's row groups of 16 queries
     # dQ_i's pieces: a row group and NC column tiles of 8 (the row group's dS fragments split
@@ -310,6 +316,10 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
                 # split once a k-step for the QN tiles. A[g, t] = K[kw + g, 8 s + t], B[t, g] = Q[cq + 8 n + g, 8 s + t]
                 s = cuda.local.array((QN, 4), float32)
                 p = cuda.local.array((QN, 4), float32)
+                bq = cuda.local.array((QN, 4), uint32)   # (ROUNDS) a k-step's B fragments (hi, hi, lo, lo): Q_c's
+                bo = cuda.local.array((QN, 4), uint32)   # dO_c's
+                s_step = cuda.local.array((QN, 4), float32)   # the k-step's products
+                p_step = cuda.local.array((QN, 4), float32)
                 for n in range(QN):
                     for e in range(4):
                         s[n, e] = float32(0.0)
@@ -317,14 +327,26 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
                 for s_ in range(KS):
                     k_hi, k_lo = a_at(ka + U(32 * s_), U(ROWS8), U(16))
                     v_hi, v_lo = a_at(va + U(32 * s_), U(ROWS8), U(16))
-                    for n in range(QN):
-                        b_hi, b_lo = b_at(qb + cb + U(n * ROWS8 + 32 * s_), U(16))
-                        x = product(k_hi, k_lo, b_hi, b_lo)
-                        b_hi, b_lo = b_at(ob + cb + U(n * ROWS8 + 32 * s_), U(16))
-                        y = product(v_hi, v_lo, b_hi, b_lo)
-                        for e in range(4):
-                            s[n, e] += x[e]
-                            p[n, e] += y[e]
+                    if ROUNDS:                        # the 2 QN products round by round (bit for bit the same)
+                        for n in range(QN):
+                            b_hi, b_lo = b_at(qb + cb + U(n * ROWS8 + 32 * s_), U(16))
+                            f_hi, f_lo = b_at(ob + cb + U(n * ROWS8 + 32 * s_), U(16))
+                            bq[n, 0], bq[n, 1], bq[n, 2], bq[n, 3] = b_hi[0], b_hi[1], b_lo[0], b_lo[1]
+                            bo[n, 0], bo[n, 1], bo[n, 2], bo[n, 3] = f_hi[0], f_hi[1], f_lo[0], f_lo[1]
+                        pairs(k_hi, k_lo, bq, s_step, v_hi, v_lo, bo, p_step)
+                        for n in range(QN):
+                            for e in range(4):
+                                s[n, e] += s_step[n, e]
+                                p[n, e] += p_step[n, e]
+                    else:
+                        for n in range(QN):
+                            b_hi, b_lo = b_at(qb + cb + U(n * ROWS8 + 32 * s_), U(16))
+                            x = product(k_hi, k_lo, b_hi, b_lo)
+                            b_hi, b_lo = b_at(ob + cb + U(n * ROWS8 + 32 * s_), U(16))
+                            y = product(v_hi, v_lo, b_hi, b_lo)
+                            for e in range(4):
+                                s[n, e] += x[e]
+                                p[n, e] += y[e]
                 # ---- P^T and dS^T, a tile at a time: element e is key kw + g + 8 (e // 2), query qc + 2 t + e % 2;
                 # their A fragments for dV and dK, queries 2t, 2t + 1 renumbered as k = t, t + 4
                 p_hi = cuda.local.array((QN, 4), uint32)
@@ -433,14 +455,14 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
 # --------------------------------------------------------------------------- the launcher
 
 def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None, splits=1, chunk=None,
-                  tile_adds=None, lo=DEFAULT_LO):
+                  tile_adds=None, lo=DEFAULT_LO, rounds=DEFAULT_ROUNDS):
     """The two launches on these views, as (kernel, grid, threads, args, dynamic shared bytes)
     each: chapter 5's pre-pass (D, and dQ = 0), then the dK/dV/dQ kernel (its shared-memory
     limit raised where it needs more than 48 KB). ``tiles``: (Br, W), by default
     ``tf32_backward_tiles``; ``splits``: S blocks a key tile (``kernels.base.query_split``;
     the caller zeroes dk and dv first when S > 1); ``chunk``: 8-query tiles a chunk, by
     default ``tf32_backward_chunk``; ``tile_adds``: dQ's adds (``tf32_backward_tile_adds``);
-    ``lo``: the splits' lo (``SPLIT_LO``)."""
+    ``lo``: the splits' lo (``SPLIT_LO``); ``rounds``: S^T's and dP^T's products round by round."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES, allow_dynamic_shared_memory
     from kernels.flash_backward import make_delta
 
@@ -455,7 +477,8 @@ def _two_launches(views: dict, delta, scale, causal, passes, aligned, tiles=None
     nbytes = 4 * shared_words(Br, W, D)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make_backward_tf32(Br, W, D, int(passes), dynamic, splits > 1, tf32_backward_min_blocks(D),
-                                int(chunk) if chunk else tf32_backward_chunk(Br, D), tile_adds, lo=lo)
+                                int(chunk) if chunk else tf32_backward_chunk(Br, D), tile_adds, lo=lo,
+                                rounds=rounds)
     args = (views["q"], views["k"], views["v"], views["do"], views["lse"], delta, views["dq"], views["dk"],
             views["dv"], np.float32(scale), np.int32(causal), np.int32(bh // bkv), np.int32(aligned))
     if dynamic:
@@ -472,16 +495,17 @@ def _aligned(d, arrays) -> int:
 
 
 def launch_backward(qd, kd, vd, od, lsed, dod, delta, dq, dk, dv, scale, causal, passes=3, tiles=None, splits=1,
-                    chunk=None, tile_adds=None, lo=DEFAULT_LO):
+                    chunk=None, tile_adds=None, lo=DEFAULT_LO, rounds=DEFAULT_ROUNDS):
     """The two kernels on device views: qd, od, dod (B*H, Nq, d), kd, vd (B*Hkv, Nk, d),
     lsed (B*H, Nq), float32; into the buffers delta (B*H, Nq) and dq, dk, dv, launched as
     Numba launches them (the bench's bare launch). ``tiles``: (Br, W); ``splits``: S blocks a
     key tile (dK and dV zeroed first); ``chunk``: 8-query tiles a chunk (``tf32_backward_chunk``);
     ``tile_adds``: dQ's adds a warp's tiles at a time (``tf32_backward_tile_adds``); ``lo``: the
-    splits' lo (``SPLIT_LO``)."""
+    splits' lo (``SPLIT_LO``); ``rounds``: S^T's and dP^T's products round by round."""
     views = dict(q=qd, k=kd, v=vd, o=od, lse=lsed, do=dod, dq=dq, dk=dk, dv=dv)
     aligned = _aligned(qd.shape[2], (qd, kd, vd, dod, dq))
-    launches = list(_two_launches(views, delta, scale, causal, passes, aligned, tiles, splits, chunk, tile_adds, lo))
+    launches = list(_two_launches(views, delta, scale, causal, passes, aligned, tiles, splits, chunk, tile_adds, lo,
+                                  rounds))
     add_zero_gradients(launches, [None, None], views, splits)
     for kernel, grid, threads, args, nbytes in launches:
         kernel[grid, threads, launch_stream(), nbytes](*args)

@@ -206,6 +206,22 @@ def test_lo_truncated_by_the_mma_or_rounded_meets_the_same_rule(lo, seed, causal
     x.check(_bare_backward(case, x, tiles=(br, w), lo=lo))
 
 
+@given(seed=st.integers(0, 2**16), causal=st.booleans(), d=st.sampled_from([8, 13] if SIM else [13, 64, 128]))
+@settings(max_examples=1 if SIM else gpu_examples(20))
+def test_products_round_by_round_are_the_same_products(seed, causal, d):
+    """S^T's and dP^T's products of a k-step issued round by round (``rounds=True``) are the
+    same mma in the same order a product: dK and dV bit for bit those of the products one by
+    one, dQ (atomic adds in any order) under the rule; ragged tiles, two query heads a KV head."""
+    w, br = (1, 16) if SIM else (W, tf32_backward_tiles(d)[0])
+    case = pinned((1, 2, br + 5, d), (1, 1, 16 * w + 3, d), causal=causal, seed=seed)
+    x = Inputs(case, seed=seed + 1)
+    got = _bare_backward(case, x, tiles=(br, w), rounds=True)
+    _, dk, dv = _bare_backward(case, x, tiles=(br, w), rounds=False)
+    np.testing.assert_array_equal(got[1], dk, err_msg="dK")
+    np.testing.assert_array_equal(got[2], dv, err_msg="dV")
+    x.check(got)
+
+
 def test_an_unknown_lo_is_named():
     from kernels.tf32_backward import make_backward_tf32
 

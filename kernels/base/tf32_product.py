@@ -16,7 +16,7 @@ import functools
 
 from numba import cuda, float32
 
-__all__ = ["make_tf32_product", "make_tf32_products", "PASSES"]
+__all__ = ["make_tf32_product", "make_tf32_products", "make_tf32_product_pairs", "PASSES"]
 
 PASSES = (1, 3)                 # TF32 products a fp32 product: 1 (plain TF32) or 3 (3xTF32)
 
@@ -100,3 +100,48 @@ def make_tf32_products(passes: int, n: int):
                     c[j, e] = x[e]
 
     return products
+
+
+@functools.lru_cache(maxsize=None)
+def make_tf32_product_pairs(passes: int, n: int):
+    """pairs(a_hi, a_lo, b, c, e_hi, e_lo, f, g): ``make_tf32_products``' n products of A with
+    the B fragments b[j, :] into c[j, :] and n of another A, E, with f[j, :] into g[j, :],
+    issued round by round across both sets: 2 n mma between one and the one that waits for
+    it. Each result is ``product``'s bit for bit (the same mma in the same order)."""
+    from kernels.base.mma import mma_tf32
+
+    if passes not in PASSES:
+        raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
+    THREE = passes == 3
+
+    @cuda.jit(device=True, inline=True)
+    def pairs(a_hi, a_lo, b, c, e_hi, e_lo, f, g):
+        zero = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
+        if THREE:
+            for j in range(n):
+                x = mma_tf32(a_lo, (b[j, 0], b[j, 1]), zero)
+                y = mma_tf32(e_lo, (f[j, 0], f[j, 1]), zero)
+                for i in range(4):
+                    c[j, i] = x[i]
+                    g[j, i] = y[i]
+            for j in range(n):
+                x = mma_tf32(a_hi, (b[j, 2], b[j, 3]), (c[j, 0], c[j, 1], c[j, 2], c[j, 3]))
+                y = mma_tf32(e_hi, (f[j, 2], f[j, 3]), (g[j, 0], g[j, 1], g[j, 2], g[j, 3]))
+                for i in range(4):
+                    c[j, i] = x[i]
+                    g[j, i] = y[i]
+            for j in range(n):
+                x = mma_tf32(a_hi, (b[j, 0], b[j, 1]), (c[j, 0], c[j, 1], c[j, 2], c[j, 3]))
+                y = mma_tf32(e_hi, (f[j, 0], f[j, 1]), (g[j, 0], g[j, 1], g[j, 2], g[j, 3]))
+                for i in range(4):
+                    c[j, i] = x[i]
+                    g[j, i] = y[i]
+        else:
+            for j in range(n):
+                x = mma_tf32(a_hi, (b[j, 0], b[j, 1]), zero)
+                y = mma_tf32(e_hi, (f[j, 0], f[j, 1]), zero)
+                for i in range(4):
+                    c[j, i] = x[i]
+                    g[j, i] = y[i]
+
+    return pairs

@@ -21,6 +21,13 @@ gradients (float64, from the float64 forward), and as a multiple of a float32 ba
 in PyTorch on the GPU, TF32 off). FLOPs 10 B H N^2 d (halved for causal).
 In the simulator: 16 tokens, H = 1, N = 16, d = 16, 3xTF32 alone, one timed run a row, no
 PyTorch.
+
+``python -m kernels.bench.tf32_backward --variants``: the kernel's variants that the launchers
+do not use yet (``VARIANTS``: how a fragment load's split leaves lo, S^T's products round by
+round), bare launches taking turns in ``ROUNDS`` rounds at the chapter 13 floor's fp32 cells
+(B*H = 512, N = 256 and 1024, d = 128) and at B=4 H=16 N=4096 (d = 64, 128); each variant's
+gradients of head (0, 0) checked as above; SDPA memory-efficient and plain PyTorch's backward
+in the same run. Writes ``tf32_backward_variants.csv``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from kernels.bench.harness import Result, token_sweep, torch_or_none
 from kernels.bench.tensor_core_backward import _torch_peers, config_name
 from kernels.flash_backward import flash_attention_backward
 from kernels.flash_tf32 import flash_attention_tf32
+from kernels.base.runtime import time_fn
 from kernels.tf32_backward import launch_backward, tf32_backward_tiles
 
 CHAPTER = 11
@@ -173,3 +181,147 @@ def run(ctx) -> list[Result]:
             del shaped
         del sets, flat
     return results
+
+
+# --------------------------------------------------------------------------- the variants
+# (label, launch_backward's keywords); the launchers' own first
+VARIANTS = (("lo rounded", dict(lo="rounded", rounds=False)),
+            ("lo truncated", dict(lo="truncated", rounds=False)),
+            ("lo truncated, products round by round", dict(lo="truncated", rounds=True)))
+VARIANT_CELLS = ((32, 16, 256, 128, False), (32, 16, 1024, 128, False), (4, 16, 4096, 128, False),
+                 (4, 16, 4096, 128, True), (4, 16, 4096, 64, False))
+ROUNDS = 9
+TARGET_MS = 100.0             # a round's run of back-to-back calls of one variant
+
+
+def variant_sweep(ctx, cells=None) -> list[Result]:
+    """Each of ``VARIANTS`` as a bare launch at each cell (B, H, N, d, causal): ``ROUNDS``
+    rounds taking turns (which goes first alternates; CUDA events around ``TARGET_MS`` of
+    back-to-back calls), so that a slow stretch of the GPU falls on every variant. A row's
+    median is its variant's median round, p10 and p90 the second fastest and second slowest;
+    its speed-up is the median over rounds of the first variant's time over its own, in the
+    same round. Each variant's gradients of head (0, 0) against float64 (a broken one stops
+    the run). Peers: SDPA memory-efficient and plain PyTorch's backward, timed after."""
+    from numba import cuda
+
+    from kernels.base.runtime import Timing
+    from kernels.bench.capstone_floor import _back_to_back
+
+    torch = torch_or_none()
+    if torch is not None:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        check_torch, to_tensor = torch, (lambda a: torch.as_tensor(a, device="cuda"))
+    else:                                             # the simulator: the errors on the host
+        import torch as check_torch
+        to_tensor = lambda a: check_torch.as_tensor(a.copy_to_host())     # noqa: E731
+    cells = cells or (((1, 1, 16, 16, False), (1, 1, 16, 16, True)) if ctx.simulator else VARIANT_CELLS)
+    first_label = VARIANTS[0][0]
+    rng = np.random.default_rng(1151)
+    results: list[Result] = []
+    for b, h, n, d, causal in cells:
+        config = f"B={b} H={h} N={n} d={d} fp32 causal={causal}"
+        flops = 10.0 * b * h * n * n * d / (2 if causal else 1)
+        extra = {"N": n, "B": b, "H": h, "d": d, "causal": causal, "dtype": "fp32", "part": "variants"}
+        Br, W, _ = tf32_backward_tiles(d)
+        full = []                                     # (q, k, v, o, lse, do) as (B*H, N[, d]) views
+        for _ in range(1 if ctx.simulator else 2):
+            q, k, v, do = (cuda.to_device(rng.standard_normal((b, h, n, d), dtype=np.float32)) for _ in range(4))
+            o, lse = flash_attention_tf32(q, k, v, causal=causal)
+            full.append(tuple(x.reshape(b * h, n, d) for x in (q, k, v, o)) + (lse.reshape(b * h, n),
+                                                                              do.reshape(b * h, n, d)))
+        outs = (cuda.device_array((b * h, n), np.float32),) + tuple(
+            cuda.device_array((b * h, n, d), np.float32) for _ in range(3))     # D, dQ, dK, dV
+        scale = 1.0 / math.sqrt(d)
+        calls = {}
+        for label, kw in VARIANTS:
+            def bare(q, k, v, o, lse, do, kw=kw):
+                launch_backward(q, k, v, o, lse, do, *outs, scale, causal, 3, **kw)
+            calls[label] = bare
+        ctx.progress(f"  ch{CHAPTER} {len(VARIANTS)} variants, taking turns: {config}")
+        samples = {label: [] for label in calls}
+        if ctx.simulator:
+            for label, fn in calls.items():
+                samples[label].append(time_fn(fn, full, warmup=1, repeat=1).median_ms)
+        else:
+            first = {label: time_fn(fn, full, warmup=1, repeat=3).median_ms for label, fn in calls.items()}
+            runs = {label: max(1, min(200, int(TARGET_MS / max(t, 1e-3)))) for label, t in first.items()}
+            order = list(calls)
+            for r in range(ROUNDS):
+                for label in (order if r % 2 == 0 else order[::-1]):
+                    samples[label].append(_back_to_back(calls[label], full, runs[label]))
+        for label, kw in VARIANTS:
+            x = sorted(samples[label])
+            t = Timing(x[len(x) // 2], x[min(1, len(x) - 1)], x[max(-2, -len(x))], len(x),
+                       "host clock (simulator)" if ctx.simulator else "cuda events, rounds taking turns")
+            ratios = sorted(a / c for a, c in zip(samples[first_label], samples[label]))
+            calls[label](*full[0])                      # the gradients of set 0, checked
+            head = tuple(to_tensor(x)[0] for x in (full[0][0], full[0][1], full[0][2], full[0][5]))
+            errors = _errors(check_torch, head, tuple(to_tensor(x)[0] for x in outs[1:]), causal, 3)
+            seconds = t.median_ms / 1e3
+            args = ", ".join(f"{k_}={v_!r}" for k_, v_ in kw.items())
+            row = Result(CHAPTER, f"bare, {label}", config, t.median_ms, t.p10_ms, t.p90_ms, flops,
+                         _model_bytes(b, h, n, d), flops / seconds / 1e12 if seconds > 0 else float("nan"),
+                         float("nan"), float("nan"), float("nan"), False,
+                         f"bare launch_backward({args}), Br={Br} Bc={16 * W}, {len(x)} rounds taking turns; "
+                         f"head (0,0) max error " + ", ".join(f"{k_} {e:.1e} ({r_:.2f}x fp32's)"
+                                                              for k_, (e, r_) in errors.items()),
+                         dict(extra, variant=label, **kw))
+            for k_, (e, r_) in errors.items():
+                row.extra.update({f"max_error_{k_}": e, f"error_vs_float32_{k_}": r_})
+            row.extra[f"speedup over {first_label}"] = round(ratios[len(ratios) // 2], 4)
+            row.extra["round ratios p10"] = round(ratios[min(1, len(ratios) - 1)], 4)
+            row.extra["round ratios p90"] = round(ratios[max(-2, -len(ratios))], 4)
+            results.append(row)
+            ctx.progress(f"      {label}: {t.median_ms:.4g} ms, {ratios[len(ratios) // 2]:.3f}x "
+                         f"(rounds {ratios[min(1, len(ratios) - 1)]:.3f}-{ratios[max(-2, -len(ratios))]:.3f})")
+        if torch is not None:
+            tsets = [tuple(torch.as_tensor(x, device="cuda").reshape(b, h, n, -1) for x in s) for s in full]
+            tsets = [(q, k, v, o, lse.reshape(b, h, n), do) for q, k, v, o, lse, do in tsets]
+
+            def measure(kernel, fn, sets_, **kw):
+                r = ctx.measure(CHAPTER, kernel, config, fn, sets_, flops=flops,
+                                model_bytes=_model_bytes(b, h, n, d), extra=dict(extra), **kw)
+                results.append(r)
+                return r
+
+            _torch_peers(ctx, measure, torch, tsets, causal, peers=PEERS)
+            del tsets
+        del full, outs
+        gc.collect()
+        if torch is not None:
+            torch.cuda.empty_cache()
+    return results
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from kernels.base.runtime import on_simulator
+    from kernels.bench import harness
+
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.tf32_backward",
+                                     description="chapter 11's backward variants (the tour runs the rest)")
+    parser.add_argument("--variants", action="store_true", help="the variants -> tf32_backward_variants.csv")
+    parser.add_argument("--out", default=None, help="results folder (default: workbook/results on a GPU, "
+                                                    "bench-out in the simulator)")
+    args = parser.parse_args(argv)
+    if not args.variants:
+        parser.print_help(sys.stderr)
+        return 2
+    ctx = harness.Context(quick=False, warmup=1, repeat=5)
+    out = Path(args.out) if args.out else (Path(__file__).resolve().parents[2] /
+                                           ("bench-out" if on_simulator() else "workbook/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = variant_sweep(ctx)
+    harness.write_csv(out / "tf32_backward_variants.csv", results, harness.environment())
+    print(harness.format_table(results, simulator=ctx.simulator))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
