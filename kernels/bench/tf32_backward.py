@@ -305,9 +305,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.tf32_backward",
                                      description="chapter 11's backward variants (the tour runs the rest)")
     parser.add_argument("--variants", action="store_true", help="the variants -> tf32_backward_variants.csv")
+    parser.add_argument("--cells", nargs="+", metavar="BxHxNxd[c]", default=None,
+                        help="the cells (c: causal), by default VARIANT_CELLS, e.g. 32x16x256x128 4x16x4096x128c")
     parser.add_argument("--out", default=None, help="results folder (default: workbook/results on a GPU, "
                                                     "bench-out in the simulator)")
     args = parser.parse_args(argv)
+    cells = None
+    if args.cells:
+        try:
+            cells = [tuple(int(x) for x in c.rstrip("c").split("x")) + (c.endswith("c"),) for c in args.cells]
+        except ValueError:
+            cells = []
+        if not cells or any(len(c) != 5 or min(c[:4]) < 1 for c in cells):
+            parser.error(f"--cells: expected BxHxNxd with an optional c (causal), got {args.cells}")
     if not args.variants:
         parser.print_help(sys.stderr)
         return 2
@@ -315,7 +325,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else (Path(__file__).resolve().parents[2] /
                                            ("bench-out" if on_simulator() else "workbook/results"))
     out.mkdir(parents=True, exist_ok=True)
-    results = variant_sweep(ctx)
+    results = variant_sweep(ctx, cells)
     harness.write_csv(out / "tf32_backward_variants.csv", results, harness.environment())
     print(harness.format_table(results, simulator=ctx.simulator))
     return 0
