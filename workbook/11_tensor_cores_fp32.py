@@ -671,6 +671,12 @@ print(f"lo differs in {np.mean(lo_rounded != lo_truncated):.0%} of the values; |
 # dV's 5.4 and 5.2 (their A fragments, P^T and dS^T, are split in registers once a tile by
 # `split_tf32`, which keeps rounding). About 8% of a query tile's instructions; the GPU has
 # not timed it yet, so the launchers keep the rounding (`workbook/results/TUNING.md`).
+# Fewer instructions need not mean less time: under 255 registers ptxas keeps few products in
+# flight and pads between an mma and the next of its chain with empty instructions, and it
+# pads more where the split left fewer instructions to put there. `rounds=True` issues S^T
+# and dP^T's products of a k-step round by round (`make_tf32_product_pairs`), so 8 mma stand
+# between dependent ones. `python -m kernels.bench.tf32_backward --variants` times the three
+# variants taking turns on the GPU.
 
 # %% [markdown]
 # **The launchers.** Chapter 4's `flash_attention` and chapter 5's `flash_attention_backward`
