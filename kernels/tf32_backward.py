@@ -329,8 +329,9 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
                     v_hi, v_lo = a_at(va + U(32 * s_), U(ROWS8), U(16))
                     if ROUNDS:                        # the 2 QN products round by round (bit for bit the same)
                         for n in range(QN):
-                            b_hi, b_lo = b_at(qb + cb + U(n * ROWS8 + 32 * s_), U(16))
-                            f_hi, f_lo = b_at(ob + cb + U(n * ROWS8 + 32 * s_), U(16))
+                            at = cb + U(n * ROWS8 + 32 * s_)      # the tile's fragment, in bytes
+                            b_hi, b_lo = b_at(qb + at, U(16))
+                            f_hi, f_lo = b_at(ob + at, U(16))
                             bq[n, 0], bq[n, 1], bq[n, 2], bq[n, 3] = b_hi[0], b_hi[1], b_lo[0], b_lo[1]
                             bo[n, 0], bo[n, 1], bo[n, 2], bo[n, 3] = f_hi[0], f_hi[1], f_lo[0], f_lo[1]
                         pairs(k_hi, k_lo, bq, s_step, v_hi, v_lo, bo, p_step)
