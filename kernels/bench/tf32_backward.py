@@ -61,6 +61,17 @@ def _model_bytes(b, h, n, d):
     return 4.0 * b * h * n * (5 * d + 1) + 4.0 * b * h * n * d * 3
 
 
+def _measurer(ctx, results, config, flops, shape, extra, **fixed):
+    """measure(kernel, fn, sets, **kw): ``ctx.measure`` at this cell (B, H, N, d = ``shape``),
+    its Result added to ``results`` and returned; ``fixed``: keywords for every call."""
+    def measure(kernel, fn, sets_, **kw):
+        r = ctx.measure(CHAPTER, kernel, config, fn, sets_, flops=flops, model_bytes=_model_bytes(*shape),
+                        extra=dict(extra), **fixed, **kw)
+        results.append(r)
+        return r
+    return measure
+
+
 def _gradients(torch, q, k, v, do, causal, dtype):
     """Head (0, 0)'s (dq, dk, dv) in closed form at ``dtype`` (its own forward), on the GPU."""
     q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
@@ -124,11 +135,7 @@ def run(ctx) -> list[Result]:
                 flops = 10.0 * b * h * n * n * d / (2 if causal else 1)
                 extra = {"N": n, "B": b, "H": h, "d": d, "causal": causal, "dtype": "fp32"}
 
-                def measure(kernel, fn, sets_, **kw):
-                    r = ctx.measure(CHAPTER, kernel, config, fn, sets_, flops=flops,
-                                    model_bytes=_model_bytes(b, h, n, d), extra=dict(extra), **once, **kw)
-                    results.append(r)
-                    return r
+                measure = _measurer(ctx, results, config, flops, (b, h, n, d), extra, **once)
 
                 full = []                                 # O and L from chapter 11's forward
                 for q, k, v, do in shaped:
@@ -278,14 +285,8 @@ def variant_sweep(ctx, cells=None) -> list[Result]:
         if torch is not None:
             tsets = [tuple(torch.as_tensor(x, device="cuda").reshape(b, h, n, -1) for x in s) for s in full]
             tsets = [(q, k, v, o, lse.reshape(b, h, n), do) for q, k, v, o, lse, do in tsets]
-
-            def measure(kernel, fn, sets_, **kw):
-                r = ctx.measure(CHAPTER, kernel, config, fn, sets_, flops=flops,
-                                model_bytes=_model_bytes(b, h, n, d), extra=dict(extra), **kw)
-                results.append(r)
-                return r
-
-            _torch_peers(ctx, measure, torch, tsets, causal, peers=PEERS)
+            _torch_peers(ctx, _measurer(ctx, results, config, flops, (b, h, n, d), extra), torch, tsets, causal,
+                         peers=PEERS)
             del tsets
         del full, outs
         gc.collect()
