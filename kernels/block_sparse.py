@@ -44,6 +44,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from kernels.base.fused import FASTMATH, MAX_GRID_Y, Tiles, check_tiles_type, nan_max, padded_head_dim
+from kernels.base.inlined import inlined
 from kernels.base.io_model import block_sparse_forward_bytes
 from kernels.base.masks import BlockMask
 from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_int, check_out, check_qkv,
@@ -218,7 +219,7 @@ def lists_for(block_mask, lists, b, h, nq, nk, causal, Br, Bc):
 
 # --------------------------------------------------------------------------- the kernel: the list walk
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def listed_tile(col_idx, t):
     """The t-th kept K/V tile of a query tile: entry t of the compact list."""
     return col_idx[t]

@@ -67,6 +67,7 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from kernels.base.fused import (FASTMATH, LOG2E, MASKED, MAX_GRID_Y, MINUS_INF, make_row_reductions,
                                 nan_max, padded_head_dim)
+from kernels.base.inlined import inlined
 from kernels.base.runtime import (
     ArrayKind,
     LaunchTemplate,
@@ -228,7 +229,7 @@ def make_merge_streams(D: int, RT: int, NS: int, THREADS: int):
     arrays, written before a barrier). Rows row0 + r < n_rows go to og[out0 + r] and
     lg[out0 + r] (natural log; -inf and O = 0 where no key was visible)."""
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def finish(sm, sl, so, og, lg, row0, out0, n_rows, d):
         tid = int32(cuda.threadIdx.x)
         for e in range(tid, RT * D, THREADS):
@@ -278,7 +279,7 @@ def make_attend_key_range(D: int, RT: int, LK: int, U: int, THREADS: int, VEC: i
     # Lane ln's i-th element is column ((i // VEC) * LK + ln) * VEC + i % VEC of a row: its
     # loads are VEC consecutive columns, the LK lanes' loads side by side.
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def attend(qg, kh, vh, og, lg, row0, out0, n_q, k_start, k_end, n_keys, d, scale, causal):
         tid = int32(cuda.threadIdx.x)
         st = tid // LK                            # this thread's stream
@@ -410,25 +411,25 @@ def make_attend_key_range_mma(D: int, RT: int, THREADS: int, SPLIT_Q: bool = Tru
     finish = make_merge_streams(D, RT, NW, THREADS)
     from kernels.base.mma import load_words, mma_f16, pack_f16, unpack_f16
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def zero_unless(w, keep):
         return w if keep else uint32(0)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def split_f16(x0, x1):
         # (x0, x1) = hi + lo, each packed as two fp16: hi rounded, lo what hi lost
         hi = pack_f16(x0, x1)
         h = unpack_f16(hi)
         return hi, pack_f16(x0 - h[0], x1 - h[1])
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def pair(x, y, upper):
         # (x's half, y's half) in one register: the low halves, or the high ones
         if upper:
             return (x >> uint32(16)) | (y & uint32(0xFFFF0000))
         return (x & uint32(0xFFFF)) | (y << uint32(16))
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def attend(qg, kh, vh, og, lg, row0, out0, n_q, k_start, k_end, n_keys, d, scale, causal):
         tid = int32(cuda.threadIdx.x)
         warp = tid // 32
@@ -577,7 +578,7 @@ def make_merge_partials(D: int, RT: int, THREADS: int):
     rows row0 .. row0 + RT - 1 of og (n_rows, d) and lg (n_rows,). The order is fixed, so
     the result is the same bits whichever block runs it."""
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def merge(o_part, l_part, first, count, og, lg, row0, n_rows, d):
         for e in range(int32(cuda.threadIdx.x), RT * D, THREADS):
             r = e // D

@@ -69,6 +69,7 @@ from numba import cuda, float32, uint32, uint64
 from kernels import reference as ref
 from kernels.base.backward_args import check_backward_args, device_views
 from kernels.base.fused import MAX_GRID_Y, MINUS_INF, make_kv_tile_copy, nan_max, padded_head_dim
+from kernels.base.inlined import inlined
 from kernels.base.runtime import (ArrayKind, cdiv, check_flag, check_qkv, check_scale, device_empty, on_simulator,
                                   to_device)
 from kernels.flash_backward import check_shared_tiles, row_delta
@@ -94,7 +95,7 @@ _LOW32 = uint64(0xFFFFFFFF)
 _SHIFT32 = uint64(32)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def philox4x32(c0, c1, c2, c3, k0, k1):
     """Philox4x32-10 of counter (c0, c1, c2, c3) under key (k0, k1), all uint32: four uint32.
     mulhi/mullo through one 64-bit product each (mul.wide.u32 on the GPU)."""
@@ -174,7 +175,7 @@ def keep_mask(B: int, H: int, n_q: int, n_k: int, *, p, seed) -> np.ndarray:
             np.ones((B * H, n_q, n_k), bool)).reshape(B, H, n_q, n_k)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def _lane(x0, x1, x2, x3, j):
     """Lane j mod 4 of one Philox output."""
     r = j & 3

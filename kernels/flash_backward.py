@@ -59,6 +59,7 @@ from kernels.base.backward_tiles import (GPU_TILES, BackwardTiles, Grid, check_t
 from kernels.base import io_model as io
 from kernels.base.fused import ALIGN, FASTMATH, MINUS_INF, make_kv_tile_copy, make_row_reductions, padded_head_dim, \
     run_length
+from kernels.base.inlined import inlined
 from kernels.base.runtime import ArrayKind, cdiv, check_flag, check_out, check_products, check_scale, device_empty, \
     launch_stream, on_simulator
 from kernels.base.shared_memory import STATIC_LIMIT_BYTES, launch_with_shared
@@ -159,18 +160,7 @@ def make_delta(Dh: int, rows: int = 4, zero_dq: bool = False):
 
 # --------------------------------------------------------------------------- building blocks
 
-def _device(fn):
-    """A building block: a device function the CUDA compiler inlines into each kernel
-    (``forceinline``: LLVM's alwaysinline), with the kernels' fastmath flags, so its per-thread
-    arrays stay in registers. The PTX is that of Numba's own ``inline="always"``, compiled 2 to
-    4 times faster: Numba re-types a copy of the body at every call site. The simulator runs
-    device functions as Python and takes neither option."""
-    if on_simulator():
-        return cuda.jit(device=True)(fn)
-    return cuda.jit(device=True, forceinline=True, fastmath=FASTMATH)(fn)
-
-
-@_device
+@inlined
 def row_stats(lse, delta, bh, row, nq):
     """(L, D) of a query row: (DEAD, 0) past Nq, DEAD for L = -inf (P = 0 there); NaN stays."""
     L, D = DEAD, float32(0.0)
@@ -190,7 +180,7 @@ def _copies(R: int, Dh: int, NT: int):
     put, R*Dh/NT)."""
     LD, LR = Dh + 4, R * Dh // NT
 
-    @_device
+    @inlined
     def load(sm, ox, oy, x, y, bh, r0, n, d, t):
         for idx in range(t, R * Dh, NT):
             r = int32(idx) // int32(Dh)
@@ -201,7 +191,7 @@ def _copies(R: int, Dh: int, NT: int):
             sm[uint64(ox + r * LD + e)] = xv
             sm[uint64(oy + r * LD + e)] = yv
 
-    @_device
+    @inlined
     def fetch(x, y, bh, r0, n, d, t, xr, yr):
         for m in range(LR):
             r = (t + int32(m * NT)) // int32(Dh)
@@ -210,7 +200,7 @@ def _copies(R: int, Dh: int, NT: int):
             if r0 + r < n and e < d:
                 xr[m], yr[m] = x[bh, r0 + r, e], y[bh, r0 + r, e]
 
-    @_device
+    @inlined
     def put(sm, ox, oy, t, xr, yr):
         for m in range(LR):
             r = (t + int32(m * NT)) // int32(Dh)
@@ -234,14 +224,14 @@ def _scores(Br: int, Bc: int, Dh: int, NT: int, store_p: bool = False, store_ds:
     AM, AN, RA, CA, WC = need(warp_split, Br, Bc, NT, "S tile Br x Bc")
     LD, LP = Dh + 4, Bc + 4
 
-    @_device
+    @inlined
     def where(t):
         w = t // int32(32)
         lane = t - w * int32(32)
         return ((w // int32(WC)) * int32(RA * AM) + lane // int32(CA),
                 (w % int32(WC)) * int32(CA * AN) + lane % int32(CA))
 
-    @_device
+    @inlined
     def s_dp(sm, u_q, u_do, u_k, u_v, s, dp):
         qa, da = cuda.local.array((AM, 4), float32), cuda.local.array((AM, 4), float32)
         kb, vb = cuda.local.array((AN, 4), float32), cuda.local.array((AN, 4), float32)
@@ -265,7 +255,7 @@ def _scores(Br: int, Bc: int, Dh: int, NT: int, store_p: bool = False, store_ds:
                         s[a, b] += qa[a, u] * kb[b, u]
                         dp[a, b] += da[a, u] * vb[b, u]
 
-    @_device
+    @inlined
     def p_ds(sm, o_l, o_d, ty, tx, r0, c0, nq, nk, causal, scale, s, dp, o_p, o_ds):
         for a in range(AM):
             r = ty + int32(a * RA)
@@ -288,7 +278,7 @@ def _scores(Br: int, Bc: int, Dh: int, NT: int, store_p: bool = False, store_ds:
                 if store_ds:
                     sm[uint64(o_ds + r * LP + tx + b * CA)] = ds
 
-    @_device
+    @inlined
     def store(sm, o, ty, tx, x):
         for a in range(AM):
             for b in range(AN):
@@ -302,7 +292,7 @@ def _runs(g: Grid):
     """row(a), col(b): the offset of a thread's entry (a, b) of grid g from its first row
     ty * VR and first column tx * VC (a and b are unrolled loop indices: constants)."""
     VR, VC, TRV, TCV = g.VR, g.VC, g.TR * g.VR, g.TC * g.VC
-    return _device(lambda a: (a % VR) + (a // VR) * TRV), _device(lambda b: (b % VC) + (b // VC) * TCV)
+    return inlined(lambda a: (a % VR) + (a // VR) * TRV), inlined(lambda b: (b % VC) + (b // VC) * TCV)
 
 
 @functools.lru_cache(maxsize=None)
@@ -315,21 +305,21 @@ def _sums(g: Grid, NT: int, atomic: bool = False):
     M, N, VR, VC = g.M, g.N, g.VR, g.VC
     row_of, col_of = _runs(g)
 
-    @_device
+    @inlined
     def clear(sm, o, t, acc):
         for a in range(M):
             for b in range(N):
                 acc[a, b] = float32(0.0)
                 sm[uint64(o + (a * N + b) * NT + t)] = float32(0.0)
 
-    @_device
+    @inlined
     def flush(sm, o, t, acc):
         for a in range(M):
             for b in range(N):
                 sm[uint64(o + (a * N + b) * NT + t)] += acc[a, b]
                 acc[a, b] = float32(0.0)
 
-    @_device
+    @inlined
     def write(out, sm, o, t, acc, bh, row0, n, d, ty, tx, factor):
         for a in range(M):
             row = row0 + ty * int32(VR) + int32(row_of(a))
@@ -353,7 +343,7 @@ def _transposed(g: Grid, R: int, LP: int, LD: int, two: bool):
     M, N = g.M, g.N
     row_of, col_of = _runs(g)
 
-    @_device
+    @inlined
     def products(sm, u_x1, u_y1, acc1, u_x2, u_y2, acc2):
         x1, x2 = cuda.local.array(M, float32), cuda.local.array(M, float32)
         y1, y2 = cuda.local.array(N, float32), cuda.local.array(N, float32)
@@ -389,7 +379,7 @@ def _ds_k(g: Grid, Bc: int, LP: int, LD: int):
     M, N, TR, UC = g.M, g.N, g.TR, run_length(Bc)
     col_of = _runs(g)[1]
 
-    @_device
+    @inlined
     def ds_k(sm, u_ds, u_k, acc):
         sq = cuda.local.array((M, UC), float32)
         kq = cuda.local.array(N, float32)
@@ -432,7 +422,7 @@ def make_dkdv_body(Br: int, Bc: int, Dh: int, NT: int, atomic_dq: bool = False, 
     FLUSH = max(1, ACC_ROWS // Br)                                  # query tiles a partial sum holds
     KM, KN, KTC, KVR, KVC, QM, QN, QTC, QVC = gkv.M, gkv.N, gkv.TC, gkv.VR, gkv.VC, gq.M, gq.N, gq.TC, gq.VC
 
-    @_device
+    @inlined
     def dkdv_body(sm, q, k, v, do, lse, delta, dq, dk, dv, nq, nk, scale, causal, bh, j, walk, first, count):
         t = int32(cuda.threadIdx.x)
         d = int32(q.shape[2])
@@ -553,7 +543,7 @@ def make_dq_body(Br: int, Bc: int, Dh: int, NT: int, tile_of=every_tile):
     FLUSH = max(1, ACC_ROWS // Bc)                                  # key tiles a partial sum holds
     QM, QN, QTC, QVC = gq.M, gq.N, gq.TC, gq.VC
 
-    @_device
+    @inlined
     def dq_body(sm, q, k, v, do, lse, delta, dq, nq, nk, scale, causal, bh, i, walk, first, count):
         t = int32(cuda.threadIdx.x)
         d = int32(q.shape[2])
@@ -746,7 +736,7 @@ def row_delta(o, do, delta):
         delta[bh, i] = acc
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def _first_query(j, n_q, n_k, causal):
     """The first query row that sees key j (causal, bottom-right: i >= j + Nq - Nk)."""
     return max(0, j + n_q - n_k) if causal else 0

@@ -106,6 +106,7 @@ from kernels.base.fused import (
     padded_head_dim,
     run_length,
 )
+from kernels.base.inlined import inlined
 from kernels.base.io_model import fused_forward_bytes
 from kernels.base.runtime import (
     ArrayKind,
@@ -308,7 +309,7 @@ def _copy_plan(Br, Bc, D, threads):
     return PIECE, CW, RQ, G, W, Q_PASSES, KV_PASSES, Q_EXACT, KV_EXACT
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def every_tile(walk, t):
     """The dense walk: the t-th K/V tile of a query tile is tile t (``walk`` is unused)."""
     return t
@@ -336,7 +337,7 @@ def make_attend_query_tile(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch:
     PIECE, CW, RQ, G, W, Q_PASSES, KV_PASSES, Q_EXACT, KV_EXACT = _copy_plan(Br, Bc, D, THREADS)
     row_max, row_sum = make_row_reductions(TX, THREADS)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def load_kv(kh, vh, kr, vr, k0, n_k, d, ld_r, ld_c):
         """This thread's part of the K and V tile starting at key k0, HBM -> registers."""
         for p in range(KV_PASSES):
@@ -344,7 +345,7 @@ def make_attend_query_tile(Br: int, Bc: int, D: int, TM: int, TX: int, prefetch:
             c = ld_c + CW * ((p * W) % G)
             kr[p], vr[p] = load_kv_or_zero(kh, vh, r, c, n_k, d)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def attend(qh, kh, vh, oh, lh, q0, d, scale, causal, walk, first, count):
         smem = cuda.shared.array(0, float32, alignment=ALIGN)   # Qt | Kt | V | Pt  (module doc)
         n_q = int32(qh.shape[0])

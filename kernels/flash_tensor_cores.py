@@ -42,6 +42,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from kernels.base.fragment_softmax import make_fragment_softmax
+from kernels.base.inlined import inlined
 from kernels.base.tile_copy import make_async_tile_copy
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.key_split import add_combine, choose_splits, output_names, partial_views, partials
@@ -82,7 +83,7 @@ def make_load_a_fragment():
     row group, columns 2t and 2t + 1: the A mapping, done by the hardware."""
     from kernels.base.mma import ldmatrix
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def load_a_fragment(s, row0, col0, lane):
         # matrices j = 0..3 at (rows +0, cols +0), (+8, +0), (+0, +8), (+8, +8)
         return ldmatrix(s, row0 + (lane // 8) % 2 * 8 + lane % 8, col0 + (lane // 16) * 8)
@@ -101,7 +102,7 @@ def make_p_to_a(bf16: bool = False):
 
     pack = pack_bf16 if bf16 else pack_f16
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def p_to_a(c0, c1):
         return (pack(c0[0], c0[1]), pack(c0[2], c0[3]), pack(c1[0], c1[1]), pack(c1[2], c1[3]))
 

@@ -48,6 +48,7 @@ from numba import cuda, float32, int32, uint32
 
 from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
+from kernels.base.inlined import inlined
 from kernels.base.tf32_product import PASSES, make_tf32_product, make_tf32_products
 from kernels.base.key_split import add_combine, choose_splits, multiprocessors, output_names, partial_views, \
     partials
@@ -167,7 +168,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     o_products = make_tf32_products(passes, DG)               # DG of O's tiles' products, interleaved
     scale_and_mask, online_softmax, write_rows = make_fragment_softmax(NS, ND, THREADS)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def land(src, R, rows, r0, d, tid, aligned):
         """src[r0 + r, :d] -> R[r, :D] (float32 bits; zeros past rows and d): whole 16-byte
         chunks by cp.async, the rest by plain loads."""
@@ -184,11 +185,11 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                         x = src[row, c + e]
                     R[r, c + e] = word_of_float(x)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def parts(w, e):
         return split_tf32(float_of_word(w[e]))
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def k_parts(R, Kp, tid):
         """K_j's landed rows -> their TF32 parts, laid out as S's k-steps read them: key r's
         k-step s at words 16 s + 4 t holds (hi, hi, lo, lo) of columns 8 s + t and 8 s + t + 4,
@@ -203,7 +204,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 h1, l1 = parts(u, t)
                 store_words(Kp, r, 2 * c + 4 * t, h0, h1, l0, l1)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def v_parts(R, Vp, tid):
         """V_j's landed rows -> their TF32 parts, as P V's k-steps read them: key pair p's
         column c at words 4 c holds (hi, hi, lo, lo) of keys 2 p and 2 p + 1, the B fragment

@@ -48,6 +48,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32
 
 from kernels.base.fused import FASTMATH, nan_max
+from kernels.base.inlined import inlined
 from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_int, check_out, device_empty,
                                    on_simulator, to_device)
 
@@ -175,7 +176,7 @@ if on_simulator():
     def _syncwarp():
         cuda.syncthreads()
 else:
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def _syncwarp():
         cuda.syncwarp()
 # FASTMATH has no nnan/ninf: -inf is a real input here (masked logits) and a NaN must reach
@@ -184,7 +185,7 @@ else:
 # ``max`` drops a NaN argument, and a NaN row would come out finite.
 
 
-@cuda.jit(device=True, inline=True, fastmath=FASTMATH)
+@inlined
 def merge_state(m1, l1, m2, l2):
     """merge((m1, l1), (m2, l2)) on the device: the same operator as ``merge``."""
     m = nan_max(m1, m2)

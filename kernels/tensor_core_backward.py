@@ -62,6 +62,7 @@ from numba import cuda, float32, int32, uint16, uint32
 from kernels.base.backward_args import check_grouped_args, run_grouped_backward
 from kernels.base.gradient_adds import make_tile_adds
 from kernels.base.fused import FASTMATH, LOG2E, make_row_reductions
+from kernels.base.inlined import inlined
 from kernels.base.key_block_walk import next_pair, pair_at, query_pairs
 from kernels.base.query_split import add_zero_gradients, query_splits_for
 from kernels.base.tile_copy import make_async_tile_copy, make_async_word_copy
@@ -108,7 +109,7 @@ def make_delta_tc(bf16: bool, o_bits: bool):
 
     unpack = unpack_bf16 if bf16 else unpack_f16
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def wide(x):
         return unpack(int32(x))[0]
 

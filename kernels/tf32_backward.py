@@ -72,6 +72,7 @@ from numba import cuda, float32, int32, uint32
 from kernels.base.backward_args import check_grouped_args, run_grouped_backward
 from kernels.base.gradient_adds import add_pair_to_dq, make_tile_adds
 from kernels.base.fused import FASTMATH, LOG2E
+from kernels.base.inlined import inlined
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_scale, \
     launch_stream, on_simulator
 from kernels.base.key_block_walk import next_pair, pair_at, query_pairs
@@ -211,7 +212,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     # byte offsets in shared memory: 8 rows of a K/Q tile, of dS^T; one row of each
     ROWS8, SROWS8, ROW, SROW = 32 * SD, 32 * SB, 4 * SD, 4 * SB
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def a_at(addr, o1, o2):
         """An A fragment's hi and lo parts from shared memory: a0 at addr, a1 at addr + o1,
         a2 at addr + o2, a3 at addr + o1 + o2 (byte offsets)."""
@@ -221,7 +222,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
         h3, l3 = split_at(addr + o1 + o2)
         return (h0, h1, h2, h3), (l0, l1, l2, l3)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def b_at(addr, o1):
         """A B fragment's hi and lo parts: b0 at addr, b1 at addr + o1."""
         h0, l0 = split_at(addr)
@@ -231,7 +232,7 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     stage_keys = make_async_tile_copy(Bc, D, THREADS, 4, float32)      # K_j, V_j: Bc rows
     stage_queries = make_async_tile_copy(Br, D, THREADS, 4, float32)   # Q_i, dO_i: Br rows
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def stage_pair(q, do, lse, delta, smem, Ls, Ds, buf, bh, q0, n_q, d, tid, aligned):
         """Query tile q0 of head bh (Q_i, dO_i, L_i in base 2, D_i) into buffer ``buf``."""
         at = QBASE + 2 * buf * QTILE

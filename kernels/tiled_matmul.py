@@ -48,6 +48,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32, uint64
 from numba import types as numba_types
 
+from kernels.base.inlined import inlined
 from kernels.base.runtime import (ArrayKind, cdiv, check_array, check_flag, check_out, device_empty, on_simulator,
                                  to_device)
 
@@ -163,7 +164,7 @@ def make_register_tiles(BM: int = 128, BN: int = 128, BK: int = 8, TM: int = 8, 
     A_SMEM = 2 * A_BUF                    # shapes must be compile-time constants
     B_SMEM = 2 * B_BUF
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def k_step(As, Bs, ao, bo, fa, fb, acc):
         """One k-step: TM + TN shared loads into registers, then TM * TN FMAs from registers.
         ``ao``, ``bo``: where this thread's A column and B row start in As, Bs."""
@@ -447,7 +448,7 @@ def make_mma_tiles(BM: int, BN: int, BK: int, WM: int, WN: int, STAGES: int = 2,
     A_COPIES, B_COPIES = cdiv(BM, A_STEP), cdiv(BK, B_STEP)            # a thread's chunks a stage
     A_SIZE, B_SIZE = STAGES * BM * SA, STAGES * BK * SB
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def copy_ragged(dst, src, r0, c0, rows, cols, first_row, col, step, tile_rows, aligned):
         """The ragged edge's copy of a tile's chunks src[r0 + r, c0 + col:c0 + col + 8] ->
         dst[r, col:col + 8] for r = first_row, first_row + step, ... < tile_rows: cp.async
@@ -463,7 +464,7 @@ def make_mma_tiles(BM: int, BN: int, BK: int, WM: int, WN: int, STAGES: int = 2,
                         x = src[row, c0 + col + e]
                     dst[r, col + e] = x
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def stage_in(a, b, As, Bs, m0, n0, k0, M, N, K, ar, ac, br, bc, aligned):
         """Step k0's A (BM x BK) and B (BK x BN) tiles into one stage; this thread's chunks
         start at row ar, column ac of A's tile and row br, column bc of B's, and repeat
@@ -483,7 +484,7 @@ def make_mma_tiles(BM: int, BN: int, BK: int, WM: int, WN: int, STAGES: int = 2,
         else:
             copy_ragged(Bs, b, k0, n0, K, N, br, bc, B_STEP, BK, aligned)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def k_step(As, Bs, ks, wm, wn, lr, lc, part):
         """16 of K: the warp's A fragments by ldmatrix, its B fragments by ldmatrix.trans,
         then MT x NT mma into ``part`` (from 0 at the step's first k-step)."""

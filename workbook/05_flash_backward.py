@@ -378,9 +378,9 @@ print(inspect.getsource(make_delta))
 # L = -inf has a meaning of its own: the row saw nothing, its P is 0.
 #
 # **Building blocks.** Both kernels do the same steps on a tile, so each step is written
-# once, as a device function that a cached factory builds for the tile sizes and that Numba
-# inlines into the kernel (its per-thread arrays stay registers). The S and dP micro-tiles,
-# and P and dS from them:
+# once, as a device function that a cached factory builds for the tile sizes and that the
+# compiler inlines into the kernel (`@inlined`, `kernels/base/inlined.py`: its per-thread arrays
+# stay registers). The S and dP micro-tiles, and P and dS from them:
 
 # %%
 print(inspect.getsource(fb._scores))

@@ -22,9 +22,10 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32
+from numba import float32
 
 from kernels.base.fused import MASKED, MINUS_INF, make_row_reductions
+from kernels.base.inlined import inlined
 
 __all__ = ["make_fragment_softmax"]
 
@@ -43,7 +44,7 @@ def make_fragment_softmax(NS: int, ND: int, THREADS: int, o_type: str | None = N
     store = make_output_store(o_type)
     row_max, row_sum = make_row_reductions(4, THREADS, propagate_nan=False)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def scale_and_mask(sc, k0, wrow0, g, t, n_k, diag, causal, scale2):
         # only a tile that crosses n_k or this warp's causal diagonal is masked
         if k0 + Bc > n_k or (causal != 0 and k0 + Bc - 1 > wrow0 + diag):
@@ -60,7 +61,7 @@ def make_fragment_softmax(NS: int, ND: int, THREADS: int, o_type: str | None = N
                 for e in range(4):
                     sc[nt, e] *= scale2
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def online_softmax(sc, acc, m, l):
         for h in range(2):                           # rows g (h = 0) and g + 8 (h = 1)
             mx = m[h]
@@ -80,7 +81,7 @@ def make_fragment_softmax(NS: int, ND: int, THREADS: int, o_type: str | None = N
                     l[h] += p
                     sc[nt, 2 * h + e] = p
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def write_rows(acc, m, l, o, lse, bh, wrow0, g, t, n_q, d):
         for h in range(2):
             total = row_sum(l[h])                    # the quad's sums first

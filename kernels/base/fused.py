@@ -27,16 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, uint64
 
+from kernels.base.inlined import FASTMATH, inlined
 from kernels.base.runtime import on_simulator
 
 __all__ = ["Tiles", "run_length", "padded_head_dim", "make_row_reductions", "nan_max", "FASTMATH", "MASKED",
            "MINUS_INF", "LOG2E", "ALIGN", "MAX_GRID_Y", "check_tiles_type"]
 
-# Fast math without the two flags that assume finite values: exp2 and log stay the fast
-# hardware instructions (afn), products and sums may fuse and reorder (contract, reassoc),
-# but the compiler may not assume that no input is NaN or Inf. With nnan/ninf it may drop
-# a NaN from a max or a comparison, and a NaN query row would come out finite.
-FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
 MASKED = np.float32(-1e30)        # a masked score: finite, so "no key yet" is a comparison
 MINUS_INF = np.float32(-np.inf)   # only ever stored, as L of a row that sees no key
@@ -88,7 +84,7 @@ def padded_head_dim(d: int, TX: int = 1) -> int:
     return max(D, TX, 1 if on_simulator() else 16)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def nan_max(a, b):
     """max(a, b) that propagates NaN (Python's and Numba's max drop a NaN argument)."""
     if b > a or b != b:       # b != b: b is NaN (a NaN a falls through and is returned)
@@ -96,7 +92,7 @@ def nan_max(a, b):
     return a
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def _plain_max(a, b):
     return max(a, b)         # max.f32: one instruction (a NaN operand gives the other one)
 
@@ -107,7 +103,7 @@ def make_kv_tile_copy(Bc: int, D: int, threads: int):
     and d; thread t of ``threads`` copies elements t, t + threads, ... The loop chapter 4's
     query-tile rung writes out (``make_query_tile_forward``), for the rungs built on it."""
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def copy_kv_tile(k, v, K_j, V_j, bh, k0, n_k, d, t):
         for e in range(t, Bc * D, threads):
             r, c = e // D, e % D
@@ -118,7 +114,7 @@ def make_kv_tile_copy(Bc: int, D: int, threads: int):
     return copy_kv_tile
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def load_kv_or_zero(kh, vh, r, c, n, d):
     """K[r, c] and V[r, c] as float32 (an fp16 cache widens on the way), 0 past the n rows
     or d columns: the address is clamped inside the arrays, so the load itself never
@@ -146,7 +142,7 @@ def make_row_reductions(TX: int, threads: int, propagate_nan: bool = True):
         lanes = 0xFFFFFFFF if threads >= 32 else (1 << threads) - 1   # the lanes that exist
         pick = nan_max if propagate_nan else _plain_max
 
-        @cuda.jit(device=True, inline=True)
+        @inlined
         def row_max(x):
             lane_mask = TX // 2
             while lane_mask > 0:
@@ -154,7 +150,7 @@ def make_row_reductions(TX: int, threads: int, propagate_nan: bool = True):
                 lane_mask //= 2
             return x
 
-        @cuda.jit(device=True, inline=True)
+        @inlined
         def row_sum(x):
             lane_mask = TX // 2
             while lane_mask > 0:

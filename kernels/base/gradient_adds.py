@@ -19,12 +19,13 @@ import functools
 
 from numba import cuda, uint32
 
+from kernels.base.inlined import inlined
 from kernels.base.mma import red_add_pair
 
 __all__ = ["add_pair_to_dq", "make_tile_adds"]
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def add_pair_to_dq(dqh, row, col, x0, x1, n_q, d, aligned):
     """dqh[row, col] += x0 and dqh[row, col + 1] += x1, for a row below n_q and the columns
     below d; ``aligned`` (0/1): rows 16-byte aligned and d even, so a whole pair goes at once."""
@@ -46,7 +47,7 @@ def make_tile_adds(T: int):
     lane (group g, t) adds rows row0 + g and row0 + g + 8, columns col0 + 8 j + 2 t and the next.
     One test for the whole warp picks the unchecked path (rows, columns inside, aligned)."""
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def add_tiles(dqh, acc, row0, col0, g, t, scale, n_q, d, aligned):
         if aligned != 0 and row0 + 16 <= n_q and col0 + 8 * T <= d:
             r = uint32(row0 + g)

@@ -13,12 +13,13 @@ dependent instructions (some twenty, with a reciprocal) there is time no warp ca
 
 from __future__ import annotations
 
-from numba import cuda, int32, uint32
+from numba import int32, uint32
 
+from kernels.base.inlined import inlined
 __all__ = ["query_pairs", "pair_at", "next_pair"]
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def query_pairs(k0, diag, causal, n_q, Br, group):
     """(first, n_tiles, steps): the first query tile that sees key k0, the query tiles from
     it on, and the pairs to visit (``group`` query heads, ``n_tiles`` tiles each)."""
@@ -27,7 +28,7 @@ def query_pairs(k0, diag, causal, n_q, Br, group):
     return first, n_tiles, group * n_tiles
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def pair_at(step, bkv, group, first, n_tiles, Br):
     """(bh, q0): the query head (of B*H) and first query row of the walk's ``step``-th pair.
     Both counts are non-negative: a 32-bit unsigned division (Python's // on Numba's int64 is
@@ -36,7 +37,7 @@ def pair_at(step, bkv, group, first, n_tiles, Br):
     return int32(bkv * group) + int32(s // n), (int32(first) + int32(s % n)) * int32(Br)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def next_pair(bh, q0, first, n_tiles, Br):
     """The pair after (bh, q0) in the walk: the next query tile of the head, or, after its
     last, the next query head's tile ``first``. int32 in, int32 out."""

@@ -24,6 +24,7 @@ from numba import cuda, float32, int32
 
 import numpy as np
 
+from kernels.base.inlined import inlined
 from kernels.base.runtime import cdiv, on_simulator, to_device
 
 __all__ = ["block_share", "split_range", "make_combine_splits", "choose_splits", "partials", "partial_views", "output_names",
@@ -33,7 +34,7 @@ COMBINE_ROWS = 4          # rows a combine block (one warp each: lanes over d)
 MINUS_INF = float32(-math.inf)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def block_share(n):
     """(first, end): block z's items first .. end - 1 of a walk of ``n`` (S = gridDim.z
     near-equal shares, the last ones shorter or empty; with S = 1 the whole walk). The
@@ -46,7 +47,7 @@ def block_share(n):
     return first, min(first + share, n)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def split_range(n_tiles, bh):
     """(first, end, slot): block z's key tiles first .. end - 1 of the ``n_tiles`` its query
     tile sees (``block_share``), and its partial's row in the (S*B*H, ...) buffers. With

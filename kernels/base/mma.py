@@ -78,6 +78,7 @@ import threading
 
 import numpy as np
 
+from kernels.base.inlined import inlined
 from kernels.base.runtime import on_simulator
 
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
@@ -967,14 +968,14 @@ def make_output_store(o_type: str | None = None):
     if o_type not in OUTPUT_TYPES:
         raise ValueError(f"o_type: expected one of {OUTPUT_TYPES}, got {o_type!r}")
     if o_type is None:
-        @cuda.jit(device=True, inline=True)
+        @inlined
         def store(a, i, j, k, x):
             a[i, j, k] = x
 
         return store
     pack = pack_bf16 if o_type == "bf16" else pack_f16
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def store_rounded(a, i, j, k, x):
         a[i, j, k] = uint16(pack(x, float32(0.0)) & uint32(0xFFFF))
 

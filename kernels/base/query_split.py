@@ -17,6 +17,7 @@ import functools
 
 from numba import cuda, float32, int32
 
+from kernels.base.inlined import inlined
 from kernels.base.key_split import block_share, multiprocessors
 from kernels.base.runtime import cdiv
 
@@ -33,7 +34,7 @@ def make_block_steps(split: bool):
     ``steps`` (query head, query tile) pairs that this block takes: all of them, or with
     ``split`` block z's share (``kernels.base.key_split.block_share``)."""
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def block_steps(steps):
         if split:
             return block_share(steps)
@@ -48,7 +49,7 @@ def make_gradient_store(split: bool):
     element where it goes: stored, or with ``split`` added atomically (the other splits of the
     key tile add theirs)."""
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def store(dk, dv, bkv, key, col, xk, xv):
         if split:
             cuda.atomic.add(dk, (bkv, key, col), xk)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32
+from numba import float32
 
+from kernels.base.inlined import inlined
 __all__ = ["make_tf32_product", "make_tf32_products", "make_tf32_product_pairs", "PASSES"]
 
 PASSES = (1, 3)                 # TF32 products a fp32 product: 1 (plain TF32) or 3 (3xTF32)
@@ -33,7 +34,7 @@ def make_tf32_product(passes: int = 3):
         raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
     THREE = passes == 3
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def split4(a0, a1, a2, a3):
         h0, l0 = split_tf32(a0)
         h1, l1 = split_tf32(a1)
@@ -41,13 +42,13 @@ def make_tf32_product(passes: int = 3):
         h3, l3 = split_tf32(a3)
         return (h0, h1, h2, h3), (l0, l1, l2, l3)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def split2(b0, b1):
         h0, l0 = split_tf32(b0)
         h1, l1 = split_tf32(b1)
         return (h0, h1), (l0, l1)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def product(a_hi, a_lo, b_hi, b_lo):
         """One k-step's 16 x 8 tile of A B, from zero: the small terms first, the large last
         (or the hi-hi product alone). Each k-step starts a fresh accumulator, which the caller
@@ -77,7 +78,7 @@ def make_tf32_products(passes: int, n: int):
         raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
     THREE = passes == 3
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def products(a_hi, a_lo, b, c):
         zero = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
         if THREE:
@@ -114,7 +115,7 @@ def make_tf32_product_pairs(passes: int, n: int):
         raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
     THREE = passes == 3
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def pairs(a_hi, a_lo, b, c, e_hi, e_lo, f, g):
         zero = (float32(0.0), float32(0.0), float32(0.0), float32(0.0))
         if THREE:

@@ -23,8 +23,9 @@ code, which was not measured.)
 
 from __future__ import annotations
 
-from numba import cuda, uint16, uint32, uint64
+from numba import uint16, uint32, uint64
 
+from kernels.base.inlined import inlined
 __all__ = ["make_async_tile_copy", "make_async_word_copy"]
 
 
@@ -55,7 +56,7 @@ def make_async_tile_copy(ROWS: int, D: int, THREADS: int, itemsize: int = 2, dty
     RS = THREADS // CPR                  # rows between a thread's chunks
     PER = ROWS * CPR // THREADS          # a thread's chunks
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def stage_in(src, dst, rows, r0, d, tid, aligned):
         if COLUMN and aligned != 0:
             r = tid // CPR
@@ -93,7 +94,7 @@ def make_async_word_copy(ROWS: int, THREADS: int):
     (chapter 12's backward measured that wait, and the barrier the other warps then wait at)."""
     from kernels.base.mma import cp_async_word_at, global_address, shared_address
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def stage_words(src, i, dst, j, n, r0, tid):
         g0 = global_address(src, i, 0)                # a valid address for the words that copy 0 bytes
         for r in range(tid, ROWS, THREADS):

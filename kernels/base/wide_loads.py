@@ -24,6 +24,7 @@ import functools
 
 from numba import cuda, float32
 
+from kernels.base.inlined import inlined
 from kernels.base.runtime import on_simulator
 
 __all__ = ["make_load", "WIDE_BYTES", "is_aligned"]
@@ -41,7 +42,7 @@ def is_aligned(array, row_elements: int, itemsize: int) -> bool:
     return array.__cuda_array_interface__["data"][0] % WIDE_BYTES == 0
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def _load1(a, row, col):
     return (float32(a[row, col]),)
 
