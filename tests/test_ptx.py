@@ -86,3 +86,41 @@ def test_discovery_skips_the_shared_modules(name):
     found = kernel_modules()
     assert name not in found
     assert "gpu_basics" in found
+
+
+def test_an_inlined_block_leaves_no_call_and_keeps_its_own_fast_math():
+    # kernels.base.inlined: the block is marked alwaysinline for LLVM (no .func, no call left in the
+    # kernel's PTX), and its flags are its own, not the kernel's: FASTMATH's arcp/afn make a / b
+    # the approximate division, fastmath=False the rounded one.
+    script = textwrap.dedent("""
+        import kernels
+        from numba import cuda
+        from kernels.base.inlined import inlined
+        from kernels.base.ptx_check import SM_90, answer_sm_90_without_a_driver
+        answer_sm_90_without_a_driver()
+
+        @inlined
+        def quotient_fast(a, b):
+            return a / b
+
+        @inlined(fastmath=False)
+        def quotient_exact(a, b):
+            return a / b
+
+        def fast(x):
+            x[0] = quotient_fast(x[1], x[2])
+
+        def exact(x):
+            x[0] = quotient_exact(x[1], x[2])
+
+        for kernel, block in ((fast, quotient_fast), (exact, quotient_exact)):
+            ptx, _ = cuda.compile_ptx(kernel, "void(float32[::1])", cc=SM_90)
+            body = [line.split()[0] for line in ptx.splitlines() if line.strip().startswith(("div", "call", ".func"))]
+            marked = all(" alwaysinline" in ir.split("{")[0] for ir in block.inspect_llvm().values())
+            print(kernel.__name__, body, "alwaysinline" if marked else "left to LLVM's judgement")
+    """)
+    proc = _run(["-c", script], timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "fast ['div.approx.f32'] alwaysinline" in out, out
+    assert "exact ['div.rn.f32'] alwaysinline" in out, out
