@@ -402,9 +402,7 @@ def main(argv=None) -> int:
     """``python -m kernels.bench.flash_backward --ladder [--out DIR]``: the ladder's rows
     alone, written to <out>/flash_backward_ladder.csv (the tour runs them with the rest)."""
     import argparse
-    from pathlib import Path
 
-    from kernels.base.runtime import on_simulator
     from kernels.bench import harness
 
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.flash_backward")
@@ -412,9 +410,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     ctx = harness.Context(quick=False, warmup=3, repeat=20)
-    out = Path(args.out) if args.out else (Path(__file__).resolve().parents[2] /
-                                           ("bench-out" if on_simulator() else "workbook/results"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.results_folder(args.out)
     results = []
     ladder_rows(ctx, results)
     harness.write_csv(out / "flash_backward_ladder.csv", results, harness.environment())

@@ -452,8 +452,6 @@ def dram_from_ncu(paths, *, shape=REFERENCE, ctx=None) -> list[Result]:
 
 
 def main(argv=None) -> int:
-    from pathlib import Path
-
     from kernels.bench import harness
 
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.flash_forward")
@@ -470,9 +468,7 @@ def main(argv=None) -> int:
         _ncu_once(args.ncu)
         return 0
     ctx = harness.Context(quick=args.quick, warmup=3, repeat=10 if args.quick else 20)
-    out = Path(args.out) if args.out else (Path(__file__).resolve().parents[2] /
-                                           ("bench-out" if on_simulator() else "workbook/results"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.results_folder(args.out)
     env = harness.environment()
     if args.sweep:
         results = tile_sweep(ctx) + (tile_sweep(ctx, d=128) if not ctx.simulator else [])

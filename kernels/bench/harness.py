@@ -319,6 +319,17 @@ def format_table(results, simulator=None) -> str:
 
 
 RESULTS_DIR = __import__("pathlib").Path(__file__).resolve().parents[2] / "workbook" / "results"
+SIM_RESULTS_DIR = RESULTS_DIR.parents[1] / "bench-out"
+
+
+def results_folder(out=None):
+    """The folder a bench writes to, made if missing: ``out`` if given, else the committed
+    results (workbook/results) on a GPU and bench-out/ in the simulator."""
+    from pathlib import Path
+
+    folder = Path(out) if out else (SIM_RESULTS_DIR if on_simulator() else RESULTS_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def committed_results(name, chapter=None):

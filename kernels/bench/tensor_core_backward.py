@@ -383,9 +383,7 @@ def tile_sweep(ctx, dims=(64, 128), candidates=None) -> list[Result]:
 def main(argv=None) -> int:
     import argparse
     import sys
-    from pathlib import Path
 
-    from kernels.base.runtime import on_simulator
     from kernels.bench import harness
 
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.tensor_core_backward",
@@ -407,9 +405,7 @@ def main(argv=None) -> int:
         parser.print_help(sys.stderr)
         return 2
     ctx = harness.Context(quick=False, warmup=3, repeat=20)
-    out = Path(args.out) if args.out else (Path(__file__).resolve().parents[2] /
-                                           ("bench-out" if on_simulator() else "workbook/results"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.results_folder(args.out)
     results = tile_sweep(ctx, dims=tuple(args.d))
     harness.write_csv(out / "tensor_core_backward_tiles.csv", results, harness.environment())
     print(harness.format_table(results, simulator=ctx.simulator))

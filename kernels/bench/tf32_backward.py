@@ -298,9 +298,7 @@ def variant_sweep(ctx, cells=None) -> list[Result]:
 def main(argv=None) -> int:
     import argparse
     import sys
-    from pathlib import Path
 
-    from kernels.base.runtime import on_simulator
     from kernels.bench import harness
 
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.tf32_backward",
@@ -323,9 +321,7 @@ def main(argv=None) -> int:
         parser.print_help(sys.stderr)
         return 2
     ctx = harness.Context(quick=False, warmup=1, repeat=5)
-    out = Path(args.out) if args.out else (Path(__file__).resolve().parents[2] /
-                                           ("bench-out" if on_simulator() else "workbook/results"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.results_folder(args.out)
     results = variant_sweep(ctx, cells)
     harness.write_csv(out / "tf32_backward_variants.csv", results, harness.environment())
     print(harness.format_table(results, simulator=ctx.simulator))

@@ -197,9 +197,7 @@ def table(paths, out=None):
                                     {"case": name, "dram_total_bytes": dram, "dram_write_bytes": writes,
                                      "l2_read_bytes": l2, "model_bytes": model, "compulsory_bytes": compulsory,
                                      "kernels_dram_GB/l2_GB": per_kernel, "part": "ncu"}))
-    out = Path(out) if out else Path(__file__).resolve().parents[2] / ("bench-out" if on_simulator()
-                                                                      else "workbook/results")
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.results_folder(out)
     env = harness.environment()
     for chapter, fname in ((5, "flash_backward_dram.csv"), (6, "block_sparse_dram.csv"), (10, "io_theory_dram.csv")):
         if rows[chapter]:
