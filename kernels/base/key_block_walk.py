@@ -16,6 +16,7 @@ from __future__ import annotations
 from numba import int32, uint32
 
 from kernels.base.inlined import inlined
+
 __all__ = ["query_pairs", "pair_at", "next_pair"]
 
 

@@ -17,6 +17,7 @@ import functools
 from numba import float32
 
 from kernels.base.inlined import inlined
+
 __all__ = ["make_tf32_product", "make_tf32_products", "make_tf32_product_pairs", "PASSES"]
 
 PASSES = (1, 3)                 # TF32 products a fp32 product: 1 (plain TF32) or 3 (3xTF32)

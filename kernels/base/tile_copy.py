@@ -26,6 +26,7 @@ from __future__ import annotations
 from numba import uint16, uint32, uint64
 
 from kernels.base.inlined import inlined
+
 __all__ = ["make_async_tile_copy", "make_async_word_copy"]
 
 
