@@ -52,8 +52,12 @@ one dropped bit is 0 or a tie: a rounded lo misses x by exactly what the mma's o
 truncation of an unrounded one does (``kernels.tf32_error.split_tf32``). ``lo="truncated"``
 leaves x - hi as it is (``split_tf32_at``: a load, one cvt.rn and one subtraction): at d =
 128, S^T and dP^T's loop then takes 6.4 instructions an mma where it takes 7.4, dQ's 6.1
-where 7.1 (SASS for sm_90). The launchers keep ``DEFAULT_LO``, the rounding, until the GPU
-has timed both. ``passes=1`` multiplies hi by hi alone (plain TF32), to show what that
+where 7.1 (SASS for sm_90). Under 255 registers ptxas then pads between dependent mma;
+``rounds=True`` issues S^T's and dP^T's products round by round so that 8 mma stand between
+them. Both are the launchers' defaults (``DEFAULT_LO``, ``DEFAULT_ROUNDS``): on the H200 at
+d = 128 (bare, the three variants taking turns) 1.12-1.14x the rounded split's speed (B=32
+H=16 N=1024: 18.04 -> 15.82 ms, plain PyTorch's backward 15.82, SDPA memory-efficient 19.09),
+lo truncated alone 1.05-1.06x. ``passes=1`` multiplies hi by hi alone (plain TF32), to show what that
 loses.
 
 Before it, chapter 5's pre-pass D = rowsum(dO o O) (zeroing dQ for the atomic adds).
@@ -87,8 +91,8 @@ __all__ = ["flash_attention_backward_tf32", "launch_backward", "make_backward_tf
 
 # The base-2 logsumexp of a dead row (past Nq, or L = -inf): exp2(S - DEAD) = 0.
 DEAD = float32(1.0e30)
-DEFAULT_LO = "rounded"          # the launchers' (the GPU has not yet timed "truncated")
-DEFAULT_ROUNDS = False          # the launchers' (the GPU has not yet timed S^T's products round by round)
+DEFAULT_LO = "truncated"        # the launchers': 1.13x "rounded" with DEFAULT_ROUNDS (H200, d = 128)
+DEFAULT_ROUNDS = True          # the launchers': S^T's products round by round (see the variant bench)
 
 
 def tf32_backward_tiles(d: int) -> tuple[int, int, int]:

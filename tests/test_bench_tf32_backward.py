@@ -11,7 +11,10 @@ from kernels.bench.harness import Context
 def test_each_variant_gets_a_row_with_its_errors_and_its_speed_up():
     ctx = Context(quick=True, warmup=0, repeat=1, progress=lambda *a: None)
     rows = bench.variant_sweep(ctx, cells=[(1, 1, 9, 8, True)])
+    peers = rows[len(bench.VARIANTS):]                   # on a GPU: SDPA's and plain PyTorch's, after
+    rows = rows[:len(bench.VARIANTS)]
     assert [r.extra["variant"] for r in rows] == [label for label, _ in bench.VARIANTS]
+    assert all(r.kernel.startswith("peer: ") and "variant" not in r.extra for r in peers)
     first = bench.VARIANTS[0][0]
     for r, (label, kw) in zip(rows, bench.VARIANTS):
         assert r.config == "B=1 H=1 N=9 d=8 fp32 causal=True" and r.median_ms > 0

@@ -652,8 +652,8 @@ show_source(tf32_backward.make_backward_tf32, "# ---- dV_w += P^T dO_c, dK_w += 
 # tf32 register's top 19 bits: `tests/test_mma.py` checks it on the GPU and holds the
 # simulator's emulation to it). So the backward's split may leave $a - a_{hi}$ as it is: a
 # load, one `cvt.rn` and one subtraction (`make_backward_tf32(..., lo="truncated")`, whose
-# loads split with `split_tf32_at`; the launchers' default, `DEFAULT_LO`, still rounds, with
-# `split_tf32_at_rounded`, until the GPU has timed both). In NumPy, on a million float32 values:
+# loads split with `split_tf32_at`, the launchers' default, `DEFAULT_LO`; `lo="rounded"` keeps
+# the second rounding, with `split_tf32_at_rounded`). In NumPy, on a million float32 values:
 
 # %%
 x_split = np.random.default_rng(3).standard_normal(1_000_000).astype(np.float32)
@@ -669,14 +669,19 @@ print(f"lo differs in {np.mean(lo_rounded != lo_truncated):.0%} of the values; |
 # What the instruction cost, in the SASS for sm_90 (`kernels.base.sass`) at d = 128: S^T and
 # dP^T's loop 7.4 instructions an mma with the rounding, 6.4 without; dQ's 7.1 and 6.1; dK and
 # dV's 5.4 and 5.2 (their A fragments, P^T and dS^T, are split in registers once a tile by
-# `split_tf32`, which keeps rounding). About 8% of a query tile's instructions; the GPU has
-# not timed it yet, so the launchers keep the rounding (`workbook/results/TUNING.md`).
-# Fewer instructions need not mean less time: under 255 registers ptxas keeps few products in
+# `split_tf32`, which keeps rounding). About 8% of a query tile's instructions
+# (`workbook/results/TUNING.md`). Fewer instructions need not mean less time: under 255 registers ptxas keeps few products in
 # flight and pads between an mma and the next of its chain with empty instructions, and it
 # pads more where the split left fewer instructions to put there. `rounds=True` issues S^T
 # and dP^T's products of a k-step round by round (`make_tf32_product_pairs`), so 8 mma stand
 # between dependent ones. `python -m kernels.bench.tf32_backward --variants` times the three
-# variants taking turns on the GPU.
+# variants taking turns on the GPU (bare launches, each round's calls back to back, which
+# variant goes first alternating). On the H200 at d = 128, B=32 H=16 N=1024: 18.04 ms with lo
+# rounded, 16.99 with lo truncated (1.06x), 15.82 with the products round by round too
+# (1.14x), level with plain PyTorch's backward (15.82) and 1.21x SDPA memory-efficient's
+# (19.09). Both are the launchers' defaults (`DEFAULT_LO = "truncated"`, `DEFAULT_ROUNDS =
+# True`). Issuing round by round changes no sum (dK and dV bit for bit); lo truncated misses
+# each operand by what the rounded lo misses it by, in size.
 
 # %% [markdown]
 # **The launchers.** Chapter 4's `flash_attention` and chapter 5's `flash_attention_backward`
