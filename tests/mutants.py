@@ -553,10 +553,10 @@ MUTANTS += [
            (("            c = mma_tf32(a_hi, b_lo, c)\n", ""),),
            T11B, CH11B, "the backward's products without a_hi b_lo: about 2^-11 of |a||b| lost"),
     Mutant("tfb-chunk-reads-its-first-tile", 11, TFB,
-           (("b_hi, b_lo = b_at(qb + cb + U(n * ROWS8 + 32 * s_), U(16))",
-             "b_hi, b_lo = b_at(qb + cb + U(32 * s_), U(16))   # PLANTED: every tile of the chunk reads the first"),),
+           (("at = cb + U(n * ROWS8 + 32 * s_)", "at = cb + U(32 * s_)   # PLANTED: every tile of the chunk reads the first"),),
            T11B, "test_chunks_of_query_tiles_meet_the_same_rule",
-           "S^T for a chunk of query tiles: every tile's Q_c fragment read from the chunk's first tile"),
+           "S^T and dP^T for a chunk of query tiles: every tile's Q_c and dO_c fragments read from the chunk's "
+           "first tile"),
     Mutant("tfb-split-lo-not-subtracted", 11, "kernels.base.mma",
            (("        return hi, np.uint32(int(np.array(rest, np.float32).view(np.uint32)))",
              "        return hi, np.uint32(int(np.array(x, np.float32).view(np.uint32)))   # PLANTED"),),
