@@ -229,7 +229,10 @@ def mpi_run(tmp_path_factory):
             np.savez(folder / "cases.npz", **arrays)
             # (heavy yield: a rank waiting in a collective sleeps instead of spinning, leaving
             # the CPU to the ranks that compute: 4 processes share CI's 2 cores)
-            env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+            # (Open MPI's mpiexec, where it is the one found, refuses to run as root, as containers
+            # do, without its two variables; MPICH's ignores them)
+            env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+                       OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
                                                                              os.environ.get("PYTHONPATH")])))
             t0 = time.perf_counter()
             proc = subprocess.run([_mpiexec(), "-n", str(WORLD), sys.executable, __file__,
