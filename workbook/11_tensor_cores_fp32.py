@@ -675,13 +675,29 @@ print(f"lo differs in {np.mean(lo_rounded != lo_truncated):.0%} of the values; |
 # pads more where the split left fewer instructions to put there. `rounds=True` issues S^T
 # and dP^T's products of a k-step round by round (`make_tf32_product_pairs`), so 8 mma stand
 # between dependent ones. `python -m kernels.bench.tf32_backward --variants` times the three
-# variants taking turns on the GPU (bare launches, each round's calls back to back, which
-# variant goes first alternating). On the H200 at d = 128, B=32 H=16 N=1024: 18.04 ms with lo
-# rounded, 16.99 with lo truncated (1.06x), 15.82 with the products round by round too
-# (1.14x), level with plain PyTorch's backward (15.82) and 1.21x SDPA memory-efficient's
-# (19.09). Both are the launchers' defaults (`DEFAULT_LO = "truncated"`, `DEFAULT_ROUNDS =
+# variants taking turns on the GPU (bare launches, nine rounds of back-to-back calls, which
+# variant goes first alternating; a speed-up is the median over rounds of the same round's
+# ratio). On the H100 (`workbook/results/tf32_backward_variants.csv`, below): lo truncated
+# 1.05-1.08x the rounded split, with the products round by round too 1.11-1.14x at d = 128
+# (1.08x at d = 64, where ptxas issues the same code either way), and faster than plain
+# PyTorch's backward and SDPA memory-efficient's in every cell; the H200 gave 1.12-1.14x at
+# d = 128 too. Both are the launchers' defaults (`DEFAULT_LO = "truncated"`, `DEFAULT_ROUNDS =
 # True`). Issuing round by round changes no sum (dK and dV bit for bit); lo truncated misses
-# each operand by what the rounded lo misses it by, in size.
+# each operand by what the rounded lo misses it by, in size, and the errors (each gradient's
+# largest, over float32 NumPy's) stay where they were.
+
+# %%
+_, vrows = committed_results("tf32_backward_variants", chapter=11)
+short = {"bare, lo rounded": "lo rounded", "bare, lo truncated": "lo truncated",
+         "bare, lo truncated, products round by round": "+ round by round",
+         "peer: SDPA memory-efficient bwd": "SDPA memory-efficient", "peer: plain PyTorch bwd": "plain PyTorch"}
+for r in vrows:
+    extra = dict(kv.split("=", 1) for kv in r["extra"].split(";") if "=" in kv)
+    speedup = next((f"{float(v):.3f}x" for k, v in extra.items() if k.startswith("speedup over")), "")
+    errors = " ".join(f"{float(extra[f'error_vs_float32_{g}']):.2f}" for g in ("dQ", "dK", "dV")
+                      if f"error_vs_float32_{g}" in extra)
+    print(f"{r['config'].replace(' fp32', ''):38s} {short.get(r['kernel'], r['kernel']):22s} "
+          f"{r['median_ms']:7.2f} ms {speedup:>8s}  {errors}")
 
 # %% [markdown]
 # **The launchers.** Chapter 4's `flash_attention` and chapter 5's `flash_attention_backward`

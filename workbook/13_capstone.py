@@ -334,24 +334,27 @@ if rows:
     display(Image(str(RESULTS_DIR / "capstone_floor.png")))
 
 # %% [markdown]
-# The floor does not hold yet, by a little. Ours is slower than plain PyTorch in **2 of the 568
+# **The floor holds** on the H100. Ours is slower than plain PyTorch in **none of the 568
 # cells** where plain PyTorch runs; plain PyTorch runs out of memory in the other 72, where ours
-# runs. Both halves ran on an H100 on 2026-12-06, the two sides of each cell taking turns: bf16
-# on the morning's code, fp32 again after chapter 11's forward kept Q's parts in shared memory at
-# d = 128 (notebook 11, section 4). In both cells every round is slower:
+# runs. The bf16 half ran on 2026-12-06, the fp32 half on 2026-12-07, the two sides of each cell
+# taking turns. Six cells are level within their rounds (the rounds' ratios straddle 1, the
+# medians 1.00-1.10x); none has its rounds nearly all below 1.
 #
-# * **Two fp32 forward + backward cells**, B·H = 512, d = 128 without the mask: N = 256 0.97x
-#   (1.95 against 1.88 ms; the rounds' ratios 0.962-0.981) and N = 1024 0.994x (25.8 against
-#   25.6; 0.992-0.997); in the morning's fp32 half 0.94x and 0.987x. Chapter 11's backward is the
-#   slower half: at d = 128 without the mask it is 0.96-1.01x plain PyTorch's backward (cuBLAS in
-#   fp32; notebook 11's bench), and the forward's lead covers that in the other d = 128 cells.
-# * The morning's third cell, an fp32 forward at B·H = 64, N = 256, d = 128 (0.994x, level
-#   within its rounds), is 1.10x with Q's parts.
+# * **The last two slower cells**, fp32 forward + backward at B·H = 512, d = 128 without the
+#   mask, were chapter 11's backward: at d = 128 it was 0.96-1.01x plain PyTorch's backward
+#   (cuBLAS in fp32). With lo left for the mma and S^T's products issued round by round (notebook
+#   11, section 7: 1.12-1.14x at d = 128) they went from 0.97x to **1.051x** (N = 256: 1.80
+#   against 1.90 ms; rounds 1.047-1.059) and from 0.994x to **1.099x** (N = 1024: 23.3 against
+#   25.7; rounds 1.095-1.104).
+# * **On an H200** (1.4x the H100's memory bandwidth, which plain PyTorch's memory-bound softmax
+#   gains from) the same two cells are still short: 0.986x and 0.993x through `attention()`,
+#   taking turns, from 0.911x and 0.909x with the backward's defaults before. The sweep is the
+#   H100's.
 #
-# No bf16 cell is slower. The sweep before had 10 slower cells (its fp32 half on an H100 on
-# 2026-12-05, its bf16 half on an H200 on 2026-11-29, each side's runs one after the other):
+# The sweep before (2026-12-06) had these 2 slower cells; the one before it 10 (its fp32 half on
+# an H100 on 2026-12-05, its bf16 half on an H200 on 2026-11-29, each side's runs one after the other):
 # seven bf16 forward + backward cells of 0.56-0.99 ms a call (0.83-0.99x) and a noisy fp32
-# forward (B·H = 8, N = 1024, d = 64, 0.80x). All eight are faster than plain PyTorch here
+# forward (B·H = 8, N = 1024, d = 64, 0.80x). All eight were faster than plain PyTorch on 2026-12-06
 # (1.08-1.64x). Between the two sweeps the card (for bf16) and the timing changed, not the code
 # on those cells' paths: no kernel got faster, and which of the two changes moved them is not
 # known. Before that sweep: 21 slower cells (fp32 on the H200), 56 before chapter 11's forward
