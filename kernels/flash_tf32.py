@@ -56,7 +56,7 @@ from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, ch
     fill, given_out, is_device_array, launch_stream, on_simulator, run_bound, to_device
 
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", "forward_kernel", "tf32_tiles",
-           "tf32_min_blocks", "tf32_query_parts", "SHORT_QUERIES", "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets",
+           "tf32_min_blocks", "tf32_query_parts", "SHORT_QUERIES", "DEFAULT_LO", "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets",
            "fragment_strides", "check_fragment_strides", "check_fragment_strides_case", "KERNEL_HEAD_DIMS"]
 
 
@@ -75,6 +75,7 @@ def tf32_tiles(d: int, n_q: int | None = None) -> tuple[int, int, int]:
 
 
 SHORT_QUERIES = 64      # heads this short take 64-row query tiles (``tf32_tiles``)
+DEFAULT_LO = "rounded"  # the splits' lo in the launchers' kernels (the GPU has not yet timed "truncated")
 
 
 def tf32_min_blocks(D: int, Br: int = 128) -> int:
@@ -123,7 +124,7 @@ def tf32_query_parts(Br: int, D: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False,
                             max_registers: int | None = None, split: bool = False, grouped: bool = False,
-                            min_blocks: int = 1, query_parts: bool = False):
+                            min_blocks: int = 1, query_parts: bool = False, lo: str = "rounded"):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
@@ -132,7 +133,10 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     nothing, ptxas keeps registers low by issuing each product's three dependent mma one
     after another, waiting on each; told that one block of 2 Br threads is all an SM
     holds, it spends up to 255 registers to keep several products in flight. ``query_parts``:
-    Q_i's split parts kept in shared memory (``tf32_query_parts``).
+    Q_i's split parts kept in shared memory (``tf32_query_parts``). ``lo``: how every split
+    (K_j's and V_j's parts, Q_i's, P's) leaves lo = x - hi: "rounded" to tf32, or "truncated":
+    its float32 bits, which the mma truncates (``split_tf32_unrounded``: one instruction less
+    a split, the same |x - hi - lo|; chapter 11's backward takes it at its fragment loads).
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d), k, v (B*Hkv,
     Nk, d) float32; o (B*H, Nq, d) and lse (B*H, Nq) float32; scale (float32), causal (int32
@@ -143,12 +147,15 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     keys split among gridDim.z blocks (``kernels.base.key_split``), each writing its partial
     O and L to row blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq)."""
     from kernels.base.key_split import split_range
-    from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, float_of_word, load_words, \
-        split_tf32, store_words, word_of_float
+    from kernels.base.mma import SPLIT_LO, cp_async, cp_async_commit, cp_async_wait_all, float_of_word, \
+        load_words, split_tf32 as split_rounded, split_tf32_unrounded, store_words, word_of_float
     from kernels.base.shared_memory import shared_view
 
     if passes not in PASSES:
         raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
+    if lo not in SPLIT_LO:
+        raise ValueError(f"lo: expected one of {SPLIT_LO}, got {lo!r}")
+    split_tf32 = split_rounded if lo == "rounded" else split_tf32_unrounded
     if D % 8 or Bc % 8 or Br % 16 or Br < 16:
         raise ValueError(f"tiles: expected D and Bc multiples of 8, Br of 16; got {Br}, {Bc}, {D}")
     W = Br // 16
@@ -162,7 +169,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     QAT = shared_words(Bc, D)                     # where they start
     GROUPED = bool(grouped)
     U = int if on_simulator() else uint32         # unsigned loop indices: the compiler unrolls or folds them
-    split4, _, _ = make_tf32_product(passes)      # 3xTF32 (or plain TF32) k-steps
+    split4, _, _ = make_tf32_product(passes, lo)  # 3xTF32 (or plain TF32) k-steps
     DG = max(x for x in (4, 3, 2, 1) if ND % x == 0)          # O's tiles a P V round
     s_products = make_tf32_products(passes, NS)               # S's NS tiles' products, interleaved
     o_products = make_tf32_products(passes, DG)               # DG of O's tiles' products, interleaved
@@ -362,12 +369,13 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
 
 def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: bool = False, tiles=None,
-                   max_registers=None, min_blocks=None, query_parts=None):
+                   max_registers=None, min_blocks=None, query_parts=None, lo=None):
     """(kernel, Br, dynamic shared bytes or 0) for this call shape: the tiles ``tf32_tiles``
     chooses (or ``tiles`` (Br, Bc)), the launch bounds ``tf32_min_blocks`` (or ``min_blocks``),
     the grouped kernel where Hkv < H, and a raised shared-memory limit where the tiles need
     more than 48 KB (the caller passes the args to ``allow_dynamic_shared_memory``); Q_i's parts
-    in shared memory as ``tf32_query_parts`` says (or ``query_parts``)."""
+    in shared memory as ``tf32_query_parts`` says (or ``query_parts``); the splits' lo
+    ``DEFAULT_LO`` (or ``lo``)."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES
 
     Br, Bc, D = tf32_tiles(d, n_q)
@@ -378,20 +386,21 @@ def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: boo
     nbytes = 4 * shared_words(Bc, D, Br, query_parts)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, split=split,
-                                     grouped=BH > BHkv, min_blocks=min_blocks, query_parts=query_parts)
+                                     grouped=BH > BHkv, min_blocks=min_blocks, query_parts=query_parts,
+                                     lo=DEFAULT_LO if lo is None else lo)
     return kernel, Br, nbytes if dynamic else 0
 
 
 def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_registers=None, min_blocks=None,
-                   query_parts=None):
+                   query_parts=None, lo=None):
     """The forward on device views: qd (B*H, Nq, d), kd and vd (B*Hkv, Nk, d) float32, Hkv
     dividing H, into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default
-    ``tf32_tiles``."""
+    ``tf32_tiles``; ``lo``: the splits' lo, by default ``DEFAULT_LO``."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory
 
     BH, n_q, d = qd.shape
     kernel, Br, nbytes = forward_kernel(BH, kd.shape[0], n_q, d, passes, tiles=tiles, max_registers=max_registers,
-                                        min_blocks=min_blocks, query_parts=query_parts)
+                                        min_blocks=min_blocks, query_parts=query_parts, lo=lo)
     aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
         if not on_simulator() else int(d % 4 == 0)
     args = (qd, kd, vd, o, lse, np.float32(scale), np.int32(causal), np.int32(BH // kd.shape[0]), np.int32(aligned))
@@ -505,6 +514,11 @@ def ptx_targets(every_shape: bool = False):
     dynamic = 4 * shared_words(32, 128) > 48 * 1024                 # short heads: 64-row tiles (tf32_tiles)
     out.append(("flash fwd 3xTF32 short queries Br=64 Bc=32 D=128",
                 make_flash_forward_tf32(64, 32, 128, 3, dynamic, min_blocks=tf32_min_blocks(128, 64)), sig))
+    qp = tf32_query_parts(128, 128)                                 # lo left for the mma (DEFAULT_LO's other way)
+    out.append(("flash fwd 3xTF32 lo truncated Br=128 Bc=32 D=128",
+                make_flash_forward_tf32(128, 32, 128, 3, 4 * shared_words(32, 128, 128, qp) > 48 * 1024,
+                                        min_blocks=tf32_min_blocks(128), query_parts=qp,
+                                        lo="rounded" if DEFAULT_LO == "truncated" else "truncated"), sig))
     if every_shape:
         out.append(("flash fwd 3xTF32 raw queries Br=128 Bc=32 D=128 (before Q's parts)",
                     make_flash_forward_tf32(128, 32, 128, 3, True, min_blocks=1), sig))

@@ -11,7 +11,7 @@ large logits, N = 0 and 1 pinned.
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
@@ -20,8 +20,8 @@ from kernels.base.runtime import ArrayKind, is_device_array, on_simulator
 from kernels.base.testing import gpu_examples, assert_close, attention_cases, case_with, forward_floor_scales, \
     grouped_attention_cases
 from kernels.flash_tf32 import KERNEL_HEAD_DIMS, check_fragment_strides, check_fragment_strides_case, \
-    flash_attention_tf32, forward_checked, fragment_strides, k_stride, make_flash_forward_tf32, shared_words, \
-    tf32_query_parts, tf32_tiles, v_stride
+    flash_attention_tf32, forward_checked, fragment_strides, k_stride, launch_forward, make_flash_forward_tf32, \
+    shared_words, tf32_query_parts, tf32_tiles, v_stride
 
 SIM = on_simulator()
 MAX_N = 18 if SIM else 300
@@ -50,6 +50,11 @@ def check(case, passes=3, splits=None, misaligned=None, query_parts=None):
                                  causal=case.causal, scale=scale, passes=passes, splits=splits,
                                  query_parts=query_parts)
         o, lse = kind.result(o), kind.result(lse)
+    return check_result(case, o, lse)
+
+
+def check_result(case, o, lse):
+    """(o, lse) on the host against the float64 oracle, under the fp32 rule."""
     group = case.q.shape[1] // case.k.shape[1]          # query head h reads KV head h // group
     k, v = (np.repeat(x, group, axis=1) for x in (case.k, case.v))
     exact_o, exact_l = ref.attention(case.q, k, v, causal=case.causal, scale=case.scale)
@@ -123,6 +128,32 @@ def test_query_parts_in_shared_memory_or_split_at_each_use_meet_the_same_rule(ca
     d > 120, ``tf32_query_parts``), or kept raw and split at every k-step: either at any head dim,
     the same rule."""
     check(case, splits=splits, misaligned=misaligned, query_parts=query_parts)
+
+
+@given(case=tf32_cases(), query_parts=st.booleans())
+@settings(max_examples=3 if SIM else gpu_examples(100))
+@example(case=case_with((1, 1, ONE_PAST, 13), (1, 1, 40, 13), causal=True), query_parts=True)   # ragged d
+@example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0), query_parts=False)       # large logits
+@example(case=GQA, query_parts=True)
+@pytest.mark.parametrize("lo", ["rounded", "truncated"])
+def test_lo_truncated_by_the_mma_or_rounded_meets_the_same_rule(lo, case, query_parts):
+    """Every split (K_j's and V_j's parts, Q_i's, P's) rounds lo = x - hi to tf32
+    (``split_tf32``) or leaves its float32 bits for the mma to truncate
+    (``split_tf32_unrounded``): the same rule either way (bare ``launch_forward``)."""
+    B, H, n_q, d = case.q.shape
+    _, Hkv, n_k, _ = case.k.shape
+    assume(n_q and n_k)
+    scale = case.scale if case.scale is not None else 1 / np.sqrt(d)
+    o = cuda.device_array((B * H, n_q, d), np.float32)
+    lse = cuda.device_array((B * H, n_q), np.float32)
+    launch_forward(*(on_device(x.reshape(-1, x.shape[2], d)) for x in (case.q, case.k, case.v)), o, lse, scale,
+                   int(case.causal), 3, query_parts=query_parts, lo=lo)
+    check_result(case, o.copy_to_host().reshape(case.q.shape), lse.copy_to_host().reshape(B, H, n_q))
+
+
+def test_an_unknown_lo_is_named():
+    with pytest.raises(ValueError, match=r"^lo: expected one of \('rounded', 'truncated'\), got 'even'"):
+        make_flash_forward_tf32(32, 16, 16, 3, lo="even")
 
 
 def test_query_parts_where_one_block_fills_an_sm():

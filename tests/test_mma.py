@@ -63,6 +63,9 @@ def _split_kernel(x, out):
         hi, lo = mma.split_tf32(x[i])
         out[i, 0] = hi
         out[i, 1] = lo
+        hi, lo = mma.split_tf32_unrounded(x[i])
+        out[i, 2] = hi
+        out[i, 3] = lo
 
 
 def _split_inputs(seed):
@@ -73,15 +76,19 @@ def _split_inputs(seed):
 
 def test_split_tf32_is_hi_and_the_rounded_rest():
     """hi = x rounded to tf32 (cvt.rn, ties to even, on sm_90; cvt.rna before), lo = (x - hi)
-    rounded: hi + lo is x to 2^-22 of |x|. 1 + 2^-12 is a tie: the two roundings differ there."""
+    rounded: hi + lo is x to 2^-22 of |x|. 1 + 2^-12 is a tie: the two roundings differ there.
+    split_tf32_unrounded: the same hi, lo = x - hi exactly, its float32 bits as they are."""
     x = _split_inputs(7)
-    out = np.zeros((len(x), 2), np.uint32)
+    out = np.zeros((len(x), 4), np.uint32)
     _split_kernel[1, 96](x, out)
     ties = mma.split_ties()
     hi = mma.tf32_bits(x, ties)
-    rest = x - hi.view(np.float32)
+    rest = (x - hi.view(np.float32)).astype(np.float32)
     np.testing.assert_array_equal(out[:, 0], hi)
     np.testing.assert_array_equal(out[:, 1], mma.tf32_bits(rest, ties))
+    np.testing.assert_array_equal(out[:, 2], hi)
+    np.testing.assert_array_equal(out[:, 3], rest.view(np.uint32))
+    assert np.any(out[:, 3] & ~np.uint32(mma.TF32_MASK)), "lo keeps bits below tf32's"
     both = out[:, 0].view(np.float32).astype(np.float64) + out[:, 1].view(np.float32).astype(np.float64)
     # subnormals (the last input) keep fewer bits: tf32's spacing there is 2^-136
     assert np.all(np.abs(both - x) <= 2.0**-22 * np.abs(x) + 2.0**-136)

@@ -684,7 +684,11 @@ print(f"lo differs in {np.mean(lo_rounded != lo_truncated):.0%} of the values; |
 # d = 128 too. Both are the launchers' defaults (`DEFAULT_LO = "truncated"`, `DEFAULT_ROUNDS =
 # True`). Issuing round by round changes no sum (dK and dV bit for bit); lo truncated misses
 # each operand by what the rounded lo misses it by, in size, and the errors (each gradient's
-# largest, over float32 NumPy's) stay where they were.
+# largest, over float32 NumPy's) stay where they were. Section 4's forward can leave lo too
+# (`make_flash_forward_tf32(..., lo="truncated")`, with `split_tf32_unrounded` for its splits in
+# registers), but it splits each key once a block, not at every load: about 2% of its
+# instructions, not yet timed (`python -m kernels.bench.flash_tf32 --variants`), so its
+# launchers keep the rounding.
 
 # %%
 _, vrows = committed_results("tf32_backward_variants", chapter=11)

@@ -32,6 +32,9 @@ so any PTX instruction: that is all this module does on the GPU. The device func
                                             on sm_90 and later rounded to nearest even
                                             (cvt.rn.tf32.f32: one instruction), before
                                             sm_90 ties away (cvt.rna: four); ``split_ties()``
+    split_tf32_unrounded(x)                 the same hi, lo = x - hi left as it is (float32 bits:
+                                            the mma reads a tf32 operand's top 19 bits, so it
+                                            truncates lo itself; one instruction less a split)
     split_tf32_at(addr)                     the float32 at a shared address (from shared_address
                                             plus a byte offset) split: one ld.shared; hi as
                                             split_tf32's, lo = x - hi left as it is (float32 bits:
@@ -83,7 +86,7 @@ from kernels.base.runtime import on_simulator
 
 __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_position_tf32",
            "ldmatrix_position", "fragment_a", "fragment_b", "fragment_c", "matrix_from_c",
-           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_at", "split_tf32_at_rounded",
+           "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_unrounded", "split_tf32_at", "split_tf32_at_rounded",
            "load_words", "store_word", "store_words", "float_of_word", "word_of_float", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "global_address", "cp_async_at", "cp_async_word_at", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
            "half_bits", "bf16_bits", "tf32_bits", "TF32_MASK", "SPLIT_LO", "split_ties", "words_to_halves", "make_output_store",
@@ -250,6 +253,7 @@ PTX = {
     "pack_bf16": "cvt.rn.bf16x2.f32",
     "to_tf32": "cvt.rna.tf32.f32",
     "split_tf32": "sub.f32 r,",                  # within: cvt.rn.tf32.f32 (cvt.rna before sm_90) twice around it
+    "split_tf32_unrounded": "sub.f32 rest,",     # lo = x - hi, its bits moved out as they are
     "split_tf32_at": "ld.shared.f32 x,",         # then cvt.rn.tf32.f32 and sub.f32 (and, rounded, a cvt more)
     "ldmatrix": "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
     "ldmatrix_trans": "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
@@ -600,22 +604,32 @@ def _gpu_functions():
 
         return types.uint32(x), codegen
 
-    @intrinsic
-    def split_tf32(typingctx, x):
-        if not isinstance(x, types.Number):
-            raise TypeError(f"split_tf32(x): expected a number, got {x}")
-        result = types.UniTuple(types.uint32, 2)
+    def make_split(name, round_lo):
+        @intrinsic
+        def split(typingctx, x):
+            if not isinstance(x, types.Number):
+                raise TypeError(f"{name}(x): expected a number, got {x}")
+            result = types.UniTuple(types.uint32, 2)
 
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            # hi = x rounded to tf32; lo = (x - hi) rounded (a .b32 register is a valid f32
-            # operand); cvt.rn (ties to even) is one instruction on sm_90 (F2FP.TF32), cvt.rna
-            # four (an add, a mask and the check for Inf and NaN), and all sm_80 has
-            cvt = "cvt.rna.tf32.f32" if split_ties() == "away" else "cvt.rn.tf32.f32"
-            body = f"{{ .reg .f32 r; {cvt} $0, $2; sub.f32 r, $2, $0; {cvt} $1, r; }}"
-            return context.make_tuple(builder, result, asm(builder, [i32, i32], body, "=&r,=r,f", [v]))
+            def codegen(context, builder, sig, args):
+                v = context.cast(builder, args[0], sig.args[0], types.float32)
+                # hi = x rounded to tf32; lo = (x - hi), rounded or (round_lo False) left for the
+                # mma to truncate (a .b32 register is a valid f32 operand); cvt.rn (ties to even)
+                # is one instruction on sm_90 (F2FP.TF32), cvt.rna four (an add, a mask and the
+                # check for Inf and NaN), and all sm_80 has
+                cvt = "cvt.rna.tf32.f32" if split_ties() == "away" else "cvt.rn.tf32.f32"
+                if round_lo:
+                    body = f"{{ .reg .f32 r; {cvt} $0, $2; sub.f32 r, $2, $0; {cvt} $1, r; }}"
+                else:
+                    body = f"{{ .reg .f32 rest; {cvt} $0, $2; sub.f32 rest, $2, $0; mov.b32 $1, rest; }}"
+                return context.make_tuple(builder, result, asm(builder, [i32, i32], body, "=&r,=r,f", [v]))
 
-        return result(x), codegen
+            return result(x), codegen
+
+        return split
+
+    split_tf32 = make_split("split_tf32", True)
+    split_tf32_unrounded = make_split("split_tf32_unrounded", False)
 
     def element_pointer(context, builder, aryty, ary_value, row, rowty, col, colty):
         ary = context.make_array(aryty)(context, builder, value=ary_value)
@@ -862,6 +876,7 @@ def _gpu_functions():
         unpack_bf16=unpack_bf16,
         to_tf32=to_tf32,
         split_tf32=split_tf32,
+        split_tf32_unrounded=split_tf32_unrounded,
         split_tf32_at=split_tf32_at,
         split_tf32_at_rounded=split_tf32_at_rounded,
         load_words=load_words,
@@ -897,6 +912,7 @@ def _sim_functions():
         unpack_bf16=_sim_unpack_bf16,
         to_tf32=_sim_to_tf32,
         split_tf32=_sim_split_tf32,
+        split_tf32_unrounded=lambda x: _sim_split_tf32(x, False),
         split_tf32_at=_sim_split_tf32_at(False),
         split_tf32_at_rounded=_sim_split_tf32_at(True),
         load_words=_sim_load_words,
@@ -931,6 +947,7 @@ unpack_f16 = _functions["unpack_f16"]
 unpack_bf16 = _functions["unpack_bf16"]
 to_tf32 = _functions["to_tf32"]
 split_tf32 = _functions["split_tf32"]
+split_tf32_unrounded = _functions["split_tf32_unrounded"]
 split_tf32_at = _functions["split_tf32_at"]
 split_tf32_at_rounded = _functions["split_tf32_at_rounded"]
 load_words = _functions["load_words"]

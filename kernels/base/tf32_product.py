@@ -24,16 +24,21 @@ PASSES = (1, 3)                 # TF32 products a fp32 product: 1 (plain TF32) o
 
 
 @functools.lru_cache(maxsize=None)
-def make_tf32_product(passes: int = 3):
+def make_tf32_product(passes: int = 3, lo: str = "rounded"):
     """Device functions (split4, split2, product) for ``passes`` TF32 products a product:
     split4(a0, a1, a2, a3) -> (hi registers, lo registers) of an A fragment; split2(b0, b1)
     the same for a B fragment; product(a_hi, a_lo, b_hi, b_lo) -> one k-step's 16 x 8 tile
-    of A B from zero, 4 floats."""
-    from kernels.base.mma import mma_tf32, split_tf32
+    of A B from zero, 4 floats. ``lo``: the splits' lo = x - hi "rounded" to tf32
+    (``split_tf32``) or "truncated": its float32 bits, which the mma truncates
+    (``split_tf32_unrounded``: one instruction less; the same |x - hi - lo| either way)."""
+    from kernels.base.mma import SPLIT_LO, mma_tf32, split_tf32 as split_rounded, split_tf32_unrounded
 
     if passes not in PASSES:
         raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
+    if lo not in SPLIT_LO:
+        raise ValueError(f"lo: expected one of {SPLIT_LO}, got {lo!r}")
     THREE = passes == 3
+    split_tf32 = split_rounded if lo == "rounded" else split_tf32_unrounded
 
     @inlined
     def split4(a0, a1, a2, a3):

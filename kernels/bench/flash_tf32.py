@@ -15,6 +15,13 @@ Each of our rows, and SDPA memory-efficient's, carries the max error of head (0,
 512 rows against the float64 oracle, also as a multiple of float32 NumPy's error on the same
 rows (the tests' yardstick: the rule allows 2x plus a floor). FLOPs 4 B H N^2 d (halved for
 causal). In the simulator: 16 tokens, H = 1, N = 8 and 16, d = 16, no PyTorch.
+
+``python -m kernels.bench.flash_tf32 --variants``: the kernel's variants that the launchers do
+not use yet (``VARIANTS``: how every split leaves lo), bare launches taking turns in ``ROUNDS``
+rounds (``kernels.bench.turns``) at the chapter 13 floor's fp32 cells (B*H = 512, N = 256 and
+1024, d = 128) and at B=4 H=16 N=4096 (d = 64, 128); each variant's O of head (0, 0) checked
+as above; SDPA memory-efficient and plain PyTorch in the same run. Writes
+``flash_tf32_variants.csv``.
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ BARE_1X = "flash fwd plain TF32, passes=1 (bare)"
 LAUNCHER_TORCH = "flash_attention_tf32() launcher, PyTorch tensors"
 FMA = "chapter 4 flash_attention (fp32 FMA), PyTorch tensors"
 CHECK_ROWS = 512
+VARIANTS = (("lo rounded", dict(lo="rounded")), ("lo truncated", dict(lo="truncated")))
+VARIANT_CELLS = ((32, 16, 256, 128, False), (32, 16, 1024, 128, False), (4, 16, 4096, 128, False),
+                 (4, 16, 4096, 128, True), (4, 16, 4096, 64, False))
+ROUNDS = 9
+TARGET_MS = 100.0             # a round's run of back-to-back calls of one variant
 
 
 def bare_launch(b, h, n, d, passes, o, lse):
@@ -125,8 +137,8 @@ def run(ctx) -> list[Result]:
     return results
 
 
-def _torch_peers(ctx, measure, torch, tsets, causal, head, rows):
-    """SDPA memory-efficient and math, and plain PyTorch, in fp32 (TF32 off)."""
+def _torch_peers(ctx, measure, torch, tsets, causal, head, rows, labels=None):
+    """SDPA memory-efficient and math, and plain PyTorch, in fp32 (TF32 off); ``labels``: some of them."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -141,6 +153,8 @@ def _torch_peers(ctx, measure, torch, tsets, causal, head, rows):
     peers = [(SDPBackend.EFFICIENT_ATTENTION, "SDPA memory-efficient"), (SDPBackend.MATH, "SDPA math"),
              (None, "plain PyTorch")]
     for backend, label in peers:
+        if labels is not None and label not in labels:
+            continue
         def fn(q, k, v, backend=backend):
             if backend is None:
                 return plain(q, k, v)
@@ -157,3 +171,81 @@ def _torch_peers(ctx, measure, torch, tsets, causal, head, rows):
         except Exception as exc:           # a backend not built, or out of memory at large N
             ctx.progress(f"  skipped {label}: {type(exc).__name__}: {str(exc)[:120]}")
             torch.cuda.empty_cache()
+
+
+def variant_sweep(ctx, cells=None) -> list[Result]:
+    """Each of ``VARIANTS`` as a bare ``launch_forward`` at each cell (B, H, N, d, causal),
+    taking turns (``kernels.bench.turns``); each variant's O of head (0, 0) against float64.
+    Peers: SDPA memory-efficient and plain PyTorch, timed after."""
+    from numba import cuda
+
+    from kernels.bench.turns import take_turns, turn_summary
+
+    torch = torch_or_none()
+    if torch is not None:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    cells = cells or (((1, 1, 16, 16, False), (1, 1, 16, 16, True)) if ctx.simulator else VARIANT_CELLS)
+    first_label = VARIANTS[0][0]
+    rng = np.random.default_rng(1101)
+    results: list[Result] = []
+    for b, h, n, d, causal in cells:
+        config = f"B={b} H={h} N={n} d={d} fp32 causal={causal}"
+        flops = 4.0 * b * h * n * n * d / (2 if causal else 1)
+        model = 4.0 * b * h * n * (4 * d + 1)
+        extra = {"N": n, "B": b, "H": h, "d": d, "causal": causal, "dtype": "fp32", "part": "variants"}
+        host = [tuple(rng.standard_normal((b * h, n, d), dtype=np.float32) for _ in range(3))
+                for _ in range(1 if ctx.simulator else 2)]
+        sets = [tuple(cuda.to_device(x) for x in s) for s in host]
+        o, lse = cuda.device_array((b * h, n, d), np.float32), cuda.device_array((b * h, n), np.float32)
+        scale = np.float32(1.0 / np.sqrt(d))
+        calls = {label: (lambda q, k, v, kw=kw: launch_forward(q, k, v, o, lse, scale, causal, 3, **kw))
+                 for label, kw in VARIANTS}
+        ctx.progress(f"  ch{CHAPTER} {len(VARIANTS)} variants, taking turns: {config}")
+        samples = take_turns(calls, sets, ctx.simulator, ROUNDS, TARGET_MS)
+        rows = min(CHECK_ROWS, n)
+        head = (host[0][0][0, :rows], host[0][1][0], host[0][2][0])
+        Br, Bc, _ = tf32_tiles(d, n)
+        for label, kw in VARIANTS:
+            t, turns = turn_summary(samples, label, first_label, ctx.simulator)
+            calls[label](*sets[0])
+            err, times = _error(o[0, :rows].copy_to_host(), head, causal)
+            args = ", ".join(f"{k_}={v_!r}" for k_, v_ in kw.items())
+            seconds = t.median_ms / 1e3
+            results.append(Result(CHAPTER, f"bare, {label}", config, t.median_ms, t.p10_ms, t.p90_ms, flops, model,
+                                  flops / seconds / 1e12 if seconds > 0 else float("nan"), float("nan"),
+                                  float("nan"), float("nan"), False,
+                                  f"bare launch_forward({args}), Br={Br} Bc={Bc}, {t.runs} rounds taking turns; "
+                                  f"head (0,0) max error {err:.1e} ({times:.2f}x float32 NumPy's)",
+                                  dict(extra, variant=label, **kw, max_error=err, error_vs_float32=times, **turns)))
+            ctx.progress(f"      {label}: {t.median_ms:.4g} ms, {turns[f'speedup over {first_label}']:.3f}x "
+                         f"(rounds {turns['round ratios p10']:.3f}-{turns['round ratios p90']:.3f})")
+        if torch is not None:
+            tsets = [tuple(torch.as_tensor(x, device="cuda").reshape(b, h, n, d) for x in s) for s in sets]
+
+            def measure(kernel, fn, sets_, **kw):
+                r = ctx.measure(CHAPTER, kernel, config, fn, sets_, flops=flops, model_bytes=model,
+                                peak_memory=False, extra=dict(extra), **kw)
+                results.append(r)
+                return r
+
+            _torch_peers(ctx, measure, torch, tsets, causal, head, rows,
+                         labels=("SDPA memory-efficient", "plain PyTorch"))
+            del tsets
+            torch.cuda.empty_cache()
+        del sets, o, lse
+    return results
+
+
+def main(argv=None) -> int:
+    from kernels.bench.turns import variants_main
+
+    return variants_main(argv, prog="python -m kernels.bench.flash_tf32",
+                         description="chapter 11's forward variants (the tour runs the rest)",
+                         sweep=variant_sweep, csv_name="flash_tf32_variants.csv")
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -42,7 +42,6 @@ from kernels.bench.harness import Result, token_sweep, torch_or_none
 from kernels.bench.tensor_core_backward import _torch_peers, config_name
 from kernels.flash_backward import flash_attention_backward
 from kernels.flash_tf32 import flash_attention_tf32
-from kernels.base.runtime import time_fn
 from kernels.tf32_backward import launch_backward, tf32_backward_tiles
 
 CHAPTER = 11
@@ -211,8 +210,7 @@ def variant_sweep(ctx, cells=None) -> list[Result]:
     the run). Peers: SDPA memory-efficient and plain PyTorch's backward, timed after."""
     from numba import cuda
 
-    from kernels.base.runtime import Timing
-    from kernels.bench.capstone_floor import _back_to_back
+    from kernels.bench.turns import take_turns, turn_summary
 
     torch = torch_or_none()
     if torch is not None:
@@ -246,22 +244,9 @@ def variant_sweep(ctx, cells=None) -> list[Result]:
                 launch_backward(q, k, v, o, lse, do, *outs, scale, causal, 3, **kw)
             calls[label] = bare
         ctx.progress(f"  ch{CHAPTER} {len(VARIANTS)} variants, taking turns: {config}")
-        samples = {label: [] for label in calls}
-        if ctx.simulator:
-            for label, fn in calls.items():
-                samples[label].append(time_fn(fn, full, warmup=1, repeat=1).median_ms)
-        else:
-            first = {label: time_fn(fn, full, warmup=1, repeat=3).median_ms for label, fn in calls.items()}
-            runs = {label: max(1, min(200, int(TARGET_MS / max(t, 1e-3)))) for label, t in first.items()}
-            order = list(calls)
-            for r in range(ROUNDS):
-                for label in (order if r % 2 == 0 else order[::-1]):
-                    samples[label].append(_back_to_back(calls[label], full, runs[label]))
+        samples = take_turns(calls, full, ctx.simulator, ROUNDS, TARGET_MS)
         for label, kw in VARIANTS:
-            x = sorted(samples[label])
-            t = Timing(x[len(x) // 2], x[min(1, len(x) - 1)], x[max(-2, -len(x))], len(x),
-                       "host clock (simulator)" if ctx.simulator else "cuda events, rounds taking turns")
-            ratios = sorted(a / c for a, c in zip(samples[first_label], samples[label]))
+            t, turns = turn_summary(samples, label, first_label, ctx.simulator)
             calls[label](*full[0])                      # the gradients of set 0, checked
             head = tuple(to_tensor(x)[0] for x in (full[0][0], full[0][1], full[0][2], full[0][5]))
             errors = _errors(check_torch, head, tuple(to_tensor(x)[0] for x in outs[1:]), causal, 3)
@@ -270,18 +255,16 @@ def variant_sweep(ctx, cells=None) -> list[Result]:
             row = Result(CHAPTER, f"bare, {label}", config, t.median_ms, t.p10_ms, t.p90_ms, flops,
                          _model_bytes(b, h, n, d), flops / seconds / 1e12 if seconds > 0 else float("nan"),
                          float("nan"), float("nan"), float("nan"), False,
-                         f"bare launch_backward({args}), Br={Br} Bc={16 * W}, {len(x)} rounds taking turns; "
+                         f"bare launch_backward({args}), Br={Br} Bc={16 * W}, {t.runs} rounds taking turns; "
                          f"head (0,0) max error " + ", ".join(f"{k_} {e:.1e} ({r_:.2f}x fp32's)"
                                                               for k_, (e, r_) in errors.items()),
                          dict(extra, variant=label, **kw))
             for k_, (e, r_) in errors.items():
                 row.extra.update({f"max_error_{k_}": e, f"error_vs_float32_{k_}": r_})
-            row.extra[f"speedup over {first_label}"] = round(ratios[len(ratios) // 2], 4)
-            row.extra["round ratios p10"] = round(ratios[min(1, len(ratios) - 1)], 4)
-            row.extra["round ratios p90"] = round(ratios[max(-2, -len(ratios))], 4)
+            row.extra.update(turns)
             results.append(row)
-            ctx.progress(f"      {label}: {t.median_ms:.4g} ms, {ratios[len(ratios) // 2]:.3f}x "
-                         f"(rounds {ratios[min(1, len(ratios) - 1)]:.3f}-{ratios[max(-2, -len(ratios))]:.3f})")
+            ctx.progress(f"      {label}: {t.median_ms:.4g} ms, {turns[f'speedup over {first_label}']:.3f}x "
+                         f"(rounds {turns['round ratios p10']:.3f}-{turns['round ratios p90']:.3f})")
         if torch is not None:
             tsets = [tuple(torch.as_tensor(x, device="cuda").reshape(b, h, n, -1) for x in s) for s in full]
             tsets = [(q, k, v, o, lse.reshape(b, h, n), do) for q, k, v, o, lse, do in tsets]
@@ -296,37 +279,11 @@ def variant_sweep(ctx, cells=None) -> list[Result]:
 
 
 def main(argv=None) -> int:
-    import argparse
-    import sys
+    from kernels.bench.turns import variants_main
 
-    from kernels.bench import harness
-
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench.tf32_backward",
-                                     description="chapter 11's backward variants (the tour runs the rest)")
-    parser.add_argument("--variants", action="store_true", help="the variants -> tf32_backward_variants.csv")
-    parser.add_argument("--cells", nargs="+", metavar="BxHxNxd[c]", default=None,
-                        help="the cells (c: causal), by default VARIANT_CELLS, e.g. 32x16x256x128 4x16x4096x128c")
-    parser.add_argument("--out", default=None, help="results folder (default: workbook/results on a GPU, "
-                                                    "bench-out in the simulator)")
-    args = parser.parse_args(argv)
-    cells = None
-    if args.cells:
-        try:
-            cells = [tuple(int(x) for x in c.rstrip("c").split("x")) + (c.endswith("c"),) for c in args.cells]
-        except ValueError:
-            cells = []
-        if not cells or any(len(c) != 5 or min(c[:4]) < 1 for c in cells):
-            parser.error(f"--cells: expected BxHxNxd with an optional c (causal), got {args.cells}")
-    if not args.variants:
-        parser.print_help(sys.stderr)
-        return 2
-    ctx = harness.Context(quick=False, warmup=1, repeat=5)
-    out = harness.results_folder(args.out)
-    results = variant_sweep(ctx, cells)
-    harness.write_csv(out / "tf32_backward_variants.csv", results, harness.environment())
-    print(harness.format_table(results, simulator=ctx.simulator))
-    return 0
-
+    return variants_main(argv, prog="python -m kernels.bench.tf32_backward",
+                         description="chapter 11's backward variants (the tour runs the rest)",
+                         sweep=variant_sweep, csv_name="tf32_backward_variants.csv")
 
 if __name__ == "__main__":
     import sys
