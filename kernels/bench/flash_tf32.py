@@ -179,7 +179,7 @@ def variant_sweep(ctx, cells=None) -> list[Result]:
     Peers: SDPA memory-efficient and plain PyTorch, timed after."""
     from numba import cuda
 
-    from kernels.bench.turns import take_turns, turn_summary
+    from kernels.bench.turns import take_turns, turn_summary, variant_row
 
     torch = torch_or_none()
     if torch is not None:
@@ -211,13 +211,11 @@ def variant_sweep(ctx, cells=None) -> list[Result]:
             calls[label](*sets[0])
             err, times = _error(o[0, :rows].copy_to_host(), head, causal)
             args = ", ".join(f"{k_}={v_!r}" for k_, v_ in kw.items())
-            seconds = t.median_ms / 1e3
-            results.append(Result(CHAPTER, f"bare, {label}", config, t.median_ms, t.p10_ms, t.p90_ms, flops, model,
-                                  flops / seconds / 1e12 if seconds > 0 else float("nan"), float("nan"),
-                                  float("nan"), float("nan"), False,
-                                  f"bare launch_forward({args}), Br={Br} Bc={Bc}, {t.runs} rounds taking turns; "
-                                  f"head (0,0) max error {err:.1e} ({times:.2f}x float32 NumPy's)",
-                                  dict(extra, variant=label, **kw, max_error=err, error_vs_float32=times, **turns)))
+            results.append(variant_row(
+                CHAPTER, label, config, t, turns, flops, model,
+                f"bare launch_forward({args}), Br={Br} Bc={Bc}, {t.runs} rounds taking turns; "
+                f"head (0,0) max error {err:.1e} ({times:.2f}x float32 NumPy's)",
+                dict(extra, **kw, max_error=err, error_vs_float32=times)))
             ctx.progress(f"      {label}: {t.median_ms:.4g} ms, {turns[f'speedup over {first_label}']:.3f}x "
                          f"(rounds {turns['round ratios p10']:.3f}-{turns['round ratios p90']:.3f})")
         if torch is not None:

@@ -210,7 +210,7 @@ def variant_sweep(ctx, cells=None) -> list[Result]:
     the run). Peers: SDPA memory-efficient and plain PyTorch's backward, timed after."""
     from numba import cuda
 
-    from kernels.bench.turns import take_turns, turn_summary
+    from kernels.bench.turns import take_turns, turn_summary, variant_row
 
     torch = torch_or_none()
     if torch is not None:
@@ -250,19 +250,14 @@ def variant_sweep(ctx, cells=None) -> list[Result]:
             calls[label](*full[0])                      # the gradients of set 0, checked
             head = tuple(to_tensor(x)[0] for x in (full[0][0], full[0][1], full[0][2], full[0][5]))
             errors = _errors(check_torch, head, tuple(to_tensor(x)[0] for x in outs[1:]), causal, 3)
-            seconds = t.median_ms / 1e3
             args = ", ".join(f"{k_}={v_!r}" for k_, v_ in kw.items())
-            row = Result(CHAPTER, f"bare, {label}", config, t.median_ms, t.p10_ms, t.p90_ms, flops,
-                         _model_bytes(b, h, n, d), flops / seconds / 1e12 if seconds > 0 else float("nan"),
-                         float("nan"), float("nan"), float("nan"), False,
-                         f"bare launch_backward({args}), Br={Br} Bc={16 * W}, {t.runs} rounds taking turns; "
-                         f"head (0,0) max error " + ", ".join(f"{k_} {e:.1e} ({r_:.2f}x fp32's)"
-                                                              for k_, (e, r_) in errors.items()),
-                         dict(extra, variant=label, **kw))
-            for k_, (e, r_) in errors.items():
-                row.extra.update({f"max_error_{k_}": e, f"error_vs_float32_{k_}": r_})
-            row.extra.update(turns)
-            results.append(row)
+            checked = {f"{what}_{k_}": x for k_, (e, r_) in errors.items()
+                       for what, x in (("max_error", e), ("error_vs_float32", r_))}
+            results.append(variant_row(
+                CHAPTER, label, config, t, turns, flops, _model_bytes(b, h, n, d),
+                f"bare launch_backward({args}), Br={Br} Bc={16 * W}, {t.runs} rounds taking turns; head (0,0) "
+                f"max error " + ", ".join(f"{k_} {e:.1e} ({r_:.2f}x fp32's)" for k_, (e, r_) in errors.items()),
+                dict(extra, **kw, **checked)))
             ctx.progress(f"      {label}: {t.median_ms:.4g} ms, {turns[f'speedup over {first_label}']:.3f}x "
                          f"(rounds {turns['round ratios p10']:.3f}-{turns['round ratios p90']:.3f})")
         if torch is not None:
@@ -284,6 +279,7 @@ def main(argv=None) -> int:
     return variants_main(argv, prog="python -m kernels.bench.tf32_backward",
                          description="chapter 11's backward variants (the tour runs the rest)",
                          sweep=variant_sweep, csv_name="tf32_backward_variants.csv")
+
 
 if __name__ == "__main__":
     import sys

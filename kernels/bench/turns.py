@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kernels.base.runtime import Timing, time_fn
 
-__all__ = ["take_turns", "turn_summary", "variants_main"]
+__all__ = ["take_turns", "turn_summary", "variant_row", "variants_main"]
 
 
 def take_turns(calls: dict, inputs, simulator: bool, rounds: int = 9, target_ms: float = 100.0) -> dict:
@@ -46,6 +46,18 @@ def turn_summary(samples: dict, label, first_label, simulator: bool) -> tuple[Ti
     return timing, {f"speedup over {first_label}": round(ratios[len(ratios) // 2], 4),
                     "round ratios p10": round(ratios[min(1, len(ratios) - 1)], 4),
                     "round ratios p90": round(ratios[max(-2, -len(ratios))], 4)}
+
+
+def variant_row(chapter, label, config, timing, turns, flops, model_bytes, note, extra):
+    """A variant's Result: "bare, <label>", its rounds' timing, TFLOP/s, and ``extra`` with the
+    speed-up and the rounds' ratios (``turn_summary``'s ``turns``) added."""
+    from kernels.bench.harness import Result
+
+    seconds = timing.median_ms / 1e3
+    nan = float("nan")
+    return Result(chapter, f"bare, {label}", config, timing.median_ms, timing.p10_ms, timing.p90_ms, flops,
+                  model_bytes, flops / seconds / 1e12 if seconds > 0 else nan, nan, nan, nan, False, note,
+                  dict(extra, variant=label, **turns))
 
 
 def variants_main(argv, *, prog: str, description: str, sweep, csv_name: str) -> int:
