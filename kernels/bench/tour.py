@@ -38,7 +38,7 @@ from kernels.base.runtime import on_simulator
 REPO = Path(__file__).resolve().parents[2]
 GPU_RESULTS = REPO / "workbook" / "results"
 SIM_RESULTS = REPO / "bench-out"
-NOT_CHAPTERS = {"harness", "tour", "traffic", "peer_pipes", "ncu", "ncu_source", "mma_ceiling", "__init__", "__main__"}
+NOT_CHAPTERS = {"harness", "tour", "turns", "traffic", "peer_pipes", "ncu", "ncu_source", "mma_ceiling", "__init__", "__main__"}
 SIM_METRIC = "median time (ms)"  # what the simulator's plots show: times, never rates
 SIM_LABEL = "SIMULATOR timings (Numba CUDA simulator on the CPU, tiny sizes): not GPU performance"
 
