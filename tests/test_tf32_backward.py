@@ -196,10 +196,10 @@ def test_dq_added_a_tile_at_a_time_meets_the_rule(d):
 @settings(max_examples=1 if SIM else gpu_examples(20))
 @pytest.mark.parametrize("lo", ["rounded", "truncated"])
 def test_lo_truncated_by_the_mma_or_rounded_meets_the_same_rule(lo, seed, causal, d):
-    """A fragment load's split rounds lo = x - hi to tf32 (``split_tf32_at_rounded``, the
-    launchers' default) or leaves its float32 bits for the mma to truncate
-    (``split_tf32_at``): both give gradients under the fp32 rule, on ragged query and key
-    tiles, two query heads on one KV head."""
+    """A fragment load's split rounds lo = x - hi to tf32 (``split_tf32_at_rounded``) or
+    leaves its float32 bits for the mma to truncate (``split_tf32_at``, the launchers'
+    default): both give gradients under the fp32 rule, on ragged query and key tiles, two
+    query heads on one KV head."""
     w, br = (1, 16) if SIM else (W, tf32_backward_tiles(d)[0])
     case = pinned((1, 2, br + 5, d), (1, 1, 16 * w + 3, d), causal=causal, seed=seed)
     x = Inputs(case, seed=seed + 1)
