@@ -147,15 +147,13 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     keys split among gridDim.z blocks (``kernels.base.key_split``), each writing its partial
     O and L to row blockIdx.z * B*H + bh of o (S*B*H, Nq, d) and lse (S*B*H, Nq)."""
     from kernels.base.key_split import split_range
-    from kernels.base.mma import SPLIT_LO, cp_async, cp_async_commit, cp_async_wait_all, float_of_word, \
-        load_words, split_tf32 as split_rounded, split_tf32_unrounded, store_words, word_of_float
+    from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, float_of_word, load_words, \
+        splits_for, store_words, word_of_float
     from kernels.base.shared_memory import shared_view
 
     if passes not in PASSES:
         raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
-    if lo not in SPLIT_LO:
-        raise ValueError(f"lo: expected one of {SPLIT_LO}, got {lo!r}")
-    split_tf32 = split_rounded if lo == "rounded" else split_tf32_unrounded
+    split_tf32, _ = splits_for(lo)
     if D % 8 or Bc % 8 or Br % 16 or Br < 16:
         raise ValueError(f"tiles: expected D and Bc multiples of 8, Br of 16; got {Br}, {Bc}, {D}")
     W = Br // 16

@@ -81,7 +81,6 @@ from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, ch
     launch_stream, on_simulator
 from kernels.base.key_block_walk import next_pair, pair_at, query_pairs
 from kernels.base.query_split import add_zero_gradients, query_splits_for
-from kernels.base.mma import SPLIT_LO  # how a fragment load's split leaves lo (rounded, or for the mma)
 from kernels.base.tf32_product import PASSES, make_tf32_product, make_tf32_product_pairs
 from kernels.base.tile_copy import make_async_tile_copy
 
@@ -174,15 +173,13 @@ def make_backward_tf32(Br: int, W: int, D: int, passes: int = 3, dynamic: bool =
     (float32), causal (int32 0/1), group (int32: H / Hkv), aligned (int32: rows of q, k, v,
     dO and dQ 16-byte aligned and d % 4 == 0: cp.async copies, and dQ's adds in pairs)."""
     from kernels.base.mma import (cp_async_commit, cp_async_wait_all,
-                                  shared_address, split_tf32_at, split_tf32_at_rounded)
+                                  shared_address, splits_for)
     from kernels.base.query_split import make_block_steps, make_gradient_store
     from kernels.base.shared_memory import shared_view
 
     if passes not in PASSES:
         raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
-    if lo not in SPLIT_LO:
-        raise ValueError(f"lo: expected one of {SPLIT_LO}, got {lo!r}")
-    split_at = split_tf32_at if lo == "truncated" else split_tf32_at_rounded
+    _, split_at = splits_for(lo)
     if D % 8 or Br % 16 or W < 1:
         raise ValueError(f"tiles: expected D a multiple of 8, Br of 16 and W >= 1, got Br={Br}, W={W}, D={D}")
     split4, split2, product = make_tf32_product(passes)

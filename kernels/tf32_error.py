@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels.base.mma import SPLIT_LO, TF32_MASK, tf32_bits
+from kernels.base.mma import SPLIT_LO, TF32_MASK, check_split_lo, tf32_bits
 
 __all__ = [
     "TF32_MANTISSA", "U", "PASSES", "PASS_TERMS", "TERM_ERROR", "MMA_K",
@@ -124,8 +124,7 @@ def split_tf32(x, lo: str = "rounded") -> tuple[np.ndarray, np.ndarray]:
     at most 2^12 of x's float32 ulps, so tf32's 11 significant bits drop at most its last bit,
     and a single dropped bit is 0 or a tie: |x - x_hi - x_lo| is the same either way."""
     x = _float32(x, "x")
-    if lo not in SPLIT_LO:
-        raise ValueError(f"lo: expected one of {SPLIT_LO}, got {lo!r}")
+    check_split_lo(lo)
     hi = to_tf32(x)
     with np.errstate(invalid="ignore"):
         rest = (x - hi).astype(np.float32)              # x - hi is exact in float32

@@ -89,7 +89,7 @@ __all__ = ["a_position", "b_position", "c_position", "a_position_tf32", "b_posit
            "mma_f16", "mma_bf16", "mma_tf32", "pack_f16", "pack_bf16", "unpack_f16", "unpack_bf16", "to_tf32", "split_tf32", "split_tf32_unrounded", "split_tf32_at", "split_tf32_at_rounded",
            "load_words", "store_word", "store_words", "float_of_word", "word_of_float", "red_add_pair", "ldmatrix", "ldmatrix_trans", "shared_address", "ldmatrix_at", "ldmatrix_trans_at", "cp_async", "global_address", "cp_async_at", "cp_async_word_at", "cp_async_commit", "cp_async_wait_all",
            "cp_async_wait_prior", "cp_async_wait_prior2",
-           "half_bits", "bf16_bits", "tf32_bits", "TF32_MASK", "SPLIT_LO", "split_ties", "words_to_halves", "make_output_store",
+           "half_bits", "bf16_bits", "tf32_bits", "TF32_MASK", "SPLIT_LO", "check_split_lo", "splits_for", "split_ties", "words_to_halves", "make_output_store",
            "OUTPUT_TYPES", "PTX"]
 
 M, N, K = 16, 8, 16          # the f16/bf16 shape; tf32 is 16 x 8 x 8
@@ -156,6 +156,13 @@ TF32_MASK = 0xFFFFE000          # a float32's sign, exponent and top 10 mantissa
 # How a 3xTF32 split leaves lo = x - hi: rounded to tf32, or its float32 bits as they are,
 # which the mma truncates to tf32 (split_tf32_at; kernels.tf32_error.split_tf32 models both)
 SPLIT_LO = ("rounded", "truncated")
+
+
+def check_split_lo(lo: str) -> str:
+    """``lo`` if it is one of ``SPLIT_LO``, else a ValueError naming it."""
+    if lo not in SPLIT_LO:
+        raise ValueError(f"lo: expected one of {SPLIT_LO}, got {lo!r}")
+    return lo
 
 
 def tf32_bits(x, ties: str = "away") -> np.ndarray:
@@ -997,3 +1004,12 @@ def make_output_store(o_type: str | None = None):
         a[i, j, k] = uint16(pack(x, float32(0.0)) & uint32(0xFFFF))
 
     return store_rounded
+
+
+def splits_for(lo: str):
+    """(the register split, the shared-address split) that leave lo = x - hi as ``lo`` says:
+    "rounded" (``split_tf32``, ``split_tf32_at_rounded``) or "truncated", its float32 bits for
+    the mma to truncate (``split_tf32_unrounded``, ``split_tf32_at``)."""
+    if check_split_lo(lo) == "rounded":
+        return split_tf32, split_tf32_at_rounded
+    return split_tf32_unrounded, split_tf32_at

@@ -31,14 +31,12 @@ def make_tf32_product(passes: int = 3, lo: str = "rounded"):
     of A B from zero, 4 floats. ``lo``: the splits' lo = x - hi "rounded" to tf32
     (``split_tf32``) or "truncated": its float32 bits, which the mma truncates
     (``split_tf32_unrounded``: one instruction less; the same |x - hi - lo| either way)."""
-    from kernels.base.mma import SPLIT_LO, mma_tf32, split_tf32 as split_rounded, split_tf32_unrounded
+    from kernels.base.mma import mma_tf32, splits_for
 
     if passes not in PASSES:
         raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
-    if lo not in SPLIT_LO:
-        raise ValueError(f"lo: expected one of {SPLIT_LO}, got {lo!r}")
     THREE = passes == 3
-    split_tf32 = split_rounded if lo == "rounded" else split_tf32_unrounded
+    split_tf32, _ = splits_for(lo)
 
     @inlined
     def split4(a0, a1, a2, a3):
