@@ -57,7 +57,8 @@ from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, ch
 
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", "forward_kernel", "tf32_tiles",
            "tf32_min_blocks", "tf32_query_parts", "SHORT_QUERIES", "DEFAULT_LO", "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets",
-           "fragment_strides", "check_fragment_strides", "check_fragment_strides_case", "KERNEL_HEAD_DIMS"]
+           "fragment_strides", "check_fragment_strides", "check_fragment_strides_case", "KERNEL_HEAD_DIMS",
+           "make_split_kv", "part_shapes", "split_blocks"]
 
 
 def tf32_tiles(d: int, n_q: int | None = None) -> tuple[int, int, int]:
@@ -101,10 +102,13 @@ def v_stride(D: int) -> int:
     return 4 * D + 8
 
 
-def shared_words(Bc: int, D: int, Br: int = 0, query_parts: bool = False) -> int:
+def shared_words(Bc: int, D: int, Br: int = 0, query_parts: bool = False, presplit: bool = False) -> int:
     """32-bit words of shared memory a block: K_j's parts (Bc rows of ``k_stride``), V_j's (Bc / 2
     key pairs of ``v_stride``) and the rows a tile lands in (Bc of D + 4); with ``query_parts``,
-    Q_i's hi and lo parts too (Br x D words each)."""
+    Q_i's hi and lo parts too (Br x D words each). ``presplit``: the parts land ready-made, two
+    tiles' worth (the next lands while this one is used), and no raw rows."""
+    if presplit:
+        return 2 * (Bc * k_stride(D) + Bc // 2 * v_stride(D)) + (2 * Br * D if query_parts else 0)
     return Bc * k_stride(D) + Bc // 2 * v_stride(D) + Bc * (D + 4) + (2 * Br * D if query_parts else 0)
 
 
@@ -121,10 +125,65 @@ def tf32_query_parts(Br: int, D: int) -> bool:
     return D == 128 and tf32_min_blocks(D, Br) == 1
 
 
+def part_shapes(BHkv: int, n_k: int, D: int) -> tuple[tuple, tuple]:
+    """The ready-made parts' shapes (``make_split_kv``): K's (B*Hkv, Nk, 2 D) words, a key row
+    as ``k_parts`` lays it out (unpadded); V's (B*Hkv, ceil(Nk / 2), 4 D), a key pair's row as
+    ``v_parts`` does."""
+    return (BHkv, n_k, 2 * D), (BHkv, (n_k + 1) // 2, 4 * D)
+
+
+SPLIT_THREADS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def make_split_kv(D: int, lo: str = "rounded"):
+    """The kernel that splits K and V into their TF32 parts once, for every block that reads
+    them (``presplit``): kp[h, r] holds key r's parts as ``k_parts`` lays them out, vp[h, p] key
+    pair p's as ``v_parts`` does, zeros past d and past the last key. One thread an item (8
+    columns of a key, or 4 of a key pair). Launch: grid (``split_blocks``, B*Hkv),
+    ``SPLIT_THREADS`` threads; k, v (B*Hkv, Nk, d) float32, kp and vp uint32 (``part_shapes``)."""
+    from kernels.base.mma import splits_for, store_words
+
+    split_tf32, _ = splits_for(lo)
+    KS, CH = D // 8, D // 4
+
+    @cuda.jit(fastmath=True)
+    def split_kv(k, v, kp, vp):
+        h = int32(cuda.blockIdx.y)
+        i = int32(cuda.blockIdx.x) * int32(cuda.blockDim.x) + int32(cuda.threadIdx.x)
+        n_k, d = int32(k.shape[1]), int32(k.shape[2])
+        if i < n_k * KS:                         # key r, k-step columns c .. c + 7
+            r = i // KS
+            c = (i % KS) * 8
+            for t in range(4):
+                x0 = k[h, r, c + t] if c + t < d else float32(0.0)
+                x1 = k[h, r, c + t + 4] if c + t + 4 < d else float32(0.0)
+                h0, l0 = split_tf32(x0)
+                h1, l1 = split_tf32(x1)
+                store_words(kp[h], r, 2 * c + 4 * t, h0, h1, l0, l1)
+        if i < int32(vp.shape[1]) * CH:          # key pair p, columns c .. c + 3
+            p = i // CH
+            c = (i % CH) * 4
+            for e in range(4):
+                y0 = v[h, 2 * p, c + e] if c + e < d else float32(0.0)
+                y1 = v[h, 2 * p + 1, c + e] if c + e < d and 2 * p + 1 < n_k else float32(0.0)
+                h0, l0 = split_tf32(y0)
+                h1, l1 = split_tf32(y1)
+                store_words(vp[h], p, 4 * (c + e), h0, h1, l0, l1)
+
+    return split_kv
+
+
+def split_blocks(n_k: int, D: int) -> int:
+    """Blocks a head row of ``make_split_kv``'s grid: one thread an item."""
+    return cdiv(max(n_k * (D // 8), (n_k + 1) // 2 * (D // 4)), SPLIT_THREADS)
+
+
 @functools.lru_cache(maxsize=None)
 def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False,
                             max_registers: int | None = None, split: bool = False, grouped: bool = False,
-                            min_blocks: int = 1, query_parts: bool = False, lo: str = "rounded"):
+                            min_blocks: int = 1, query_parts: bool = False, lo: str = "rounded",
+                            presplit: bool = False):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
@@ -137,6 +196,9 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     (K_j's and V_j's parts, Q_i's, P's) leaves lo = x - hi: "rounded" to tf32, or "truncated":
     its float32 bits, which the mma truncates (``split_tf32_unrounded``: one instruction less
     a split, the same |x - hi - lo|; chapter 11's backward takes it at its fragment loads).
+    ``presplit``: K and V come split already (``make_split_kv``), so the block splits nothing:
+    k and v are the parts (uint32, ``part_shapes``), each tile's land by cp.async in one of two
+    stages while the other's are used, one barrier a tile instead of four.
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d), k, v (B*Hkv,
     Nk, d) float32; o (B*H, Nq, d) and lse (B*H, Nq) float32; scale (float32), causal (int32
@@ -162,9 +224,12 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     KW, VW, RW = k_stride(D), v_stride(D), D + 4  # row strides (words) of K's parts, V's parts, landed rows
     CH = D // 4                                   # 16-byte chunks a row
     QPARTS = bool(query_parts)
-    SHARED = 0 if dynamic else shared_words(Bc, D, Br, QPARTS)
+    PRE = bool(presplit)
+    SHARED = 0 if dynamic else shared_words(Bc, D, Br, QPARTS, PRE)
     QROWS = W * KS * 32 if QPARTS else 1          # rows of 4 words of each of Q_i's part planes
-    QAT = shared_words(Bc, D)                     # where they start
+    QAT = shared_words(Bc, D, presplit=PRE)       # where they start
+    STAGES = 2 if PRE else 1                      # tiles of parts in shared memory at once
+    KC = D // 2                                   # 16-byte chunks a key row of parts (presplit)
     GROUPED = bool(grouped)
     U = int if on_simulator() else uint32         # unsigned loop indices: the compiler unrolls or folds them
     split4, _, _ = make_tf32_product(passes, lo)  # 3xTF32 (or plain TF32) k-steps
@@ -189,6 +254,27 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                     if row < rows and c + e < d:
                         x = src[row, c + e]
                     R[r, c + e] = word_of_float(x)
+
+    @inlined
+    def land_parts(kph, vph, Kp, Vp, st, k0, n_k, tid):
+        """(presplit) tile j's parts -> stage st's rows of Kp and Vp by cp.async, 16 bytes at a
+        time; zeros past the last key (V's must be: P's zeros times garbage could make NaN)."""
+        zero = uint32(0)
+        for ch in range(tid, Bc * KC, THREADS):
+            r = ch // KC
+            c = (ch % KC) * 4
+            if k0 + r < n_k:
+                cp_async(Kp, st * Bc + r, c, kph, k0 + r, c)
+            else:
+                store_words(Kp, st * Bc + r, c, zero, zero, zero, zero)
+        p0 = k0 // 2
+        for ch in range(tid, Bc // 2 * D, THREADS):
+            p = ch // D
+            c = (ch % D) * 4
+            if p0 + p < vph.shape[0]:
+                cp_async(Vp, st * (Bc // 2) + p, c, vph, p0 + p, c)
+            else:
+                store_words(Vp, st * (Bc // 2) + p, c, zero, zero, zero, zero)
 
     @inlined
     def parts(w, e):
@@ -240,9 +326,9 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         q0 = (int32(cuda.gridDim.x) - 1 - int32(cuda.blockIdx.x)) * Br     # heaviest causal tiles first
         n_q, n_k, d = int32(q.shape[1]), int32(k.shape[1]), int32(q.shape[2])
         smem = cuda.shared.array(SHARED, uint32, alignment=16)
-        Kp = shared_view(smem, 0, (Bc, KW))          # K_j's parts
-        Vp = shared_view(smem, Bc * KW, (Bc // 2, VW))                  # V_j's parts
-        R = shared_view(smem, Bc * KW + Bc // 2 * VW, (Bc, RW))         # where K_j, then V_j, lands
+        Kp = shared_view(smem, 0, (STAGES * Bc, KW))                    # K_j's parts
+        Vp = shared_view(smem, STAGES * Bc * KW, (STAGES * Bc // 2, VW))  # V_j's parts
+        R = shared_view(smem, 0 if PRE else Bc * KW + Bc // 2 * VW, (Bc, RW))  # where K_j, then V_j, lands
         Qh = shared_view(smem, QAT if QPARTS else 0, (QROWS, 4))        # Q_i's parts: lane's k-step s at row
         Ql = shared_view(smem, QAT + QROWS * 4 if QPARTS else 0, (QROWS, 4))    # (warp KS + s) 32 + lane
         kvh = bh
@@ -295,16 +381,30 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             first, end, out = split_range(n_tiles, bh)
 
         if end > first:
-            land(kh, R, n_k, first * Bc, d, tid, aligned)
+            if PRE:
+                land_parts(kh, vh, Kp, Vp, 0, first * Bc, n_k, tid)
+            else:
+                land(kh, R, n_k, first * Bc, d, tid, aligned)
         cp_async_commit()
         for jt in range(first, end):
             k0 = jt * Bc
-            cp_async_wait_all()                      # K_j has landed (this thread's chunks) ...
-            cuda.syncthreads()                       # ... every thread's; every warp is done with S_{j-1}
-            k_parts(R, Kp, tid)
-            cuda.syncthreads()                       # K_j's parts are in; R is free
-            land(vh, R, n_k, k0, d, tid, aligned)    # V_j lands while S_j is computed
-            cp_async_commit()
+            st = 0                                   # the stage tile j's parts are in
+            if PRE:
+                st = (jt - first) % 2
+                cp_async_wait_all()                  # tile j's parts have landed (this thread's chunks) ...
+                cuda.syncthreads()                   # ... every thread's; every warp is done with tile j - 1's
+                if jt + 1 < end:
+                    land_parts(kh, vh, Kp, Vp, 1 - st, k0 + Bc, n_k, tid)   # tile j + 1's, meanwhile
+                cp_async_commit()
+            else:
+                cp_async_wait_all()                  # K_j has landed (this thread's chunks) ...
+                cuda.syncthreads()                   # ... every thread's; every warp is done with S_{j-1}
+                k_parts(R, Kp, tid)
+                cuda.syncthreads()                   # K_j's parts are in; R is free
+                land(vh, R, n_k, k0, d, tid, aligned)    # V_j lands while S_j is computed
+                cp_async_commit()
+            krow = U(st * Bc) + ug                   # this lane's key row of K_j's parts
+            prow = U(st * (Bc // 2)) + ut            # this lane's first key pair row of V_j's
 
             # ---- S = Q_i K_j^T: B = K_j^T, b0 = K[key g, 8s + t], b1 = K[key g, 8s + t + 4]
             for nt in range(NS):
@@ -318,7 +418,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 else:
                     a_hi, a_lo = split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
                 for nt in range(NS):
-                    b = load_words(Kp, U(nt * 8) + ug, U(16) * s_ + U(4) * ut)
+                    b = load_words(Kp, krow + U(nt * 8), U(16) * s_ + U(4) * ut)
                     for e in range(4):
                         bs[nt, e] = b[e]
                 s_products(a_hi, a_lo, bs, cs)
@@ -332,13 +432,14 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 for e in range(4):
                     pv[kp, e] = sc[kp, e]
 
-            cp_async_wait_all()                      # V_j has landed ...
-            cuda.syncthreads()                       # ... every thread's; every warp is done with P V_{j-1}
-            v_parts(R, Vp, tid)
-            cuda.syncthreads()                       # V_j's parts are in; R is free
-            if jt + 1 < end:
-                land(kh, R, n_k, k0 + Bc, d, tid, aligned)    # K_{j+1} lands during P V_j
-            cp_async_commit()
+            if not PRE:
+                cp_async_wait_all()                  # V_j has landed ...
+                cuda.syncthreads()                   # ... every thread's; every warp is done with P V_{j-1}
+                v_parts(R, Vp, tid)
+                cuda.syncthreads()                   # V_j's parts are in; R is free
+                if jt + 1 < end:
+                    land(kh, R, n_k, k0 + Bc, d, tid, aligned)    # K_{j+1} lands during P V_j
+                cp_async_commit()
 
             # ---- O += P V_j, 8 keys a step, renumbered: key 2t -> k = t, key 2t + 1 -> k = t + 4.
             # A = (P[g, 2t], P[g + 8, 2t], P[g, 2t + 1], P[g + 8, 2t + 1]) = (c0, c2, c1, c3);
@@ -346,7 +447,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             kp = U(0)
             while kp < U(NS):
                 a_hi, a_lo = split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
-                pair = U(4) * kp + ut
+                pair = U(4) * kp + prow
                 for dg in range(ND // DG):
                     for j in range(DG):
                         b = load_words(Vp, pair, U(32 * (dg * DG + j)) + U(4) * ug)
@@ -367,7 +468,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
 
 def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: bool = False, tiles=None,
-                   max_registers=None, min_blocks=None, query_parts=None, lo=None):
+                   max_registers=None, min_blocks=None, query_parts=None, lo=None, presplit=False):
     """(kernel, Br, dynamic shared bytes or 0) for this call shape: the tiles ``tf32_tiles``
     chooses (or ``tiles`` (Br, Bc)), the launch bounds ``tf32_min_blocks`` (or ``min_blocks``),
     the grouped kernel where Hkv < H, and a raised shared-memory limit where the tiles need
@@ -381,26 +482,37 @@ def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: boo
         Br, Bc = tiles
     min_blocks = tf32_min_blocks(D, Br) if min_blocks is None else min_blocks
     query_parts = tf32_query_parts(Br, D) if query_parts is None else bool(query_parts)
-    nbytes = 4 * shared_words(Bc, D, Br, query_parts)
+    nbytes = 4 * shared_words(Bc, D, Br, query_parts, bool(presplit))
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, split=split,
                                      grouped=BH > BHkv, min_blocks=min_blocks, query_parts=query_parts,
-                                     lo=DEFAULT_LO if lo is None else lo)
+                                     lo=DEFAULT_LO if lo is None else lo, presplit=bool(presplit))
     return kernel, Br, nbytes if dynamic else 0
 
 
 def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_registers=None, min_blocks=None,
-                   query_parts=None, lo=None):
+                   query_parts=None, lo=None, presplit=False, parts=None):
     """The forward on device views: qd (B*H, Nq, d), kd and vd (B*Hkv, Nk, d) float32, Hkv
     dividing H, into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default
-    ``tf32_tiles``; ``lo``: the splits' lo, by default ``DEFAULT_LO``."""
+    ``tf32_tiles``; ``lo``: the splits' lo, by default ``DEFAULT_LO``; ``presplit``: K and V
+    split first by ``make_split_kv`` into ``parts`` (kp, vp: ``part_shapes``, uint32; None:
+    allocated here)."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory
 
     BH, n_q, d = qd.shape
     kernel, Br, nbytes = forward_kernel(BH, kd.shape[0], n_q, d, passes, tiles=tiles, max_registers=max_registers,
-                                        min_blocks=min_blocks, query_parts=query_parts, lo=lo)
+                                        min_blocks=min_blocks, query_parts=query_parts, lo=lo, presplit=presplit)
     aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
         if not on_simulator() else int(d % 4 == 0)
+    if presplit:
+        BHkv, n_k = kd.shape[0], kd.shape[1]
+        D = 8 * cdiv(d, 8)
+        if parts is None:
+            parts = tuple(cuda.device_array(shape, np.uint32) for shape in part_shapes(BHkv, n_k, D))
+        if BHkv and n_k:
+            make_split_kv(D, DEFAULT_LO if lo is None else lo)[(split_blocks(n_k, D), BHkv), SPLIT_THREADS,
+                                                               launch_stream()](kd, vd, *parts)
+        kd, vd = parts
     args = (qd, kd, vd, o, lse, np.float32(scale), np.int32(causal), np.int32(BH // kd.shape[0]), np.int32(aligned))
     if nbytes:
         allow_dynamic_shared_memory(kernel, args, nbytes)

@@ -151,6 +151,32 @@ def test_lo_truncated_by_the_mma_or_rounded_meets_the_same_rule(lo, case, query_
     check_result(case, o.copy_to_host().reshape(case.q.shape), lse.copy_to_host().reshape(B, H, n_q))
 
 
+@given(case=tf32_cases(), query_parts=st.booleans())
+@settings(max_examples=3 if SIM else gpu_examples(100))
+@example(case=case_with((1, 1, ONE_PAST, 13), (1, 1, 40, 13), causal=True), query_parts=True)   # ragged d, tiles
+@example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0), query_parts=False)       # logits, odd Nk
+@example(case=GQA, query_parts=False)
+@example(case=case_with((1, 1, 1, 8), (1, 1, 1, 8)), query_parts=True)                          # N = 1
+@example(case=case_with((1, 1, 5, 8), (1, 1, 0, 8)), query_parts=False)                         # no keys
+def test_keys_split_once_before_the_forward_meet_the_same_rule(case, query_parts):
+    """``presplit``: K and V split into their TF32 parts once (``make_split_kv``) for every block,
+    which lands them ready-made, one tile while it computes with the other: the same rule. With
+    Q's parts in shared memory too, 16 keys a tile (two tiles of 32 and Q's parts would not fit
+    at d = 128)."""
+    B, H, n_q, d = case.q.shape
+    _, Hkv, n_k, _ = case.k.shape
+    assume(n_q)
+    scale = case.scale if case.scale is not None else 1 / np.sqrt(d)
+    o = cuda.device_array((B * H, n_q, d), np.float32)
+    lse = cuda.device_array((B * H, n_q), np.float32)
+    Br, Bc, _ = tf32_tiles(d, n_q)
+    tiles = (Br, min(Bc, 16)) if query_parts else None
+    launch_forward(*(on_device(x.reshape(x.shape[0] * x.shape[1], x.shape[2], d)) for x in (case.q, case.k, case.v)),
+                   o, lse, scale,
+                   int(case.causal), 3, tiles=tiles, query_parts=query_parts, presplit=True)
+    check_result(case, o.copy_to_host().reshape(case.q.shape), lse.copy_to_host().reshape(B, H, n_q))
+
+
 def test_an_unknown_lo_is_named():
     with pytest.raises(ValueError, match=r"^lo: expected one of \('rounded', 'truncated'\), got 'even'"):
         make_flash_forward_tf32(32, 16, 16, 3, lo="even")
