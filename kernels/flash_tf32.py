@@ -77,6 +77,7 @@ def tf32_tiles(d: int, n_q: int | None = None) -> tuple[int, int, int]:
 
 SHORT_QUERIES = 64      # heads this short take 64-row query tiles (``tf32_tiles``)
 DEFAULT_LO = "rounded"  # the splits' lo in the launchers' kernels (the GPU has not yet timed "truncated")
+DEFAULT_PRESPLIT = False  # whether the launchers split K and V once first (``make_split_kv``; not yet timed)
 
 
 def tf32_min_blocks(D: int, Br: int = 128) -> int:
@@ -141,7 +142,8 @@ def make_split_kv(D: int, lo: str = "rounded"):
     them (``presplit``): kp[h, r] holds key r's parts as ``k_parts`` lays them out, vp[h, p] key
     pair p's as ``v_parts`` does, zeros past d and past the last key. One thread an item (8
     columns of a key, or 4 of a key pair). Launch: grid (``split_blocks``, B*Hkv),
-    ``SPLIT_THREADS`` threads; k, v (B*Hkv, Nk, d) float32, kp and vp uint32 (``part_shapes``)."""
+    ``SPLIT_THREADS`` threads; k, v (B*Hkv, Nk, d) float32, kp and vp ``part_shapes`` (the words
+    in float32 arrays: every allocator has those)."""
     from kernels.base.mma import splits_for, store_words
 
     split_tf32, _ = splits_for(lo)
@@ -197,7 +199,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     its float32 bits, which the mma truncates (``split_tf32_unrounded``: one instruction less
     a split, the same |x - hi - lo|; chapter 11's backward takes it at its fragment loads).
     ``presplit``: K and V come split already (``make_split_kv``), so the block splits nothing:
-    k and v are the parts (uint32, ``part_shapes``), each tile's land by cp.async in one of two
+    k and v are the parts (``part_shapes``), each tile's land by cp.async in one of two
     stages while the other's are used, one barrier a tile instead of four.
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d), k, v (B*Hkv,
@@ -481,7 +483,9 @@ def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: boo
     if tiles is not None:
         Br, Bc = tiles
     min_blocks = tf32_min_blocks(D, Br) if min_blocks is None else min_blocks
-    query_parts = tf32_query_parts(Br, D) if query_parts is None else bool(query_parts)
+    if query_parts is None:                  # (presplit: two stages of parts leave no room for Q's)
+        query_parts = tf32_query_parts(Br, D) and not presplit
+    query_parts = bool(query_parts)
     nbytes = 4 * shared_words(Bc, D, Br, query_parts, bool(presplit))
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, split=split,
@@ -495,8 +499,8 @@ def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_re
     """The forward on device views: qd (B*H, Nq, d), kd and vd (B*Hkv, Nk, d) float32, Hkv
     dividing H, into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default
     ``tf32_tiles``; ``lo``: the splits' lo, by default ``DEFAULT_LO``; ``presplit``: K and V
-    split first by ``make_split_kv`` into ``parts`` (kp, vp: ``part_shapes``, uint32; None:
-    allocated here)."""
+    split first by ``make_split_kv`` into ``parts`` (kp, vp: ``part_shapes``, 32-bit words in
+    float32 arrays; None: allocated here)."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory
 
     BH, n_q, d = qd.shape
@@ -508,7 +512,7 @@ def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_re
         BHkv, n_k = kd.shape[0], kd.shape[1]
         D = 8 * cdiv(d, 8)
         if parts is None:
-            parts = tuple(cuda.device_array(shape, np.uint32) for shape in part_shapes(BHkv, n_k, D))
+            parts = tuple(cuda.device_array(shape, np.float32) for shape in part_shapes(BHkv, n_k, D))
         if BHkv and n_k:
             make_split_kv(D, DEFAULT_LO if lo is None else lo)[(split_blocks(n_k, D), BHkv), SPLIT_THREADS,
                                                                launch_stream()](kd, vd, *parts)
@@ -541,14 +545,17 @@ def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
     return kind.result(o), kind.result(lse)
 
 
-def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=None, lse=None, query_parts=None):
+def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=None, lse=None, query_parts=None,
+                    presplit=None):
     """What ``flash_attention_tf32`` runs once its checks pass, for callers that made them
     (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, Hkv, Nk, d), H a
     multiple of Hkv, C-contiguous float32 device arrays, ``scale`` a float. (o, lse) from ``kind``'s
     allocator (an ``ArrayKind``), or the ``o`` (like q) and ``lse`` (B, H, Nq) float32 given.
     ``splits``: the keys split among that many blocks a query tile, their partials merged after
     (``kernels.base.key_split``); None: split only where the grid would not fill the GPU.
-    ``query_parts``: Q_i's split parts in shared memory or not (None: ``tf32_query_parts``)."""
+    ``query_parts``: Q_i's split parts in shared memory or not (None: ``tf32_query_parts``).
+    ``presplit``: K and V split once first (``make_split_kv``), into two arrays from ``kind``'s
+    allocator (None: ``DEFAULT_PRESPLIT``)."""
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     o = kind.new((B, H, n_q, d), np.float32) if o is None else given_out(o, (B, H, n_q, d), "o")
@@ -558,11 +565,15 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=No
         held = multiprocessors() * tf32_min_blocks(D, Br)      # the blocks the GPU holds at once
         splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc, sms=held, whole_waves=True) if splits is None \
             else int(splits)
+        presplit = DEFAULT_PRESPLIT if presplit is None else bool(presplit)
         arrays = dict(q=q, k=k, v=v)
         arrays.update(partials(kind, splits, B * H, n_q, d))
-        run_bound(_launches, (B, H, hkv, n_q, n_k, d, causal, scale, int(passes), splits, query_parts),
+        if presplit:
+            arrays.update(zip(("kp", "vp"), (kind.new(shape, np.float32) for shape in part_shapes(B * hkv, n_k, D))))
+        run_bound(_launches, (B, H, hkv, n_q, n_k, d, causal, scale, int(passes), splits, query_parts, presplit),
                   dict(arrays, o=o, lse=lse), lambda a: _views(a, B * H, B * hkv, n_q, n_k, d),
-                  lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits, query_parts),
+                  lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits, query_parts,
+                                                       presplit),
                   aligned_names=("q", "k", "v"), aligned_d=d % 4 == 0)
     elif B * H and n_q:          # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
         fill(o, 0.0)
@@ -580,24 +591,31 @@ def _views(arrays, BH, BHkv, n_q, n_k, d):
     views = {name: to_device(arrays[name], name).reshape(*rows[name], d) for name in rows}
     views["lse"] = to_device(arrays["lse"], "lse").reshape(BH, n_q)
     views.update(partial_views(arrays))
+    views.update({name: to_device(arrays[name], name) for name in ("kp", "vp") if name in arrays})
     return views
 
 
-def _bind_forward(views, causal, scale, passes, aligned, splits=1, query_parts=None):
+def _bind_forward(views, causal, scale, passes, aligned, splits=1, query_parts=None, presplit=False):
     """The launch, bound; with ``splits`` > 1 the forward writes the splits' partials and one
-    more launch merges them."""
+    more launch merges them; with ``presplit`` one launch before splits K and V."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory
 
     BH, n_q, d = views["q"].shape
-    kernel, Br, nbytes = forward_kernel(BH, views["k"].shape[0], n_q, d, passes, split=splits > 1,
-                                        query_parts=query_parts)
-    names = ("q", "k", "v", *output_names(splits))
+    BHkv, n_k = views["k"].shape[:2]
+    kernel, Br, nbytes = forward_kernel(BH, BHkv, n_q, d, passes, split=splits > 1, query_parts=query_parts,
+                                        presplit=presplit)
+    names = ("q", "kp", "vp", *output_names(splits)) if presplit else ("q", "k", "v", *output_names(splits))
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(BH // views["k"].shape[0]),
                                              np.int32(aligned))
     if nbytes:
         allow_dynamic_shared_memory(kernel, args, nbytes)
     launches = [(kernel, (cdiv(n_q, Br), BH, splits), kernel.threads, args, nbytes)]
     slots = [{name: i for i, name in enumerate(names)}]
+    if presplit:
+        D = 8 * cdiv(d, 8)
+        launches.insert(0, (make_split_kv(D, DEFAULT_LO), (split_blocks(n_k, D), BHkv), SPLIT_THREADS,
+                            tuple(views[n] for n in ("k", "v", "kp", "vp")), 0))
+        slots.insert(0, {name: i for i, name in enumerate(("k", "v", "kp", "vp"))})
     add_combine(launches, slots, views, splits)
     return BoundLaunches(launches, slots)
 

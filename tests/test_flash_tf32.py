@@ -39,8 +39,8 @@ def on_device(x, misaligned=False):
     return view
 
 
-def check(case, passes=3, splits=None, misaligned=None, query_parts=None):
-    if splits is None and misaligned is None and query_parts is None:
+def check(case, passes=3, splits=None, misaligned=None, query_parts=None, presplit=None):
+    if splits is None and misaligned is None and query_parts is None and presplit is None:
         o, lse = flash_attention_tf32(case.q, case.k, case.v, causal=case.causal, scale=case.scale, passes=passes)
     else:                        # the checked entry: the keys split among ``splits`` blocks a query tile,
         kind = ArrayKind(case.q)  # inputs 4 bytes off a 16-byte boundary (``misaligned``), Q's parts in
@@ -48,7 +48,7 @@ def check(case, passes=3, splits=None, misaligned=None, query_parts=None):
         scale = case.scale if case.scale is not None else 1 / np.sqrt(case.q.shape[-1])
         o, lse = forward_checked(kind, *(on_device(x, bool(misaligned)) for x in (case.q, case.k, case.v)),
                                  causal=case.causal, scale=scale, passes=passes, splits=splits,
-                                 query_parts=query_parts)
+                                 query_parts=query_parts, presplit=presplit)
         o, lse = kind.result(o), kind.result(lse)
     return check_result(case, o, lse)
 
@@ -151,18 +151,20 @@ def test_lo_truncated_by_the_mma_or_rounded_meets_the_same_rule(lo, case, query_
     check_result(case, o.copy_to_host().reshape(case.q.shape), lse.copy_to_host().reshape(B, H, n_q))
 
 
-@given(case=tf32_cases(), query_parts=st.booleans())
+@given(case=tf32_cases(), query_parts=st.booleans(), splits=st.sampled_from([1, 3]))
 @settings(max_examples=3 if SIM else gpu_examples(100))
-@example(case=case_with((1, 1, ONE_PAST, 13), (1, 1, 40, 13), causal=True), query_parts=True)   # ragged d, tiles
-@example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0), query_parts=False)       # logits, odd Nk
-@example(case=GQA, query_parts=False)
-@example(case=case_with((1, 1, 1, 8), (1, 1, 1, 8)), query_parts=True)                          # N = 1
-@example(case=case_with((1, 1, 5, 8), (1, 1, 0, 8)), query_parts=False)                         # no keys
-def test_keys_split_once_before_the_forward_meet_the_same_rule(case, query_parts):
+@example(case=case_with((1, 1, ONE_PAST, 13), (1, 1, 40, 13), causal=True), query_parts=True, splits=1)  # ragged d
+@example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0), query_parts=False, splits=1)  # odd Nk
+@example(case=GQA, query_parts=False, splits=3)
+@example(case=case_with((1, 1, 1, 8), (1, 1, 1, 8)), query_parts=True, splits=1)                     # N = 1
+@example(case=case_with((1, 1, 5, 8), (1, 1, 0, 8)), query_parts=False, splits=1)                    # no keys
+def test_keys_split_once_before_the_forward_meet_the_same_rule(case, query_parts, splits):
     """``presplit``: K and V split into their TF32 parts once (``make_split_kv``) for every block,
-    which lands them ready-made, one tile while it computes with the other: the same rule. With
-    Q's parts in shared memory too, 16 keys a tile (two tiles of 32 and Q's parts would not fit
-    at d = 128)."""
+    which lands them ready-made, one tile while it computes with the other: the same rule,
+    through the checked entry (its choice of tiles, the keys split among ``splits`` blocks) and
+    as a bare launch with Q's parts in shared memory too, 16 keys a tile (two tiles of 32 and
+    Q's parts would not fit at d = 128)."""
+    check(case, splits=splits, presplit=True)
     B, H, n_q, d = case.q.shape
     _, Hkv, n_k, _ = case.k.shape
     assume(n_q)
