@@ -163,6 +163,23 @@ def main(only):
                     m.flash_attention_tf32(q, k, v, causal=causal, passes=passes)
                 m.flash_attention_tf32(q[..., :d - 1].copy(), k[..., :d - 1].copy(), v[..., :d - 1].copy(),
                                        causal=causal)     # d % 4 != 0: the element-wise copies
+        # K and V split once first (presplit): through the checked entry, and bare with Q's parts and
+        # 16-key tiles, and with 64-row tiles two an SM; odd Nk (a key pair's second key past the end), GQA
+        from numba import cuda
+
+        from kernels.base.runtime import ArrayKind
+        for b, h, hkv, nq, nk, d in [(1, 2, 2, 130, 67, 64), (1, 1, 1, 33, 33, 128), (2, 4, 2, 150, 71, 128),
+                                     (1, 1, 1, 67, 130, 100)]:
+            for causal in (False, True):
+                q, k, v = (cuda.to_device(rand(rng, b, x, n, d)) for x, n in ((h, nq), (hkv, nk), (hkv, nk)))
+                m.forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=d ** -0.5, presplit=True)
+                o, lse = cuda.device_array((b * h, nq, d), np.float32), cuda.device_array((b * h, nq), np.float32)
+                Br, Bc, _ = m.tf32_tiles(d, nq)
+                views = (q.reshape(b * h, nq, d), k.reshape(b * hkv, nk, d), v.reshape(b * hkv, nk, d))
+                m.launch_forward(*views, o, lse, d ** -0.5, int(causal), 3, tiles=(Br, min(Bc, 16)), query_parts=True,
+                                 presplit=True)
+                m.launch_forward(*views, o, lse, d ** -0.5, int(causal), 3, tiles=(64, min(Bc, 16)), min_blocks=2,
+                                 query_parts=False, presplit=True)
         ran.append("flash_tf32")
     if want("decode") and (m := have("decode")):
         # ragged (an empty cache, a length of 1), GQA and MHA, Nq up to 16, causal, fp16 caches;
