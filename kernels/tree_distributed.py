@@ -117,6 +117,11 @@ def _host(x) -> np.ndarray:
     return x.copy_to_host() if hasattr(x, "copy_to_host") else x.get()      # Numba's, CuPy's
 
 
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array's memory as a flat uint8 view (the same memory: a receive lands in ``a``)."""
+    return a.reshape(-1).view(np.uint8)
+
+
 class MpiEngine:
     """The collectives the reductions need, through mpi4py, on host NumPy buffers.
 
@@ -156,8 +161,12 @@ class MpiEngine:
 
     def exchange(self, send, dest: int, recv, source: int):
         send = [np.ascontiguousarray(_host(a)) for a in send]     # (kept alive until wait)
-        reqs = [self.comm.Isend(a, dest=dest, tag=i) for i, a in enumerate(send)]
-        reqs += [self.comm.Irecv(a, source=source, tag=i) for i, a in enumerate(recv)]
+        for i, a in enumerate(recv):
+            if not (isinstance(a, np.ndarray) and a.flags.c_contiguous):
+                raise TypeError(f"recv[{i}]: expected a C-contiguous NumPy array (received into in place)")
+        # (as bytes: an MPI without a float16 datatype, Open MPI's, refuses a float16 cache)
+        reqs = [self.comm.Isend(_bytes(a), dest=dest, tag=i) for i, a in enumerate(send)]
+        reqs += [self.comm.Irecv(_bytes(a), source=source, tag=i) for i, a in enumerate(recv)]
         self.traffic.add("sendrecv", sum(a.nbytes for a in send), sum(a.nbytes for a in send),
                          sum(a.nbytes for a in recv))
         return reqs, send

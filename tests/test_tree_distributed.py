@@ -316,3 +316,38 @@ def test_formulas():
     assert ten_times == 10 * ring_bytes(shard_bounds(100, 4), 0, 1, 1, 8)["sent"]
     with pytest.raises(ValueError, match="method"):
         tree_bytes("ring", 1, 1, 2)
+
+
+_EXCHANGE_TO_SELF = """
+import sys, numpy as np
+from mpi4py import MPI
+from kernels.tree_distributed import MpiEngine
+engine = MpiEngine(MPI.COMM_SELF)
+rng = np.random.default_rng(0)
+send = [rng.standard_normal((2, 3, 5)).astype(np.float16),
+        np.frombuffer(rng.bytes(3 * 7), dtype="V3")]             # a dtype no MPI datatype names
+recv = [np.empty_like(a) for a in send]
+engine.wait(engine.exchange(send, 0, recv, 0))
+assert all(a.tobytes() == b.tobytes() for a, b in zip(send, recv)), "exchange: received bytes differ"
+try:
+    engine.exchange(send[:1], 0, [np.empty((3, 2, 5), np.float16).transpose(1, 0, 2)], 0)
+except TypeError as exc:
+    assert "recv[0]" in str(exc), exc
+else:
+    raise AssertionError("exchange: a non-contiguous receive buffer was accepted")
+print("exchanged")
+"""
+
+
+def test_exchange_moves_any_dtype_as_bytes():
+    """The ring's send/receive moves a shard's memory as it is, whatever its dtype: an fp16
+    cache through an MPI that names no float16 datatype (Open MPI's), and a dtype that no MPI
+    names at all, from rank 0 to itself (one process, ``COMM_SELF``); a receive buffer it
+    cannot fill in place is refused by name."""
+    import subprocess
+
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _EXCHANGE_TO_SELF], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0 and "exchanged" in proc.stdout, f"{proc.stdout}\n{proc.stderr}"
