@@ -214,6 +214,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     from kernels.base.mma import cp_async, cp_async_commit, cp_async_wait_all, float_of_word, load_words, \
         splits_for, store_words, word_of_float
     from kernels.base.shared_memory import shared_view
+    from kernels.base.tile_copy import make_async_tile_copy
 
     if passes not in PASSES:
         raise ValueError(f"passes: expected one of {PASSES}, got {passes!r}")
@@ -241,9 +242,9 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     scale_and_mask, online_softmax, write_rows = make_fragment_softmax(NS, ND, THREADS)
 
     @inlined
-    def land(src, R, rows, r0, d, tid, aligned):
-        """src[r0 + r, :d] -> R[r, :D] (float32 bits; zeros past rows and d): whole 16-byte
-        chunks by cp.async, the rest by plain loads."""
+    def land_in_turn(src, R, rows, r0, d, tid, aligned):
+        """src[r0 + r, :d] -> R[r, :D] (float32 bits; zeros past rows and d), chunk by chunk:
+        whole 16-byte chunks by cp.async, the rest by plain loads."""
         for ch in range(tid, Bc * CH, THREADS):
             r = ch // CH
             c = (ch % CH) * 4
@@ -256,6 +257,11 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                     if row < rows and c + e < d:
                         x = src[row, c + e]
                     R[r, c + e] = word_of_float(x)
+
+    # K_j's or V_j's rows: where the block's threads cover whole rows of chunks and the rows
+    # are aligned, by column (addresses made once, a constant added a chunk; zeros by
+    # cp.async's source size), else in turn
+    land = make_async_tile_copy(Bc, D, THREADS, 4, in_turn=land_in_turn)
 
     @inlined
     def land_parts(kph, vph, Kp, Vp, st, k0, n_k, tid):
