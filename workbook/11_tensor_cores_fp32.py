@@ -267,7 +267,8 @@ _ = te.check_split_tf32(lambda x: (te.to_tf32(x), x - te.to_tf32(x)))
 # softmax runs on them, and P is never written to memory. Five things are new.
 #
 # **1. The split, where the keys land.** Each block copies K_j, then V_j, raw into a landing
-# tile in shared memory (cp.async, 16 bytes at a time) and splits every element once into its
+# tile in shared memory (cp.async, 16 bytes at a time, by column as chapter 8 lands its tiles:
+# `kernels/base/tile_copy.py`) and splits every element once into its
 # TF32 hi and lo parts (`split_tf32` from `kernels/base/mma.py`: a rounding to TF32, a
 # subtraction, and a rounding again). It writes the parts where the k-steps will read them.
 # For S, key r's k-step s holds, for lane t, the hi and lo parts of columns 8s + t and
@@ -278,7 +279,8 @@ _ = te.check_split_tf32(lambda x: (te.to_tf32(x), x - te.to_tf32(x)))
 # Every block splits the keys it reads. That costs three instructions an element, against
 # the D / 8 k-steps of three mma the element feeds in each of the block's 8 warps. (The
 # first version split K and V once a call, by a kernel of their own, into four buffers in
-# global memory. Section 6 measures the change.) Q's fragments are split in registers once a K/V tile,
+# global memory. Section 6 measures the change; `launch_forward(presplit=True)` brings that
+# split back, its parts laid out for these 16-byte loads, and section 6 measures it too.) Q's fragments are split in registers once a K/V tile,
 # and P's once a key step, because P only exists there. At d = 128, where one block has an SM
 # to itself, Q's fragments are split once instead, their hi and lo parts kept in shared memory
 # in the order each lane reads them (`tf32_query_parts`, 128 KB more): a k-step of S loads
@@ -405,10 +407,12 @@ for passes in (3, 1):
 # ## 6. Results on the H100
 #
 # The table and the plot below print `workbook/results/flash_tf32.csv`: the bench rerun on an
-# H100 on 2026-12-06, on section 4's kernel as it is now (Q's parts in shared memory at d =
-# 128). Over N = 1k-16k the launcher is 1.20-1.30x SDPA memory-efficient at d = 64 (causal
-# 1.06-1.25x) and 0.81-0.88x at d = 128 (causal 0.75-0.85x; before Q's parts 0.79-0.87x and
-# 0.70-0.85x), and faster than plain PyTorch everywhere (d = 128 without the mask: 1.20-1.36x).
+# H100 on 2026-12-07, on section 4's kernel as it is now (Q's parts in shared memory at d =
+# 128, K_j and V_j landed by column: the end of this section). Over N = 1k-16k the launcher is
+# 1.23-1.34x SDPA memory-efficient at d = 64 (causal 1.08-1.29x) and 0.86-0.94x at d = 128
+# (causal 0.78-0.91x), and faster than plain PyTorch everywhere (d = 128 without the mask:
+# 1.30-1.46x). The run of 2026-12-06, before the landing by column: 1.20-1.30x (1.06-1.25x)
+# and 0.81-0.88x (0.75-0.85x); before Q's parts, 0.79-0.87x (0.70-0.85x) at d = 128.
 # Q's parts alone, bare launches in one process (`workbook/results/flash_tf32_query_parts_ab.csv`,
 # outputs bit for bit equal): 1.08x at B·H = 512, N = 256, 1.03x at N = 1024, level at N = 4096
 # and 16384, and 0.98x at d = 96, where the kernel keeps Q raw. The list after them, "What the GPU says", reads the first version's run (K and
@@ -544,6 +548,47 @@ if ab.exists():
 # * The errors are unchanged (the same products, the same sums).
 # * SDPA memory-efficient stays ahead at d = 128 (0.78-0.87x) and on short sequences.
 #   Issue 16 asks for 1.5x.
+#
+# **Where the warps wait, and the landing by column** (`workbook/results/flash_tf32_ncu.txt`,
+# `flash_tf32_column_copy_ab.csv`). Nsight Compute's source counters (`python -m
+# kernels.bench.ncu_source`, B·H = 64, N = 4096, d = 128) found two loops without a single mma
+# executing 24% of the kernel's instructions: the landings of V_j and K_{j+1}, chunk by chunk,
+# about seventy instructions of 64-bit index arithmetic for each 16-byte cp.async. Chapters 8
+# and 12 land their tiles by column (`kernels/base/tile_copy.py`): a thread's chunks lie in one
+# column, so it makes its addresses once and adds a constant a chunk, and a chunk past the last
+# key copies 0 bytes and cp.async fills zeros. The forward now lands K_j and V_j that way too;
+# its own loop stays for the tiles that the column way does not fit (unaligned rows, d not a
+# multiple of 4, or a row's chunks not dividing the block's threads, as at d = 96). A tile's
+# 8 cp.async a thread went from about 570 instructions to 116 (SASS for sm_90). Bare launches
+# on the H100, the two kernels taking turns for 7 rounds, SDPA memory-efficient in the same
+# rounds, the same errors:
+#
+# | B·H, N, d | chunk by chunk (ms) | by column (ms) | speed-up | SDPA m-e (ms) |
+# |---|---|---|---|---|
+# | 512, 256, 128 | 0.563 | 0.526 | 1.07x | 0.414 |
+# | 512, 1024, 128 | 7.29 | 6.80 | 1.07x | 5.84 |
+# | 64, 4096, 128 | 13.99 | 13.07 | 1.07x | 11.63 |
+# | 64, 4096, 128, causal | 7.57 | 7.07 | 1.07x | 6.01 |
+# | 16, 16384, 128 | 55.5 | 51.9 | 1.07x | 48.5 |
+# | 64, 4096, 64 | 6.35 | 6.07 | 1.04x | 7.81 |
+# | 64, 4096, 64, causal | 3.57 | 3.44 | 1.04x | 4.22 |
+#
+# What is left: one block of 8 warps an SM, two warps a scheduler, of which 0.48 are ready to
+# issue on average. S's and P V's loops hold half the stall samples, waiting on the mma before
+# (`wait`) and on shared loads (`short_sb`); the rest is the softmax, the splits and the
+# barriers. Four barriers a key tile keep the 8 warps in the same phase, so no warp's softmax
+# hides behind another's mma. Plain TF32 (`passes=1`) takes 10.1 ms against 3xTF32's 13.4
+# (bare, the bench's run): the three products are still not what limits the kernel.
+#
+# **Tried, measured, slower** (`workbook/results/flash_tf32_presplit_ab.csv`, before the
+# landing by column, 7 rounds taking turns). K and V split once before the forward by a
+# kernel of their own (`make_split_kv`, `launch_forward(presplit=True)`: the blocks land
+# ready-made parts by cp.async in two stages, one barrier a key tile instead of four): 1.04x
+# at B·H = 64, N = 4096, d = 128, but 0.99x causal and 0.89x at B·H = 512, N = 1024, where
+# each block reading twice K's and V's bytes (hi and lo) and the split's own launch cost more
+# than the barriers saved; 0.79x at d = 64 (64-row tiles). It stays an option, tested, not
+# the default. At d = 128, 64-row tiles two blocks an SM measured 0.79-0.82x and 64-key
+# tiles 0.91-0.93x.
 #
 # Section 7 puts the backward on the same products.
 
