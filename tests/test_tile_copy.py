@@ -12,6 +12,7 @@ and D in chapter 12) likewise: row i's words r0 .. r0 + ROWS - 1, zeros past n.
 import functools
 
 import numpy as np
+import pytest
 from hypothesis import assume, example, given, settings, strategies as st
 from numba import cuda, float32, uint16
 
@@ -103,6 +104,56 @@ def test_both_ways_are_pinned():
     """The pinned cases above take both ways of the copy (so neither goes untested)."""
     assert _by_column(32, 32, 64, 2) and _by_column(16, 64, 32, 2)
     assert not _by_column(16, 24, 32, 4)
+
+
+MARK = -5.0
+
+
+@functools.lru_cache(maxsize=None)
+def _marked_kernel(ROWS, D, THREADS):
+    """The 32-bit copy with ``in_turn`` given: a loop that only writes MARK at the tile's corner."""
+    from kernels.base.inlined import inlined
+
+    @inlined
+    def mark(src, dst, rows, r0, d, tid, aligned):
+        if tid == 0:
+            dst[0, 0] = float32(MARK)
+
+    stage = make_async_tile_copy(ROWS, D, THREADS, 4, float32, in_turn=mark)
+
+    @cuda.jit
+    def copy(src, out, rows, r0, d, aligned):
+        tid = cuda.threadIdx.x
+        tile = cuda.shared.array((ROWS, D), float32)
+        for i in range(tid, ROWS * D, THREADS):
+            tile[i // D, i % D] = SENTINEL
+        cuda.syncthreads()
+        stage(src, tile, rows, r0, d, tid, aligned)
+        mma.cp_async_commit()
+        mma.cp_async_wait_all()
+        cuda.syncthreads()
+        for i in range(tid, ROWS * D, THREADS):
+            out[i // D, i % D] = tile[i // D, i % D]
+
+    return copy
+
+
+@pytest.mark.parametrize("D, aligned, by_column", [(32, 1, True), (32, 0, False), (24, 1, False)])
+def test_in_turn_takes_what_the_column_way_does_not(D, aligned, by_column):
+    """``in_turn`` (chapter 11's forward passes its own loop) runs exactly where the column way
+    does not: unaligned, or a row's chunks not dividing the threads (6 of 32); aligned rows by
+    column never reach it."""
+    ROWS, THREADS = 16, 32
+    assert _by_column(ROWS, D, THREADS, 4) == (D == 32)
+    src = np.random.default_rng(0).standard_normal((ROWS, D)).astype(np.float32)
+    out = np.zeros((ROWS, D), np.float32)
+    _marked_kernel(ROWS, D, THREADS)[1, THREADS](src, out, ROWS, 0, D, aligned)
+    if by_column:
+        np.testing.assert_array_equal(out, src)
+    else:
+        expected = np.full((ROWS, D), SENTINEL, np.float32)
+        expected[0, 0] = MARK
+        np.testing.assert_array_equal(out, expected)
 
 
 @functools.lru_cache(maxsize=None)
