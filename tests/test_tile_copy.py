@@ -18,6 +18,7 @@ from numba import cuda, float32, uint16
 
 from kernels.base.testing import gpu_examples
 from kernels.base import mma
+from kernels.base.inlined import inlined
 from kernels.base.runtime import cdiv, on_simulator
 from kernels.base.tile_copy import make_async_tile_copy, make_async_word_copy
 
@@ -27,9 +28,11 @@ SENTINEL = 77
 
 
 @functools.lru_cache(maxsize=None)
-def _copy_kernel(ROWS, D, THREADS, itemsize):
+def _copy_kernel(ROWS, D, THREADS, itemsize, marked=False):
+    """``marked``: the copy with ``in_turn=_mark`` (test_in_turn_takes_what_the_column_way_does_not)."""
     dtype = uint16 if itemsize == 2 else float32
-    stage = make_async_tile_copy(ROWS, D, THREADS, itemsize, dtype if itemsize == 4 else None)
+    stage = make_async_tile_copy(ROWS, D, THREADS, itemsize, dtype if itemsize == 4 else None,
+                                 in_turn=inlined(_mark) if marked else None)
     SD = D + PAD
 
     @cuda.jit
@@ -109,33 +112,10 @@ def test_both_ways_are_pinned():
 MARK = -5.0
 
 
-@functools.lru_cache(maxsize=None)
-def _marked_kernel(ROWS, D, THREADS):
-    """The 32-bit copy with ``in_turn`` given: a loop that only writes MARK at the tile's corner."""
-    from kernels.base.inlined import inlined
-
-    @inlined
-    def mark(src, dst, rows, r0, d, tid, aligned):
-        if tid == 0:
-            dst[0, 0] = float32(MARK)
-
-    stage = make_async_tile_copy(ROWS, D, THREADS, 4, float32, in_turn=mark)
-
-    @cuda.jit
-    def copy(src, out, rows, r0, d, aligned):
-        tid = cuda.threadIdx.x
-        tile = cuda.shared.array((ROWS, D), float32)
-        for i in range(tid, ROWS * D, THREADS):
-            tile[i // D, i % D] = SENTINEL
-        cuda.syncthreads()
-        stage(src, tile, rows, r0, d, tid, aligned)
-        mma.cp_async_commit()
-        mma.cp_async_wait_all()
-        cuda.syncthreads()
-        for i in range(tid, ROWS * D, THREADS):
-            out[i // D, i % D] = tile[i // D, i % D]
-
-    return copy
+def _mark(src, dst, rows, r0, d, tid, aligned):
+    """An ``in_turn`` that copies nothing: it only writes MARK at the tile's corner."""
+    if tid == 0:
+        dst[0, 0] = float32(MARK)
 
 
 @pytest.mark.parametrize("D, aligned, by_column", [(32, 1, True), (32, 0, False), (24, 1, False)])
@@ -146,14 +126,14 @@ def test_in_turn_takes_what_the_column_way_does_not(D, aligned, by_column):
     ROWS, THREADS = 16, 32
     assert _by_column(ROWS, D, THREADS, 4) == (D == 32)
     src = np.random.default_rng(0).standard_normal((ROWS, D)).astype(np.float32)
-    out = np.zeros((ROWS, D), np.float32)
-    _marked_kernel(ROWS, D, THREADS)[1, THREADS](src, out, ROWS, 0, D, aligned)
+    out = np.zeros((ROWS, D + PAD), np.float32)
+    _copy_kernel(ROWS, D, THREADS, 4, marked=True)[1, THREADS](src, out, ROWS, 0, D, aligned)
+    expected = np.full((ROWS, D + PAD), SENTINEL, np.float32)
     if by_column:
-        np.testing.assert_array_equal(out, src)
+        expected[:, :D] = src
     else:
-        expected = np.full((ROWS, D), SENTINEL, np.float32)
         expected[0, 0] = MARK
-        np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(out, expected)
 
 
 @functools.lru_cache(maxsize=None)
