@@ -181,3 +181,18 @@ def test_chapter_plots_redraw_the_committed_csvs(tmp_path):
         shutil.copy(GPU_RESULTS / f"{name}.csv", tmp_path)
     replot(tmp_path)
     assert all((tmp_path / f"{n}.png").stat().st_size > 10_000 for n in names)
+
+
+def test_replot_skips_a_csv_that_is_not_a_benchs_results(tmp_path, capsys):
+    """The results folder also holds A/B and sweep CSVs with their own columns: replot names
+    and skips them, and still draws the bench's."""
+    import shutil
+
+    from kernels.bench.tour import GPU_RESULTS, replot
+
+    for name in ("flash_tf32_column_copy_ab", "tiled_matmul"):
+        shutil.copy(GPU_RESULTS / f"{name}.csv", tmp_path)
+    replot(tmp_path)
+    assert (tmp_path / "tiled_matmul.png").stat().st_size > 10_000
+    assert not (tmp_path / "flash_tf32_column_copy_ab.png").exists()
+    assert "skipped flash_tf32_column_copy_ab.csv: not a bench's results" in capsys.readouterr().out

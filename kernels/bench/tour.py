@@ -130,9 +130,14 @@ def _plot_of(module_or_name):
 
 
 def replot(folder):
-    """Redraw every ``<idea>.png`` in ``folder`` from its committed ``<idea>.csv``."""
+    """Redraw every ``<idea>.png`` in ``folder`` from its committed ``<idea>.csv``; a CSV that
+    is not a bench's results (an A/B's or a sweep's own columns) is skipped and named."""
     for csv_path in sorted(Path(folder).glob("*.csv")):
-        env, results = harness.read_results(csv_path)
+        try:
+            env, results = harness.read_results(csv_path)
+        except KeyError as missing:
+            print(f"skipped {csv_path.name}: not a bench's results (no {missing} column)")
+            continue
         if not any(math.isfinite(r.median_ms) for r in results):
             continue  # tables of counters (Nsight Compute), nothing timed to plot
         # the run's measured ceiling, read back from any row's TFLOP/s and % of it
