@@ -584,9 +584,9 @@ if ab.exists():
 # landing by column, 7 rounds taking turns). K and V split once before the forward by a
 # kernel of their own (`make_split_kv`, `launch_forward(presplit=True)`: the blocks land
 # ready-made parts by cp.async in two stages, one barrier a key tile instead of four): 1.04x
-# at B·H = 64, N = 4096, d = 128, but 0.99x causal and 0.89x at B·H = 512, N = 1024, where
-# each block reading twice K's and V's bytes (hi and lo) and the split's own launch cost more
-# than the barriers saved; 0.79x at d = 64 (64-row tiles). It stays an option, tested, not
+# at B·H = 64, N = 4096, d = 128, but 0.99x causal and 0.89x at B·H = 512, N = 1024 (not
+# profiled: each block reads twice K's and V's bytes, hi and lo, and the split is a launch of
+# its own, which the barriers saved may not pay for); 0.79x at d = 64 (64-row tiles). It stays an option, tested, not
 # the default. At d = 128, 64-row tiles two blocks an SM measured 0.79-0.82x and 64-key
 # tiles 0.91-0.93x.
 #
