@@ -241,27 +241,10 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     o_products = make_tf32_products(passes, DG)               # DG of O's tiles' products, interleaved
     scale_and_mask, online_softmax, write_rows = make_fragment_softmax(NS, ND, THREADS)
 
-    @inlined
-    def land_in_turn(src, R, rows, r0, d, tid, aligned):
-        """src[r0 + r, :d] -> R[r, :D] (float32 bits; zeros past rows and d), chunk by chunk:
-        whole 16-byte chunks by cp.async, the rest by plain loads."""
-        for ch in range(tid, Bc * CH, THREADS):
-            r = ch // CH
-            c = (ch % CH) * 4
-            row = r0 + r
-            if aligned != 0 and row < rows and c + 4 <= d:
-                cp_async(R, r, c, src, row, c)
-            else:
-                for e in range(4):
-                    x = float32(0.0)
-                    if row < rows and c + e < d:
-                        x = src[row, c + e]
-                    R[r, c + e] = word_of_float(x)
-
-    # K_j's or V_j's rows: where the block's threads cover whole rows of chunks and the rows
-    # are aligned, by column (addresses made once, a constant added a chunk; zeros by
-    # cp.async's source size), else in turn
-    land = make_async_tile_copy(Bc, D, THREADS, 4, in_turn=land_in_turn)
+    # K_j's or V_j's rows src[r0 + r, :d] -> R[r, :D] as float32 bits, zeros past rows and d:
+    # where the block's threads cover whole rows of chunks and the rows are aligned, by column
+    # (addresses made once, a constant added a chunk), else chunk by chunk
+    land = make_async_tile_copy(Bc, D, THREADS, 4, float32, store_as=word_of_float)
 
     @inlined
     def land_parts(kph, vph, Kp, Vp, st, k0, n_k, tid):

@@ -28,11 +28,11 @@ SENTINEL = 77
 
 
 @functools.lru_cache(maxsize=None)
-def _copy_kernel(ROWS, D, THREADS, itemsize, marked=False):
-    """``marked``: the copy with ``in_turn=_mark`` (test_in_turn_takes_what_the_column_way_does_not)."""
+def _copy_kernel(ROWS, D, THREADS, itemsize, shifted=False):
+    """``shifted``: the copy with ``store_as=_shift`` (test_store_as_converts_only_what_goes_element_by_element)."""
     dtype = uint16 if itemsize == 2 else float32
     stage = make_async_tile_copy(ROWS, D, THREADS, itemsize, dtype if itemsize == 4 else None,
-                                 in_turn=inlined(_mark) if marked else None)
+                                 store_as=inlined(_shift) if shifted else None)
     SD = D + PAD
 
     @cuda.jit
@@ -109,30 +109,30 @@ def test_both_ways_are_pinned():
     assert not _by_column(16, 24, 32, 4)
 
 
-MARK = -5.0
+SHIFT = 1000.0
 
 
-def _mark(src, dst, rows, r0, d, tid, aligned):
-    """An ``in_turn`` that copies nothing: it only writes MARK at the tile's corner."""
-    if tid == 0:
-        dst[0, 0] = float32(MARK)
+def _shift(x):
+    """A ``store_as`` that shows where it ran: the element plus SHIFT."""
+    return x + float32(SHIFT)
 
 
-@pytest.mark.parametrize("D, aligned, by_column", [(32, 1, True), (32, 0, False), (24, 1, False)])
-def test_in_turn_takes_what_the_column_way_does_not(D, aligned, by_column):
-    """``in_turn`` (chapter 11's forward passes its own loop) runs exactly where the column way
-    does not: unaligned, or a row's chunks not dividing the threads (6 of 32); aligned rows by
-    column never reach it."""
-    ROWS, THREADS = 16, 32
+@pytest.mark.parametrize("D, aligned", [(32, 1), (32, 0), (24, 1)])
+def test_store_as_converts_only_what_goes_element_by_element(D, aligned):
+    """``store_as`` (chapter 11's forward stores fp32 elements as 32-bit words) converts each
+    element the copy stores one by one, and nothing that goes by 16-byte chunks: aligned rows
+    by column move their bits and cp.async zero-fills the rows past the array (D = 32); the
+    chunks in turn (6 a row on 32 threads, D = 24) move whole chunks as bits and store the
+    rows past the array one by one; unaligned, every element goes one by one."""
+    ROWS, THREADS, rows = 16, 32, 10
+    by_column = _by_column(ROWS, D, THREADS, 4) and aligned
     assert _by_column(ROWS, D, THREADS, 4) == (D == 32)
-    src = np.random.default_rng(0).standard_normal((ROWS, D)).astype(np.float32)
+    src = np.random.default_rng(0).standard_normal((rows, D)).astype(np.float32)
     out = np.zeros((ROWS, D + PAD), np.float32)
-    _copy_kernel(ROWS, D, THREADS, 4, marked=True)[1, THREADS](src, out, ROWS, 0, D, aligned)
+    _copy_kernel(ROWS, D, THREADS, 4, shifted=True)[1, THREADS](src, out, rows, 0, D, aligned)
     expected = np.full((ROWS, D + PAD), SENTINEL, np.float32)
-    if by_column:
-        expected[:, :D] = src
-    else:
-        expected[0, 0] = MARK
+    expected[:rows, :D] = src if aligned else src + np.float32(SHIFT)
+    expected[rows:, :D] = 0 if by_column else SHIFT
     np.testing.assert_array_equal(out, expected)
 
 

@@ -556,9 +556,10 @@ if ab.exists():
 # about seventy instructions of 64-bit index arithmetic for each 16-byte cp.async. Chapters 8
 # and 12 land their tiles by column (`kernels/base/tile_copy.py`): a thread's chunks lie in one
 # column, so it makes its addresses once and adds a constant a chunk, and a chunk past the last
-# key copies 0 bytes and cp.async fills zeros. The forward now lands K_j and V_j that way too;
-# its own loop stays for the tiles that the column way does not fit (unaligned rows, d not a
-# multiple of 4, or a row's chunks not dividing the block's threads, as at d = 96). A tile's
+# key copies 0 bytes and cp.async fills zeros. The forward now lands K_j and V_j through that
+# copy too, with no loop of its own: where the column way does not fit (unaligned rows, d not
+# a multiple of 4, or a row's chunks not dividing the block's threads, as at d = 96) the copy
+# goes chunk by chunk and stores each element as a 32-bit word (`store_as`). A tile's
 # 8 cp.async a thread went from about 570 instructions to 116 (SASS for sm_90). Bare launches
 # on the H100, the two kernels taking turns for 7 rounds, SDPA memory-efficient in the same
 # rounds, the same errors:

@@ -16,8 +16,8 @@ to D add nothing to the products. Two ways:
 A row of 4-byte words (a query tile's L and D in chapter 12's backward) goes by
 ``make_async_word_copy``: one cp.async of 4 bytes a word, zeros past the last element.
 
-(Chapter 11's forward lands fp32 rows in a tile of 32-bit words, which its own loop fills
-element by element where whole chunks cannot go: it passes that loop as ``in_turn``.)
+(Chapter 11's forward lands fp32 rows in a tile of 32-bit words: ``store_as`` converts each
+element the element-by-element copy stores, ``word_of_float`` there.)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kernels.base.inlined import inlined
 __all__ = ["make_async_tile_copy", "make_async_word_copy"]
 
 
-def make_async_tile_copy(ROWS: int, D: int, THREADS: int, itemsize: int = 2, dtype=None, in_turn=None):
+def make_async_tile_copy(ROWS: int, D: int, THREADS: int, itemsize: int = 2, dtype=None, store_as=None):
     """Device function ``stage_in(src, dst, rows, r0, d, tid, aligned)``: src[r0 + r, :d] ->
     dst[r, :D] for r < ROWS (zeros past ``rows`` and d), 16 bytes a step, by the block's
     THREADS threads (``tid``: the caller's thread); ``dtype``: the arrays' element type (by
@@ -44,7 +44,9 @@ def make_async_tile_copy(ROWS: int, D: int, THREADS: int, itemsize: int = 2, dty
     instructions a chunk (signed 64-bit arithmetic with Python's negative-index wraparound).
     Otherwise (and unaligned) the chunks go in turn, as the kernels first had it (``D // E``
     and all: a variant with the chunk count precomputed compiles chapter 8's kernel to 8%
-    more PTX), or by ``in_turn``, a device function of the same arguments, where given."""
+    more PTX). ``store_as``: a device function applied to each element that copy stores,
+    where the tile holds another type than the source (``dtype`` is then the source's); the
+    16-byte chunks move bits as they are."""
     from kernels.base.mma import cp_async, cp_async_at, global_address, shared_address
 
     E = 16 // itemsize                   # elements a chunk
@@ -69,8 +71,6 @@ def make_async_tile_copy(ROWS: int, D: int, THREADS: int, itemsize: int = 2, dty
             for k in range(PER):
                 live = c < d and r0 + r + k * RS < rows
                 cp_async_at(sa + uint32(k) * sstep, ga + uint64(k) * gstep if live else g0, uint32(16 if live else 0))
-        elif in_turn is not None:
-            in_turn(src, dst, rows, r0, d, tid, aligned)
         else:
             for ch in range(tid, ROWS * (D // E), THREADS):
                 r = ch // (D // E)
@@ -83,7 +83,10 @@ def make_async_tile_copy(ROWS: int, D: int, THREADS: int, itemsize: int = 2, dty
                         x = zero(0)
                         if row < rows and c + e < d:
                             x = src[row, c + e]
-                        dst[r, c + e] = x
+                        if store_as is None:
+                            dst[r, c + e] = x
+                        else:
+                            dst[r, c + e] = store_as(x)
 
     return stage_in
 
