@@ -197,6 +197,14 @@ def _ranks_of(p):
     return {WORLD: [0, 1, 2, 3], 3: [0, 1, 2], 1: [3]}[p]
 
 
+def _mpi_env(path, **extra):
+    """The environment of a process that runs MPI: ``path`` first on PYTHONPATH, and Open MPI's
+    two variables (where its mpiexec is the one found, it refuses to run as root, as containers
+    do, without them; MPICH ignores them)."""
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **extra,
+                PYTHONPATH=os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")])))
+
+
 def _mpiexec():
     for path in (Path(sys.executable).parent / "mpiexec", shutil.which("mpiexec")):
         if path and Path(path).exists():
@@ -229,11 +237,7 @@ def mpi_run(tmp_path_factory):
             np.savez(folder / "cases.npz", **arrays)
             # (heavy yield: a rank waiting in a collective sleeps instead of spinning, leaving
             # the CPU to the ranks that compute: 4 processes share CI's 2 cores)
-            # (Open MPI's mpiexec, where it is the one found, refuses to run as root, as containers
-            # do, without its two variables; MPICH's ignores them)
-            env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-                       OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                             os.environ.get("PYTHONPATH")])))
+            env = _mpi_env(Path(__file__).parent, MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
             t0 = time.perf_counter()
             proc = subprocess.run([_mpiexec(), "-n", str(WORLD), sys.executable, __file__,
                                    str(folder / "cases.npz"), str(folder)],
@@ -346,8 +350,6 @@ def test_exchange_moves_any_dtype_as_bytes():
     cannot fill in place is refused by name."""
     import subprocess
 
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", _EXCHANGE_TO_SELF], capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=120, env=_mpi_env(Path(__file__).parents[1]))
     assert proc.returncode == 0 and "exchanged" in proc.stdout, f"{proc.stdout}\n{proc.stderr}"
