@@ -180,6 +180,15 @@ def main(only):
                                  presplit=True)
                 m.launch_forward(*views, o, lse, d ** -0.5, int(causal), 3, tiles=(64, min(Bc, 16)), min_blocks=2,
                                  query_parts=False, presplit=True)
+        # K_j and V_j landed together, and in turn, whichever way tf32_paired would choose; keys split
+        # among blocks too; GQA, ragged Nk, d = 100 (chunk by chunk)
+        for b, h, hkv, nq, nk, d in [(1, 2, 2, 150, 67, 128), (2, 4, 2, 129, 300, 128), (1, 2, 1, 33, 130, 64),
+                                     (1, 1, 1, 70, 45, 100)]:
+            for causal in (False, True):
+                q, k, v = (cuda.to_device(rand(rng, b, x, n, d)) for x, n in ((h, nq), (hkv, nk), (hkv, nk)))
+                for paired, splits in ((True, 1), (True, 3), (False, 1)):
+                    m.forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=d ** -0.5, splits=splits,
+                                      paired=paired)
         ran.append("flash_tf32")
     if want("decode") and (m := have("decode")):
         # ragged (an empty cache, a length of 1), GQA and MHA, Nq up to 16, causal, fp16 caches;

@@ -58,7 +58,7 @@ from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, ch
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", "forward_kernel", "tf32_tiles",
            "tf32_min_blocks", "tf32_query_parts", "SHORT_QUERIES", "DEFAULT_LO", "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets",
            "fragment_strides", "check_fragment_strides", "check_fragment_strides_case", "KERNEL_HEAD_DIMS",
-           "make_split_kv", "part_shapes", "split_blocks"]
+           "make_split_kv", "part_shapes", "split_blocks", "tf32_paired", "PAIRED_MIN_KEYS"]
 
 
 def tf32_tiles(d: int, n_q: int | None = None) -> tuple[int, int, int]:
@@ -78,6 +78,7 @@ def tf32_tiles(d: int, n_q: int | None = None) -> tuple[int, int, int]:
 SHORT_QUERIES = 64      # heads this short take 64-row query tiles (``tf32_tiles``)
 DEFAULT_LO = "rounded"  # the splits' lo in the launchers' kernels (the GPU has not yet timed "truncated")
 DEFAULT_PRESPLIT = False  # whether the launchers split K and V once first (``make_split_kv``; not yet timed)
+PAIRED_MIN_KEYS = 1024    # keys a block walks from which K_j and V_j land together at D = 128 (``tf32_paired``)
 
 
 def tf32_min_blocks(D: int, Br: int = 128) -> int:
@@ -103,14 +104,17 @@ def v_stride(D: int) -> int:
     return 4 * D + 8
 
 
-def shared_words(Bc: int, D: int, Br: int = 0, query_parts: bool = False, presplit: bool = False) -> int:
+def shared_words(Bc: int, D: int, Br: int = 0, query_parts: bool = False, presplit: bool = False,
+                 paired: bool = False) -> int:
     """32-bit words of shared memory a block: K_j's parts (Bc rows of ``k_stride``), V_j's (Bc / 2
-    key pairs of ``v_stride``) and the rows a tile lands in (Bc of D + 4); with ``query_parts``,
-    Q_i's hi and lo parts too (Br x D words each). ``presplit``: the parts land ready-made, two
-    tiles' worth (the next lands while this one is used), and no raw rows."""
+    key pairs of ``v_stride``) and the rows a tile lands in (Bc of D + 4; ``paired``: two such,
+    K_j's and V_j's); with ``query_parts``, Q_i's hi and lo parts too (Br x D words each).
+    ``presplit``: the parts land ready-made, two tiles' worth (the next lands while this one is
+    used), and no raw rows."""
     if presplit:
         return 2 * (Bc * k_stride(D) + Bc // 2 * v_stride(D)) + (2 * Br * D if query_parts else 0)
-    return Bc * k_stride(D) + Bc // 2 * v_stride(D) + Bc * (D + 4) + (2 * Br * D if query_parts else 0)
+    return Bc * k_stride(D) + Bc // 2 * v_stride(D) + (2 if paired else 1) * Bc * (D + 4) \
+        + (2 * Br * D if query_parts else 0)
 
 
 def tf32_query_parts(Br: int, D: int) -> bool:
@@ -124,6 +128,21 @@ def tf32_query_parts(Br: int, D: int) -> bool:
     N = 256, 1.03x at N = 1024, level (0.999-1.011x) at N = 4096 and 16384; at D = 96 0.977x at
     N = 4096, so not there."""
     return D == 128 and tf32_min_blocks(D, Br) == 1
+
+
+def tf32_paired(Br: int, D: int, keys: int) -> bool:
+    """Whether K_j and V_j land together, each in rows of its own (two barriers a key tile
+    instead of four; ``make_flash_forward_tf32``'s ``paired``): wherever Q_i's parts are not
+    kept in shared memory (``tf32_query_parts``), and at D = 128 where a block walks at least
+    ``PAIRED_MIN_KEYS`` keys: the second tile's rows leave no room for Q's parts there, and
+    with few key tiles their splits cost more than the barriers saved. Measured on the H100,
+    bare launches taking turns (``workbook/results/flash_tf32_paired_ab.csv``): d = 64 1.06x
+    (B*H = 64, N = 4096, causal or not; B*H = 512, N = 1024); d = 128 1.11x at B*H = 64, N = 4096
+    (causal 1.09x), 1.07x at B*H = 512, N = 1024, but 0.95x at N = 256, where Q's parts stay;
+    against the kernel without Q's parts 1.06-1.10x at every N, so also at the head dims that
+    keep none (d = 96 and the like, not timed themselves). Short heads' 64-row tiles (two blocks
+    an SM) land in turn: not timed."""
+    return Br == 128 and (not tf32_query_parts(Br, D) or keys >= PAIRED_MIN_KEYS)
 
 
 def part_shapes(BHkv: int, n_k: int, D: int) -> tuple[tuple, tuple]:
@@ -185,7 +204,7 @@ def split_blocks(n_k: int, D: int) -> int:
 def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False,
                             max_registers: int | None = None, split: bool = False, grouped: bool = False,
                             min_blocks: int = 1, query_parts: bool = False, lo: str = "rounded",
-                            presplit: bool = False):
+                            presplit: bool = False, paired: bool = False):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
@@ -200,7 +219,9 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     a split, the same |x - hi - lo|; chapter 11's backward takes it at its fragment loads).
     ``presplit``: K and V come split already (``make_split_kv``), so the block splits nothing:
     k and v are the parts (``part_shapes``), each tile's land by cp.async in one of two
-    stages while the other's are used, one barrier a tile instead of four.
+    stages while the other's are used, one barrier a tile instead of four. ``paired``: K_j and V_j
+    land together, each in rows of its own, while tile j - 1 is computed; both split after one
+    barrier, two barriers a tile instead of four.
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d), k, v (B*Hkv,
     Nk, d) float32; o (B*H, Nq, d) and lse (B*H, Nq) float32; scale (float32), causal (int32
@@ -228,9 +249,10 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     CH = D // 4                                   # 16-byte chunks a row
     QPARTS = bool(query_parts)
     PRE = bool(presplit)
-    SHARED = 0 if dynamic else shared_words(Bc, D, Br, QPARTS, PRE)
+    PAIRED = bool(paired) and not PRE
+    SHARED = 0 if dynamic else shared_words(Bc, D, Br, QPARTS, PRE, PAIRED)
     QROWS = W * KS * 32 if QPARTS else 1          # rows of 4 words of each of Q_i's part planes
-    QAT = shared_words(Bc, D, presplit=PRE)       # where they start
+    QAT = shared_words(Bc, D, presplit=PRE, paired=PAIRED)    # where they start
     STAGES = 2 if PRE else 1                      # tiles of parts in shared memory at once
     KC = D // 2                                   # 16-byte chunks a key row of parts (presplit)
     GROUPED = bool(grouped)
@@ -320,6 +342,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         Kp = shared_view(smem, 0, (STAGES * Bc, KW))                    # K_j's parts
         Vp = shared_view(smem, STAGES * Bc * KW, (STAGES * Bc // 2, VW))  # V_j's parts
         R = shared_view(smem, 0 if PRE else Bc * KW + Bc // 2 * VW, (Bc, RW))  # where K_j, then V_j, lands
+        RV = shared_view(smem, Bc * KW + Bc // 2 * VW + Bc * RW if PAIRED else 0, (Bc, RW))  # (paired) V_j's
         Qh = shared_view(smem, QAT if QPARTS else 0, (QROWS, 4))        # Q_i's parts: lane's k-step s at row
         Ql = shared_view(smem, QAT + QROWS * 4 if QPARTS else 0, (QROWS, 4))    # (warp KS + s) 32 + lane
         kvh = bh
@@ -376,6 +399,8 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 land_parts(kh, vh, Kp, Vp, 0, first * Bc, n_k, tid)
             else:
                 land(kh, R, n_k, first * Bc, d, tid, aligned)
+                if PAIRED:
+                    land(vh, RV, n_k, first * Bc, d, tid, aligned)
         cp_async_commit()
         for jt in range(first, end):
             k0 = jt * Bc
@@ -386,6 +411,16 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 cuda.syncthreads()                   # ... every thread's; every warp is done with tile j - 1's
                 if jt + 1 < end:
                     land_parts(kh, vh, Kp, Vp, 1 - st, k0 + Bc, n_k, tid)   # tile j + 1's, meanwhile
+                cp_async_commit()
+            elif PAIRED:
+                cp_async_wait_all()                  # K_j and V_j have landed (this thread's chunks) ...
+                cuda.syncthreads()                   # ... every thread's; every warp is done with P V_{j-1}
+                k_parts(R, Kp, tid)
+                v_parts(RV, Vp, tid)
+                cuda.syncthreads()                   # both tiles' parts are in; R and RV are free
+                if jt + 1 < end:                     # K_{j+1} and V_{j+1} land during S_j and P V_j
+                    land(kh, R, n_k, k0 + Bc, d, tid, aligned)
+                    land(vh, RV, n_k, k0 + Bc, d, tid, aligned)
                 cp_async_commit()
             else:
                 cp_async_wait_all()                  # K_j has landed (this thread's chunks) ...
@@ -423,7 +458,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 for e in range(4):
                     pv[kp, e] = sc[kp, e]
 
-            if not PRE:
+            if not PRE and not PAIRED:
                 cp_async_wait_all()                  # V_j has landed ...
                 cuda.syncthreads()                   # ... every thread's; every warp is done with P V_{j-1}
                 v_parts(R, Vp, tid)
@@ -459,42 +494,49 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
 
 def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: bool = False, tiles=None,
-                   max_registers=None, min_blocks=None, query_parts=None, lo=None, presplit=False):
+                   max_registers=None, min_blocks=None, query_parts=None, lo=None, presplit=False, paired=None,
+                   keys: int = 0):
     """(kernel, Br, dynamic shared bytes or 0) for this call shape: the tiles ``tf32_tiles``
     chooses (or ``tiles`` (Br, Bc)), the launch bounds ``tf32_min_blocks`` (or ``min_blocks``),
     the grouped kernel where Hkv < H, and a raised shared-memory limit where the tiles need
     more than 48 KB (the caller passes the args to ``allow_dynamic_shared_memory``); Q_i's parts
     in shared memory as ``tf32_query_parts`` says (or ``query_parts``); the splits' lo
-    ``DEFAULT_LO`` (or ``lo``)."""
+    ``DEFAULT_LO`` (or ``lo``); K_j and V_j landed together as ``tf32_paired`` says for a block
+    that walks ``keys`` keys (or ``paired``)."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES
 
     Br, Bc, D = tf32_tiles(d, n_q)
     if tiles is not None:
         Br, Bc = tiles
     min_blocks = tf32_min_blocks(D, Br) if min_blocks is None else min_blocks
-    if query_parts is None:                  # (presplit: two stages of parts leave no room for Q's)
-        query_parts = tf32_query_parts(Br, D) and not presplit
+    if paired is None:                       # (Q's parts asked for where they fill the SM's shared memory: no room)
+        paired = tf32_paired(Br, D, keys) and not presplit and not (query_parts and tf32_query_parts(Br, D))
+    paired = bool(paired)
+    if query_parts is None:                  # (presplit, paired: two tiles' rows leave no room for Q's)
+        query_parts = tf32_query_parts(Br, D) and not presplit and not paired
     query_parts = bool(query_parts)
-    nbytes = 4 * shared_words(Bc, D, Br, query_parts, bool(presplit))
+    nbytes = 4 * shared_words(Bc, D, Br, query_parts, bool(presplit), paired)
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, split=split,
                                      grouped=BH > BHkv, min_blocks=min_blocks, query_parts=query_parts,
-                                     lo=DEFAULT_LO if lo is None else lo, presplit=bool(presplit))
+                                     lo=DEFAULT_LO if lo is None else lo, presplit=bool(presplit), paired=paired)
     return kernel, Br, nbytes if dynamic else 0
 
 
 def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_registers=None, min_blocks=None,
-                   query_parts=None, lo=None, presplit=False, parts=None):
+                   query_parts=None, lo=None, presplit=False, parts=None, paired=None):
     """The forward on device views: qd (B*H, Nq, d), kd and vd (B*Hkv, Nk, d) float32, Hkv
     dividing H, into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default
     ``tf32_tiles``; ``lo``: the splits' lo, by default ``DEFAULT_LO``; ``presplit``: K and V
     split first by ``make_split_kv`` into ``parts`` (kp, vp: ``part_shapes``, 32-bit words in
-    float32 arrays; None: allocated here)."""
+    float32 arrays; None: allocated here); ``paired``: K_j and V_j land together (None:
+    ``tf32_paired``)."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory
 
     BH, n_q, d = qd.shape
     kernel, Br, nbytes = forward_kernel(BH, kd.shape[0], n_q, d, passes, tiles=tiles, max_registers=max_registers,
-                                        min_blocks=min_blocks, query_parts=query_parts, lo=lo, presplit=presplit)
+                                        min_blocks=min_blocks, query_parts=query_parts, lo=lo, presplit=presplit,
+                                        paired=paired, keys=kd.shape[1])
     aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
         if not on_simulator() else int(d % 4 == 0)
     if presplit:
@@ -535,7 +577,7 @@ def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
 
 
 def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=None, lse=None, query_parts=None,
-                    presplit=None):
+                    presplit=None, paired=None):
     """What ``flash_attention_tf32`` runs once its checks pass, for callers that made them
     (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, Hkv, Nk, d), H a
     multiple of Hkv, C-contiguous float32 device arrays, ``scale`` a float. (o, lse) from ``kind``'s
@@ -544,7 +586,8 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=No
     (``kernels.base.key_split``); None: split only where the grid would not fill the GPU.
     ``query_parts``: Q_i's split parts in shared memory or not (None: ``tf32_query_parts``).
     ``presplit``: K and V split once first (``make_split_kv``), into two arrays from ``kind``'s
-    allocator (None: ``DEFAULT_PRESPLIT``)."""
+    allocator (None: ``DEFAULT_PRESPLIT``). ``paired``: K_j and V_j land together (None:
+    ``tf32_paired``)."""
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     o = kind.new((B, H, n_q, d), np.float32) if o is None else given_out(o, (B, H, n_q, d), "o")
@@ -559,10 +602,11 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=No
         arrays.update(partials(kind, splits, B * H, n_q, d))
         if presplit:
             arrays.update(zip(("kp", "vp"), (kind.new(shape, np.float32) for shape in part_shapes(B * hkv, n_k, D))))
-        run_bound(_launches, (B, H, hkv, n_q, n_k, d, causal, scale, int(passes), splits, query_parts, presplit),
+        run_bound(_launches, (B, H, hkv, n_q, n_k, d, causal, scale, int(passes), splits, query_parts, presplit,
+                              paired),
                   dict(arrays, o=o, lse=lse), lambda a: _views(a, B * H, B * hkv, n_q, n_k, d),
                   lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits, query_parts,
-                                                       presplit),
+                                                       presplit, paired),
                   aligned_names=("q", "k", "v"), aligned_d=d % 4 == 0)
     elif B * H and n_q:          # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
         fill(o, 0.0)
@@ -584,7 +628,7 @@ def _views(arrays, BH, BHkv, n_q, n_k, d):
     return views
 
 
-def _bind_forward(views, causal, scale, passes, aligned, splits=1, query_parts=None, presplit=False):
+def _bind_forward(views, causal, scale, passes, aligned, splits=1, query_parts=None, presplit=False, paired=None):
     """The launch, bound; with ``splits`` > 1 the forward writes the splits' partials and one
     more launch merges them; with ``presplit`` one launch before splits K and V."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory
@@ -592,7 +636,7 @@ def _bind_forward(views, causal, scale, passes, aligned, splits=1, query_parts=N
     BH, n_q, d = views["q"].shape
     BHkv, n_k = views["k"].shape[:2]
     kernel, Br, nbytes = forward_kernel(BH, BHkv, n_q, d, passes, split=splits > 1, query_parts=query_parts,
-                                        presplit=presplit)
+                                        presplit=presplit, paired=paired, keys=cdiv(n_k, splits))
     names = ("q", "kp", "vp", *output_names(splits)) if presplit else ("q", "k", "v", *output_names(splits))
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(BH // views["k"].shape[0]),
                                              np.int32(aligned))
@@ -610,7 +654,8 @@ def _bind_forward(views, causal, scale, passes, aligned, splits=1, query_parts=N
 
 
 def ptx_targets(every_shape: bool = False):
-    """The kernel at the GPU tiles, d = 64 and 128, 3xTF32 (``every_shape``: plain TF32 too),
+    """The kernel at the GPU tiles, d = 64 and 128, 3xTF32 (``every_shape``: plain TF32 too), K_j
+    and V_j landed as ``tf32_paired`` says (at d = 128 both ways: few keys a block, and many),
     its grouped-query form at d = 128 (``every_shape``: at 64 too), and the short heads' 64-row
     tiles at d = 128."""
     sig = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
@@ -619,18 +664,22 @@ def ptx_targets(every_shape: bool = False):
     for D, Bc in ((64, 64), (128, 32)):
         Br = 128
         qp = tf32_query_parts(Br, D)
-        dynamic = 4 * shared_words(Bc, D, Br, qp) > 48 * 1024
-        for passes in (3, 1) if every_shape else (3,):
-            out.append((f"flash fwd 3xTF32 passes={passes} Br={Br} Bc={Bc} D={D}",
-                        make_flash_forward_tf32(Br, Bc, D, passes, dynamic, min_blocks=tf32_min_blocks(D),
-                                                query_parts=qp), sig))
+        for paired in ((True,) if tf32_paired(Br, D, 0) else (False, True)):  # (D = 128: few keys, then many)
+            dynamic = 4 * shared_words(Bc, D, Br, qp and not paired, paired=paired) > 48 * 1024
+            for passes in (3, 1) if every_shape else (3,):
+                out.append((f"flash fwd 3xTF32 passes={passes} Br={Br} Bc={Bc} D={D}"
+                            f"{' K, V together' if paired else ''}",
+                            make_flash_forward_tf32(Br, Bc, D, passes, dynamic, min_blocks=tf32_min_blocks(D),
+                                                    query_parts=qp and not paired, paired=paired), sig))
         if D == 128 or every_shape:
             out.append((f"flash fwd 3xTF32 grouped-query Br={Br} Bc={Bc} D={D}",
                         make_flash_forward_tf32(Br, Bc, D, 3, dynamic, grouped=True, min_blocks=tf32_min_blocks(D),
                                                 query_parts=qp), sig))
-    dynamic = 4 * shared_words(32, 128) > 48 * 1024                 # short heads: 64-row tiles (tf32_tiles)
-    out.append(("flash fwd 3xTF32 short queries Br=64 Bc=32 D=128",
-                make_flash_forward_tf32(64, 32, 128, 3, dynamic, min_blocks=tf32_min_blocks(128, 64)), sig))
+    paired = tf32_paired(64, 128, 0)                                # short heads: 64-row tiles (tf32_tiles)
+    dynamic = 4 * shared_words(32, 128, paired=paired) > 48 * 1024
+    out.append((f"flash fwd 3xTF32 short queries Br=64 Bc=32 D=128{' K, V together' if paired else ''}",
+                make_flash_forward_tf32(64, 32, 128, 3, dynamic, min_blocks=tf32_min_blocks(128, 64), paired=paired),
+                sig))
     qp = tf32_query_parts(128, 128)                                 # lo left for the mma (DEFAULT_LO's other way)
     out.append(("flash fwd 3xTF32 lo truncated Br=128 Bc=32 D=128",
                 make_flash_forward_tf32(128, 32, 128, 3, 4 * shared_words(32, 128, 128, qp) > 48 * 1024,

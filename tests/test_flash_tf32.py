@@ -39,8 +39,8 @@ def on_device(x, misaligned=False):
     return view
 
 
-def check(case, passes=3, splits=None, misaligned=None, query_parts=None, presplit=None):
-    if splits is None and misaligned is None and query_parts is None and presplit is None:
+def check(case, passes=3, splits=None, misaligned=None, query_parts=None, presplit=None, paired=None):
+    if splits is None and misaligned is None and query_parts is None and presplit is None and paired is None:
         o, lse = flash_attention_tf32(case.q, case.k, case.v, causal=case.causal, scale=case.scale, passes=passes)
     else:                        # the checked entry: the keys split among ``splits`` blocks a query tile,
         kind = ArrayKind(case.q)  # inputs 4 bytes off a 16-byte boundary (``misaligned``), Q's parts in
@@ -48,7 +48,7 @@ def check(case, passes=3, splits=None, misaligned=None, query_parts=None, prespl
         scale = case.scale if case.scale is not None else 1 / np.sqrt(case.q.shape[-1])
         o, lse = forward_checked(kind, *(on_device(x, bool(misaligned)) for x in (case.q, case.k, case.v)),
                                  causal=case.causal, scale=scale, passes=passes, splits=splits,
-                                 query_parts=query_parts, presplit=presplit)
+                                 query_parts=query_parts, presplit=presplit, paired=paired)
         o, lse = kind.result(o), kind.result(lse)
     return check_result(case, o, lse)
 
@@ -177,6 +177,21 @@ def test_keys_split_once_before_the_forward_meet_the_same_rule(case, query_parts
                    o, lse, scale,
                    int(case.causal), 3, tiles=tiles, query_parts=query_parts, presplit=True)
     check_result(case, o.copy_to_host().reshape(case.q.shape), lse.copy_to_host().reshape(B, H, n_q))
+
+
+@given(case=tf32_cases(), paired=st.booleans(), splits=st.sampled_from([1, 3]), misaligned=st.booleans())
+@settings(max_examples=4 if SIM else gpu_examples(100))
+@example(case=case_with((1, 1, ONE_PAST, 13), (1, 1, 40, 13), causal=True), paired=True, splits=1,
+         misaligned=False)                                                                     # ragged d, past a block
+@example(case=case_with((1, 1, 6, 8), (1, 1, 11, 8), magnitude=100.0), paired=True, splits=1,
+         misaligned=True)                                                                      # large logits, plain loads
+@example(case=GQA, paired=True, splits=3, misaligned=False)
+@example(case=case_with((1, 1, 1, 8), (1, 1, 1, 8)), paired=True, splits=1, misaligned=False)           # N = 1
+def test_k_and_v_landed_together_or_in_turn_meet_the_same_rule(case, paired, splits, misaligned):
+    """``paired``: K_j and V_j land together, each in rows of its own, during tile j - 1, and
+    are split after one barrier (two barriers a tile); or in turn, V_j during S_j and K_{j+1}
+    during P V_j (four): the same rule either way, by cp.async or plain loads."""
+    check(case, splits=splits, misaligned=misaligned, paired=paired)
 
 
 def test_an_unknown_lo_is_named():
