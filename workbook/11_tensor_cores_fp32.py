@@ -581,6 +581,35 @@ if ab.exists():
 # hides behind another's mma. Plain TF32 (`passes=1`) takes 10.1 ms against 3xTF32's 13.4
 # (bare, the bench's run): the three products are still not what limits the kernel.
 #
+# **K_j and V_j landed together** (`tf32_paired`, `launch_forward(paired=...)`,
+# `workbook/results/flash_tf32_paired_ab.csv`). Two of the four barriers are there because K_j
+# and V_j take turns in R, the one set of rows a tile lands in. Give V_j rows of its own and both
+# tiles can land at once, during tile j - 1's work, and be split after one barrier:
+#
+#     wait for K_j, V_j; barrier; split both into parts; barrier; start K_{j+1}, V_{j+1}
+#     S_j, softmax, P V_j                              (no barrier)
+#
+# The second set of rows costs Bc (D + 4) words: at d = 128 it leaves no room for Q_i's parts
+# (211 KB with them), so there the kernel chooses. Bare launches on the H100, 7 rounds taking
+# turns, SDPA memory-efficient in the same rounds; the same errors (the same products):
+#
+# | B·H, N, d | in turn (ms) | together (ms) | speed-up | SDPA m-e (ms) |
+# |---|---|---|---|---|
+# | 512, 256, 128 | 0.531 (Q's parts) | 0.556 | 0.95x | 0.415 |
+# | 512, 1024, 128 | 6.92 (Q's parts) | 6.50 | 1.07x | 5.87 |
+# | 64, 4096, 128 | 13.28 (Q's parts) | 12.00 | 1.11x | 11.73 |
+# | 64, 4096, 128, causal | 7.19 (Q's parts) | 6.57 | 1.09x | 6.05 |
+# | 64, 4096, 64 | 6.12 | 5.76 | 1.06x | 7.78 |
+# | 64, 4096, 64, causal | 3.43 | 3.24 | 1.06x | 4.22 |
+# | 512, 1024, 64 | 3.19 | 3.01 | 1.06x | 3.97 |
+#
+# Against the kernel without Q's parts (d = 128) the pair wins at every N, 1.06x to 1.10x; only
+# at N = 256, eight key tiles a block, do Q's parts pay for more than the two barriers. The
+# launchers land K_j and V_j together wherever Q's parts are not kept, and at d = 128 where a
+# block walks at least 1024 keys (`PAIRED_MIN_KEYS`, between 256 and 1024 not timed). With
+# 64-key tiles the pair needs 204 KB and measured 0.83-0.96x. At N = 4096, d = 128 the forward
+# is now 0.98x SDPA memory-efficient (bare); at d = 64, 1.30-1.35x.
+#
 # **Tried, measured, slower** (`workbook/results/flash_tf32_presplit_ab.csv`, before the
 # landing by column, 7 rounds taking turns). K and V split once before the forward by a
 # kernel of their own (`make_split_kv`, `launch_forward(presplit=True)`: the blocks land
