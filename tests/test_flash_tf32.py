@@ -21,7 +21,7 @@ from kernels.base.testing import gpu_examples, assert_close, attention_cases, ca
     grouped_attention_cases
 from kernels.flash_tf32 import KERNEL_HEAD_DIMS, check_fragment_strides, check_fragment_strides_case, \
     flash_attention_tf32, forward_checked, fragment_strides, k_stride, launch_forward, make_flash_forward_tf32, \
-    shared_words, tf32_query_parts, tf32_tiles, v_stride
+    PAIRED_MIN_KEYS, shared_words, tf32_min_blocks, tf32_paired, tf32_query_parts, tf32_tiles, v_stride
 
 SIM = on_simulator()
 MAX_N = 18 if SIM else 300
@@ -208,6 +208,23 @@ def test_query_parts_where_one_block_fills_an_sm():
         if tf32_query_parts(128, D):
             assert 4 * shared_words(32, D, 128, True) <= 227 * 1024
     assert shared_words(32, 128, 128, True) == shared_words(32, 128) + 2 * 128 * 128
+
+
+def test_k_and_v_together_where_their_rows_fit():
+    """``tf32_paired``: K_j and V_j land together wherever Q's parts are not kept, and at D = 128
+    from ``PAIRED_MIN_KEYS`` keys a block; never on short heads' 64-row tiles. Where it says so,
+    the second tile's rows (Bc (D + 4) words) fit: the blocks an SM must hold (``tf32_min_blocks``)
+    in the H100's 228 KB, 1 KB a block reserved, each at most 227 KB."""
+    assert not tf32_paired(128, 128, 256) and not tf32_paired(128, 128, PAIRED_MIN_KEYS - 1)
+    assert tf32_paired(128, 128, PAIRED_MIN_KEYS) and tf32_paired(128, 64, 0) and tf32_paired(128, 96, 0)
+    assert not tf32_paired(64, 128, 16384) and not tf32_paired(64, 64, 16384)
+    for D in KERNEL_HEAD_DIMS:
+        Bc = 64 if D <= 64 else 32                       # the GPU's tiles (``tf32_tiles``)
+        assert shared_words(Bc, D, paired=True) == shared_words(Bc, D) + Bc * (D + 4)
+        for keys in (0, PAIRED_MIN_KEYS, 16384):
+            if tf32_paired(128, D, keys):
+                nbytes = 4 * shared_words(Bc, D, 128, query_parts=False, paired=True)
+                assert nbytes <= 227 * 1024 and tf32_min_blocks(D) * (nbytes + 1024) <= 228 * 1024, (D, nbytes)
 
 
 @pytest.mark.parametrize("D", KERNEL_HEAD_DIMS)
