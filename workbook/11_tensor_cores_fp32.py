@@ -349,7 +349,8 @@ show_source(make_tf32_products, "def products(a_hi, a_lo, b, c):", "c[j, e] = x[
 # truncating, so the errors of thousands of chained additions all lean the same way (section
 # 2's `accumulate="rz"`). With a fresh accumulator a k-step, a chain is three mma long and
 # the running sums are fp32 additions, rounded to nearest. The GPU tests pass again, and the
-# bench measures the error at 0.35-3.4x float32 NumPy's over N = 1k-16k (section 6).
+# bench measures the error at 0.37-4.7x float32 NumPy's over N = 1k-16k (section 6; the
+# run before, the same max errors, 0.35-3.4x: NumPy's own float32 error is the yardstick).
 #
 # **4. P V without a shuffle.** P's accumulator tile holds, in lane (g, t), the keys 2t and
 # 2t + 1 of rows g and g + 8. The m16n8k8 A operand wants keys t and t + 4. A sum over keys
@@ -407,12 +408,14 @@ for passes in (3, 1):
 # ## 6. Results on the H100
 #
 # The table and the plot below print `workbook/results/flash_tf32.csv`: the bench rerun on an
-# H100 on 2026-12-07, on section 4's kernel as it is now (Q's parts in shared memory at d =
-# 128, K_j and V_j landed by column: the end of this section). Over N = 1k-16k the launcher is
-# 1.23-1.34x SDPA memory-efficient at d = 64 (causal 1.08-1.29x) and 0.86-0.94x at d = 128
-# (causal 0.78-0.91x), and faster than plain PyTorch everywhere (d = 128 without the mask:
-# 1.30-1.46x). The run of 2026-12-06, before the landing by column: 1.20-1.30x (1.06-1.25x)
-# and 0.81-0.88x (0.75-0.85x); before Q's parts, 0.79-0.87x (0.70-0.85x) at d = 128.
+# H100 on 2026-12-07, on section 4's kernel as it is now (K_j and V_j landed by column, and
+# together where a block walks 1024 keys or more: the end of this section). Over N = 1k-16k
+# the launcher is 1.33-1.42x SDPA memory-efficient at d = 64 (causal 1.17-1.39x) and
+# 0.89-1.03x at d = 128 (causal 0.81-1.00x), and faster than plain PyTorch everywhere (d = 128
+# without the mask: 1.34-1.60x). The run before K_j and V_j landed together: 1.23-1.34x
+# (1.08-1.29x) and 0.86-0.94x (0.78-0.91x); the run of 2026-12-06, before the landing by
+# column: 1.20-1.30x (1.06-1.25x) and 0.81-0.88x (0.75-0.85x); before Q's parts, 0.79-0.87x
+# (0.70-0.85x) at d = 128.
 # Q's parts alone, bare launches in one process (`workbook/results/flash_tf32_query_parts_ab.csv`,
 # outputs bit for bit equal): 1.08x at B·H = 512, N = 256, 1.03x at N = 1024, level at N = 4096
 # and 16384, and 0.98x at d = 96, where the kernel keeps Q raw. The list after them, "What the GPU says", reads the first version's run (K and
