@@ -412,22 +412,18 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 if jt + 1 < end:
                     land_parts(kh, vh, Kp, Vp, 1 - st, k0 + Bc, n_k, tid)   # tile j + 1's, meanwhile
                 cp_async_commit()
-            elif PAIRED:
-                cp_async_wait_all()                  # K_j and V_j have landed (this thread's chunks) ...
-                cuda.syncthreads()                   # ... every thread's; every warp is done with P V_{j-1}
+            else:                                    # (paired: K_j and V_j, both landed during tile j - 1)
+                cp_async_wait_all()                  # K_j has landed (this thread's chunks) ...
+                cuda.syncthreads()                   # ... every thread's; every warp is done with S_{j-1} (P V_{j-1})
                 k_parts(R, Kp, tid)
-                v_parts(RV, Vp, tid)
-                cuda.syncthreads()                   # both tiles' parts are in; R and RV are free
-                if jt + 1 < end:                     # K_{j+1} and V_{j+1} land during S_j and P V_j
+                if PAIRED:
+                    v_parts(RV, Vp, tid)
+                cuda.syncthreads()                   # K_j's parts are in (V_j's); R is free (RV)
+                if not PAIRED:
+                    land(vh, R, n_k, k0, d, tid, aligned)     # V_j lands while S_j is computed
+                elif jt + 1 < end:                   # K_{j+1} and V_{j+1} land during S_j and P V_j
                     land(kh, R, n_k, k0 + Bc, d, tid, aligned)
                     land(vh, RV, n_k, k0 + Bc, d, tid, aligned)
-                cp_async_commit()
-            else:
-                cp_async_wait_all()                  # K_j has landed (this thread's chunks) ...
-                cuda.syncthreads()                   # ... every thread's; every warp is done with S_{j-1}
-                k_parts(R, Kp, tid)
-                cuda.syncthreads()                   # K_j's parts are in; R is free
-                land(vh, R, n_k, k0, d, tid, aligned)    # V_j lands while S_j is computed
                 cp_async_commit()
             krow = U(st * Bc) + ug                   # this lane's key row of K_j's parts
             prow = U(st * (Bc // 2)) + ut            # this lane's first key pair row of V_j's
@@ -673,8 +669,8 @@ def ptx_targets(every_shape: bool = False):
                                                     query_parts=qp and not paired, paired=paired), sig))
         if D == 128 or every_shape:
             out.append((f"flash fwd 3xTF32 grouped-query Br={Br} Bc={Bc} D={D}",
-                        make_flash_forward_tf32(Br, Bc, D, 3, dynamic, grouped=True, min_blocks=tf32_min_blocks(D),
-                                                query_parts=qp), sig))
+                        make_flash_forward_tf32(Br, Bc, D, 3, 4 * shared_words(Bc, D, Br, qp) > 48 * 1024, grouped=True,
+                                                min_blocks=tf32_min_blocks(D), query_parts=qp), sig))
     paired = tf32_paired(64, 128, 0)                                # short heads: 64-row tiles (tf32_tiles)
     dynamic = 4 * shared_words(32, 128, paired=paired) > 48 * 1024
     out.append((f"flash fwd 3xTF32 short queries Br=64 Bc=32 D=128{' K, V together' if paired else ''}",
