@@ -204,7 +204,8 @@ def split_blocks(n_k: int, D: int) -> int:
 def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False,
                             max_registers: int | None = None, split: bool = False, grouped: bool = False,
                             min_blocks: int = 1, query_parts: bool = False, lo: str = "rounded",
-                            presplit: bool = False, paired: bool = False):
+                            presplit: bool = False, paired: bool = False, wgmma: bool = False,
+                            wgmma_groups: bool = False, wgmma_pv: bool = False):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
@@ -221,7 +222,10 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     k and v are the parts (``part_shapes``), each tile's land by cp.async in one of two
     stages while the other's are used, one barrier a tile instead of four. ``paired``: K_j and V_j
     land together, each in rows of its own, while tile j - 1 is computed; both split after one
-    barrier, two barriers a tile instead of four.
+    barrier, two barriers a tile instead of four. ``wgmma``: S = Q_i K_j^T on Hopper's warpgroup
+    instruction (``kernels.base.wgmma``): K_j's parts split into a hi and a lo plane laid out as
+    the tensor cores read B from shared memory, and each warpgroup (64 query rows) takes a k-step
+    as three wgmma m64n{Bc}k8 (its warps' Q parts in registers), chained on one accumulator.
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d), k, v (B*Hkv,
     Nk, d) float32; o (B*H, Nq, d) and lse (B*H, Nq) float32; scale (float32), causal (int32
@@ -250,6 +254,23 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     QPARTS = bool(query_parts)
     PRE = bool(presplit)
     PAIRED = bool(paired) and not PRE
+    WG = bool(wgmma)
+    if WG and (PRE or Br % 64 or Bc > 256):
+        raise ValueError(f"wgmma: expected Br a multiple of 64 (warpgroups of 4 warps), Bc <= 256 and K, V "
+                         f"not presplit; got Br={Br}, Bc={Bc}, presplit={presplit}")
+    if WG:
+        from kernels.base.mma import shared_address
+        from kernels.base.wgmma import async_fence, canonical_strides, desc_add, make_wgmma_tf32, make_wgmma_wait, \
+            make_zeros, wgmma_commit, wgmma_desc, wgmma_fence, wgmma_wait_prior
+        s_wgmma, s_wait, s_zeros = make_wgmma_tf32(Bc), make_wgmma_wait(Bc // 2), make_zeros(Bc // 2)
+        LBO, SBO = canonical_strides(D)
+        KLO = 4 * Bc * D                          # bytes from K_j's hi plane to its lo plane
+    WG_GROUPS = bool(wgmma_groups)                # (wgmma) a group a k-step, at most two in flight
+    WG_PV = WG and bool(wgmma_pv)                 # (wgmma) O += P V_j on wgmma too
+    if WG_PV:
+        o_wgmma, o_wait, o_zeros = make_wgmma_tf32(D), make_wgmma_wait(D // 2), make_zeros(D // 2)
+        VLBO, VSBO = canonical_strides(Bc)
+        VLO = 4 * D * Bc                          # bytes from V_j^T's hi plane to its lo plane
     SHARED = 0 if dynamic else shared_words(Bc, D, Br, QPARTS, PRE, PAIRED)
     QROWS = W * KS * 32 if QPARTS else 1          # rows of 4 words of each of Q_i's part planes
     QAT = shared_words(Bc, D, presplit=PRE, paired=PAIRED)    # where they start
@@ -309,6 +330,45 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 store_words(Kp, r, 2 * c + 4 * t, h0, h1, l0, l1)
 
     @inlined
+    def k_planes(R, Kw, tid):
+        """(wgmma) K_j's landed rows -> a hi plane and a lo plane of Bc x D words each, K-major as
+        the tensor cores read B (``kernels.base.wgmma.canonical_word``): 4 columns of a key are 16
+        contiguous bytes, one store a plane; consecutive threads take consecutive keys (the 8 rows
+        of a core matrix, 128 contiguous bytes: no bank conflict)."""
+        for item in range(tid, Bc * CH, THREADS):
+            r = item % Bc
+            c = (item // Bc) * 4
+            w = load_words(R, r, c)
+            h0, l0 = parts(w, 0)
+            h1, l1 = parts(w, 1)
+            h2, l2 = parts(w, 2)
+            h3, l3 = parts(w, 3)
+            row = 8 * ((r // 8) * (D // 4) + c // 4) + r % 8        # canonical_word(r, c, D) / 4
+            store_words(Kw, row, 0, h0, h1, h2, h3)
+            store_words(Kw, row + Bc * D // 4, 0, l0, l1, l2, l3)
+        async_fence()                              # the tensor cores read them through the async proxy
+
+    @inlined
+    def v_planes(R, Vw, tid):
+        """(wgmma P V) V_j's landed rows -> V_j^T's hi and lo planes, D x Bc words each, K-major
+        over the keys (``canonical_word(n, kk, Bc)``), the keys of each k-step renumbered as P's A
+        fragment takes them: key 8 kp + 2 i + h at kk = 8 kp + 4 h + i. A thread takes one column n
+        and the 4 keys of one kk // 4 (4 loads, one 16-byte store a plane); consecutive threads
+        consecutive columns (distinct banks both ways)."""
+        for item in range(tid, D * (Bc // 4), THREADS):
+            n = item % D
+            q4 = item // D                        # kk // 4: k-step q4 // 2, keys of parity q4 % 2
+            r0 = 8 * (q4 // 2) + q4 % 2
+            h0, l0 = split_tf32(float_of_word(R[r0, n]))
+            h1, l1 = split_tf32(float_of_word(R[r0 + 2, n]))
+            h2, l2 = split_tf32(float_of_word(R[r0 + 4, n]))
+            h3, l3 = split_tf32(float_of_word(R[r0 + 6, n]))
+            row = 8 * ((n // 8) * (Bc // 4) + q4) + n % 8       # canonical_word(n, 4 q4, Bc) / 4
+            store_words(Vw, row, 0, h0, h1, h2, h3)
+            store_words(Vw, row + D * Bc // 4, 0, l0, l1, l2, l3)
+        async_fence()
+
+    @inlined
     def v_parts(R, Vp, tid):
         """V_j's landed rows -> their TF32 parts, as P V's k-steps read them: key pair p's
         column c at words 4 c holds (hi, hi, lo, lo) of keys 2 p and 2 p + 1, the B fragment
@@ -340,6 +400,8 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         n_q, n_k, d = int32(q.shape[1]), int32(k.shape[1]), int32(q.shape[2])
         smem = cuda.shared.array(SHARED, uint32, alignment=16)
         Kp = shared_view(smem, 0, (STAGES * Bc, KW))                    # K_j's parts
+        Kw = shared_view(smem, 0, (Bc * KW // 4, 4))                    # (wgmma) the same words as hi, lo planes
+        Vw = shared_view(smem, Bc * KW, (Bc // 2 * VW // 4, 4))         # (wgmma P V) V_j^T's planes
         Vp = shared_view(smem, STAGES * Bc * KW, (STAGES * Bc // 2, VW))  # V_j's parts
         R = shared_view(smem, 0 if PRE else Bc * KW + Bc // 2 * VW, (Bc, RW))  # where K_j, then V_j, lands
         RV = shared_view(smem, Bc * KW + Bc // 2 * VW + Bc * RW if PAIRED else 0, (Bc, RW))  # (paired) V_j's
@@ -415,9 +477,15 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             else:                                    # (paired: K_j and V_j, both landed during tile j - 1)
                 cp_async_wait_all()                  # K_j has landed (this thread's chunks) ...
                 cuda.syncthreads()                   # ... every thread's; every warp is done with S_{j-1} (P V_{j-1})
-                k_parts(R, Kp, tid)
+                if WG:
+                    k_planes(R, Kw, tid)
+                else:
+                    k_parts(R, Kp, tid)
                 if PAIRED:
-                    v_parts(RV, Vp, tid)
+                    if WG_PV:
+                        v_planes(RV, Vw, tid)
+                    else:
+                        v_parts(RV, Vp, tid)
                 cuda.syncthreads()                   # K_j's parts are in (V_j's); R is free (RV)
                 if not PAIRED:
                     land(vh, R, n_k, k0, d, tid, aligned)     # V_j lands while S_j is computed
@@ -432,7 +500,33 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             for nt in range(NS):
                 for e in range(4):
                     sc[nt, e] = float32(0.0)
-            s_ = U(0)
+            if WG:                                   # a warpgroup's 64 rows, k-step by k-step on one accumulator
+                dh = wgmma_desc(shared_address(Kw, 0, 0), LBO, SBO)      # K_j's hi plane, k-step 0
+                dl = desc_add(dh, KLO)                                   # its lo plane
+                sw = s_zeros()
+                wgmma_fence()
+                s_ = U(0)
+                while s_ < U(KS):
+                    if QPARTS:
+                        a_hi = load_words(Qh, qrow + U(32) * s_, 0)
+                        a_lo = load_words(Ql, qrow + U(32) * s_, 0)
+                    else:
+                        a_hi, a_lo = split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
+                    at = U(256) * s_                 # the k-step's 8 columns, 256 bytes on
+                    if passes == 3:                  # the small terms first, as ``product``
+                        sw = s_wgmma(a_lo, desc_add(dh, at), sw, 1)
+                        sw = s_wgmma(a_hi, desc_add(dl, at), sw, 1)
+                    sw = s_wgmma(a_hi, desc_add(dh, at), sw, 1)
+                    if WG_GROUPS:
+                        wgmma_commit()
+                        wgmma_wait_prior()
+                    s_ += U(1)
+                wgmma_commit()
+                sw = s_wait(sw)
+                for nt in range(NS):
+                    for e in range(4):
+                        sc[nt, e] = sw[4 * nt + e]
+            s_ = U(KS) if WG else U(0)
             while s_ < U(KS):                        # (unsigned: its addresses fold into the loads)
                 if QPARTS:
                     a_hi = load_words(Qh, qrow + U(32) * s_, 0)
@@ -457,7 +551,10 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             if not PRE and not PAIRED:
                 cp_async_wait_all()                  # V_j has landed ...
                 cuda.syncthreads()                   # ... every thread's; every warp is done with P V_{j-1}
-                v_parts(R, Vp, tid)
+                if WG_PV:
+                    v_planes(R, Vw, tid)
+                else:
+                    v_parts(R, Vp, tid)
                 cuda.syncthreads()                   # V_j's parts are in; R is free
                 if jt + 1 < end:
                     land(kh, R, n_k, k0 + Bc, d, tid, aligned)    # K_{j+1} lands during P V_j
@@ -466,7 +563,26 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             # ---- O += P V_j, 8 keys a step, renumbered: key 2t -> k = t, key 2t + 1 -> k = t + 4.
             # A = (P[g, 2t], P[g + 8, 2t], P[g, 2t + 1], P[g + 8, 2t + 1]) = (c0, c2, c1, c3);
             # B: b0 = V[key 2t, 8 dt + g], b1 = V[key 2t + 1, 8 dt + g]: key pair 4 kp + t
-            kp = U(0)
+            if WG_PV:                                # a warpgroup's 64 rows x D, from zero, added in fp32
+                dvh = wgmma_desc(shared_address(Vw, 0, 0), VLBO, VSBO)
+                dvl = desc_add(dvh, VLO)
+                ow = o_zeros()
+                wgmma_fence()
+                kp = U(0)
+                while kp < U(NS):
+                    a_hi, a_lo = split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
+                    at = U(256) * kp
+                    if passes == 3:
+                        ow = o_wgmma(a_lo, desc_add(dvh, at), ow, 1)
+                        ow = o_wgmma(a_hi, desc_add(dvl, at), ow, 1)
+                    ow = o_wgmma(a_hi, desc_add(dvh, at), ow, 1)
+                    kp += U(1)
+                wgmma_commit()
+                ow = o_wait(ow)
+                for j in range(ND):
+                    for e in range(4):
+                        acc[j, e] += ow[4 * j + e]
+            kp = U(NS) if WG_PV else U(0)
             while kp < U(NS):
                 a_hi, a_lo = split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
                 pair = U(4) * kp + prow
@@ -491,7 +607,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
 def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: bool = False, tiles=None,
                    max_registers=None, min_blocks=None, query_parts=None, lo=None, presplit=False, paired=None,
-                   keys: int = 0):
+                   keys: int = 0, wgmma: bool = False):
     """(kernel, Br, dynamic shared bytes or 0) for this call shape: the tiles ``tf32_tiles``
     chooses (or ``tiles`` (Br, Bc)), the launch bounds ``tf32_min_blocks`` (or ``min_blocks``),
     the grouped kernel where Hkv < H, and a raised shared-memory limit where the tiles need
@@ -515,12 +631,13 @@ def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: boo
     dynamic = nbytes > STATIC_LIMIT_BYTES and not on_simulator()
     kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, split=split,
                                      grouped=BH > BHkv, min_blocks=min_blocks, query_parts=query_parts,
-                                     lo=DEFAULT_LO if lo is None else lo, presplit=bool(presplit), paired=paired)
+                                     lo=DEFAULT_LO if lo is None else lo, presplit=bool(presplit), paired=paired,
+                                     wgmma=bool(wgmma), wgmma_groups=wgmma == "groups", wgmma_pv=wgmma == "pv")
     return kernel, Br, nbytes if dynamic else 0
 
 
 def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_registers=None, min_blocks=None,
-                   query_parts=None, lo=None, presplit=False, parts=None, paired=None):
+                   query_parts=None, lo=None, presplit=False, parts=None, paired=None, wgmma=False):
     """The forward on device views: qd (B*H, Nq, d), kd and vd (B*Hkv, Nk, d) float32, Hkv
     dividing H, into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default
     ``tf32_tiles``; ``lo``: the splits' lo, by default ``DEFAULT_LO``; ``presplit``: K and V
@@ -532,7 +649,7 @@ def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_re
     BH, n_q, d = qd.shape
     kernel, Br, nbytes = forward_kernel(BH, kd.shape[0], n_q, d, passes, tiles=tiles, max_registers=max_registers,
                                         min_blocks=min_blocks, query_parts=query_parts, lo=lo, presplit=presplit,
-                                        paired=paired, keys=kd.shape[1])
+                                        paired=paired, keys=kd.shape[1], wgmma=wgmma)
     aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
         if not on_simulator() else int(d % 4 == 0)
     if presplit:

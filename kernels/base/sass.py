@@ -121,7 +121,7 @@ def ptx_to_cubin(ptx: str, cc=SM_90) -> tuple[bytes, str]:
     from cuda.bindings import nvjitlink
 
     data = ptx.encode()
-    handle = nvjitlink.create(2, [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"])
+    handle = nvjitlink.create(2, [f"-arch=sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}", "-verbose"])
     try:
         nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
         try:
