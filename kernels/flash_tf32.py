@@ -205,7 +205,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                             max_registers: int | None = None, split: bool = False, grouped: bool = False,
                             min_blocks: int = 1, query_parts: bool = False, lo: str = "rounded",
                             presplit: bool = False, paired: bool = False, wgmma: bool = False,
-                            wgmma_groups: bool = False, wgmma_pv: bool = False):
+                            wgmma_groups: bool = False, wgmma_pv: bool = False, wgmma_chain: bool = False):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
@@ -263,12 +263,16 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         from kernels.base.wgmma import async_fence, canonical_strides, desc_add, make_wgmma_tf32, make_wgmma_wait, \
             make_zeros, wgmma_commit, wgmma_desc, wgmma_fence, wgmma_wait_prior
         s_wgmma, s_wait, s_zeros = make_wgmma_tf32(Bc), make_wgmma_wait(Bc // 2), make_zeros(Bc // 2)
+        s_wait1 = make_wgmma_wait(Bc // 2, 1)
         LBO, SBO = canonical_strides(D)
         KLO = 4 * Bc * D                          # bytes from K_j's hi plane to its lo plane
-    WG_GROUPS = bool(wgmma_groups)                # (wgmma) a group a k-step, at most two in flight
+    WG_GROUPS = bool(wgmma_groups)                # (wgmma, chained) a group a k-step, at most two in flight
+    WG_CHAIN = bool(wgmma_chain)                  # (wgmma) a tile's k-steps chained on one accumulator, or
+    #                                               each from zero into its own, added in fp32 (as ``product``)
     WG_PV = WG and bool(wgmma_pv)                 # (wgmma) O += P V_j on wgmma too
     if WG_PV:
         o_wgmma, o_wait, o_zeros = make_wgmma_tf32(D), make_wgmma_wait(D // 2), make_zeros(D // 2)
+        o_wait1 = make_wgmma_wait(D // 2, 1)
         VLBO, VSBO = canonical_strides(Bc)
         VLO = 4 * D * Bc                          # bytes from V_j^T's hi plane to its lo plane
     SHARED = 0 if dynamic else shared_words(Bc, D, Br, QPARTS, PRE, PAIRED)
@@ -382,6 +386,41 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 h0, l0 = parts(w, e)
                 h1, l1 = parts(u, e)
                 store_words(Vp, p, 4 * (c + e), h0, h1, l0, l1)
+
+    if WG:
+        @inlined
+        def s_issue(Qh, Ql, qrow, qf, s_, dh, dl):
+            """(wgmma) k-step s of S from zero: Q's parts (kept, or split here) times K_j's, the small
+            terms first (as ``product``), one group; returns the accumulators, not yet ready."""
+            if QPARTS:
+                a_hi = load_words(Qh, qrow + U(32) * s_, 0)
+                a_lo = load_words(Ql, qrow + U(32) * s_, 0)
+            else:
+                a_hi, a_lo = split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
+            at = U(256) * s_                         # the k-step's 8 columns, 256 bytes on
+            if passes == 3:
+                x = s_wgmma(a_lo, desc_add(dh, at), s_zeros(), 0)
+                x = s_wgmma(a_hi, desc_add(dl, at), x, 1)
+                x = s_wgmma(a_hi, desc_add(dh, at), x, 1)
+            else:
+                x = s_wgmma(a_hi, desc_add(dh, at), s_zeros(), 0)
+            wgmma_commit()
+            return x
+
+    if WG_PV:
+        @inlined
+        def o_issue(pv, kp, dvh, dvl):
+            """(wgmma) k-step kp of P V_j from zero: P's parts (keys renumbered) times V_j^T's, one group."""
+            a_hi, a_lo = split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
+            at = U(256) * kp
+            if passes == 3:
+                x = o_wgmma(a_lo, desc_add(dvh, at), o_zeros(), 0)
+                x = o_wgmma(a_hi, desc_add(dvl, at), x, 1)
+                x = o_wgmma(a_hi, desc_add(dvh, at), x, 1)
+            else:
+                x = o_wgmma(a_hi, desc_add(dvh, at), o_zeros(), 0)
+            wgmma_commit()
+            return x
 
     caps = {} if on_simulator() else {"launch_bounds": (THREADS, int(min_blocks))}
     if max_registers and not on_simulator():
@@ -506,6 +545,24 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 sw = s_zeros()
                 wgmma_fence()
                 s_ = U(0)
+                while s_ + U(1) < U(KS) and not WG_CHAIN:   # two k-steps, each from zero, a group each: the
+                    x = s_issue(Qh, Ql, qrow, qf, s_, dh, dl)        # first's sum is added while the second runs
+                    y = s_issue(Qh, Ql, qrow, qf, s_ + U(1), dh, dl)  # (no group in flight past the loop's end:
+                    x = s_wait1(x)                                    # its registers would be copied, and the
+                    for nt in range(NS):                              # compiler would serialize every wgmma)
+                        for e in range(4):
+                            sc[nt, e] += x[4 * nt + e]
+                    y = s_wait(y)
+                    for nt in range(NS):
+                        for e in range(4):
+                            sc[nt, e] += y[4 * nt + e]
+                    s_ += U(2)
+                if s_ < U(KS) and not WG_CHAIN:      # (KS odd: the last k-step)
+                    x = s_wait(s_issue(Qh, Ql, qrow, qf, s_, dh, dl))
+                    for nt in range(NS):
+                        for e in range(4):
+                            sc[nt, e] += x[4 * nt + e]
+                    s_ += U(1)
                 while s_ < U(KS):
                     if QPARTS:
                         a_hi = load_words(Qh, qrow + U(32) * s_, 0)
@@ -521,11 +578,12 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                         wgmma_commit()
                         wgmma_wait_prior()
                     s_ += U(1)
-                wgmma_commit()
-                sw = s_wait(sw)
-                for nt in range(NS):
-                    for e in range(4):
-                        sc[nt, e] = sw[4 * nt + e]
+                if WG_CHAIN:
+                    wgmma_commit()
+                    sw = s_wait(sw)
+                    for nt in range(NS):
+                        for e in range(4):
+                            sc[nt, e] += sw[4 * nt + e]
             s_ = U(KS) if WG else U(0)
             while s_ < U(KS):                        # (unsigned: its addresses fold into the loads)
                 if QPARTS:
@@ -569,6 +627,24 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 ow = o_zeros()
                 wgmma_fence()
                 kp = U(0)
+                while kp + U(1) < U(NS) and not WG_CHAIN:   # two k-steps a round, as S's
+                    x = o_issue(pv, kp, dvh, dvl)
+                    y = o_issue(pv, kp + U(1), dvh, dvl)
+                    x = o_wait1(x)
+                    for j in range(ND):
+                        for e in range(4):
+                            acc[j, e] += x[4 * j + e]
+                    y = o_wait(y)
+                    for j in range(ND):
+                        for e in range(4):
+                            acc[j, e] += y[4 * j + e]
+                    kp += U(2)
+                if kp < U(NS) and not WG_CHAIN:
+                    x = o_wait(o_issue(pv, kp, dvh, dvl))
+                    for j in range(ND):
+                        for e in range(4):
+                            acc[j, e] += x[4 * j + e]
+                    kp += U(1)
                 while kp < U(NS):
                     a_hi, a_lo = split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
                     at = U(256) * kp
@@ -577,11 +653,12 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                         ow = o_wgmma(a_hi, desc_add(dvl, at), ow, 1)
                     ow = o_wgmma(a_hi, desc_add(dvh, at), ow, 1)
                     kp += U(1)
-                wgmma_commit()
-                ow = o_wait(ow)
-                for j in range(ND):
-                    for e in range(4):
-                        acc[j, e] += ow[4 * j + e]
+                if WG_CHAIN:
+                    wgmma_commit()
+                    ow = o_wait(ow)
+                    for j in range(ND):
+                        for e in range(4):
+                            acc[j, e] += ow[4 * j + e]
             kp = U(NS) if WG_PV else U(0)
             while kp < U(NS):
                 a_hi, a_lo = split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
@@ -632,7 +709,8 @@ def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: boo
     kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, split=split,
                                      grouped=BH > BHkv, min_blocks=min_blocks, query_parts=query_parts,
                                      lo=DEFAULT_LO if lo is None else lo, presplit=bool(presplit), paired=paired,
-                                     wgmma=bool(wgmma), wgmma_groups=wgmma == "groups", wgmma_pv=wgmma == "pv")
+                                     wgmma=bool(wgmma), wgmma_groups=wgmma == "groups",
+                                     wgmma_pv=wgmma in ("pv", "pv chain"), wgmma_chain=wgmma in ("chain", "pv chain", "groups"))
     return kernel, Br, nbytes if dynamic else 0
 
 
