@@ -189,6 +189,20 @@ def main(only):
                 for paired, splits in ((True, 1), (True, 3), (False, 1)):
                     m.forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=d ** -0.5, splits=splits,
                                       paired=paired)
+        # (Hopper) the products on wgmma, S alone and S with P V, K_j and V_j landed together or in turn;
+        # and every product on mma.sync where the launchers would take wgmma
+        from kernels.base.wgmma import has_wgmma
+        for b, h, hkv, nq, nk, d in [(1, 2, 2, 150, 67, 128), (2, 4, 2, 129, 300, 64), (1, 1, 1, 70, 45, 100),
+                                     (1, 2, 1, 33, 130, 13)]:
+            for causal in (False, True):
+                q, k, v = (cuda.to_device(rand(rng, b, x, n, d)) for x, n in ((h, nq), (hkv, nk), (hkv, nk)))
+                m.forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=d ** -0.5, wgmma=False)
+                if not has_wgmma():
+                    continue
+                o, lse = cuda.device_array((b * h, nq, d), np.float32), cuda.device_array((b * h, nq), np.float32)
+                views = (q.reshape(b * h, nq, d), k.reshape(b * hkv, nk, d), v.reshape(b * hkv, nk, d))
+                for mode, paired in (("s", False), ("s", True), ("s+pv", True), ("s+pv", False)):
+                    m.launch_forward(*views, o, lse, d ** -0.5, int(causal), 3, wgmma=mode, paired=paired, min_blocks=1)
         ran.append("flash_tf32")
     if want("decode") and (m := have("decode")):
         # ragged (an empty cache, a length of 1), GQA and MHA, Nq up to 16, causal, fp16 caches;

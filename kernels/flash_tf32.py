@@ -58,7 +58,7 @@ from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, ch
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", "forward_kernel", "tf32_tiles",
            "tf32_min_blocks", "tf32_query_parts", "SHORT_QUERIES", "DEFAULT_LO", "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets",
            "fragment_strides", "check_fragment_strides", "check_fragment_strides_case", "KERNEL_HEAD_DIMS",
-           "make_split_kv", "part_shapes", "split_blocks", "tf32_paired", "PAIRED_MIN_KEYS"]
+           "make_split_kv", "part_shapes", "split_blocks", "tf32_paired", "PAIRED_MIN_KEYS", "tf32_wgmma", "WGMMA_MODES"]
 
 
 def tf32_tiles(d: int, n_q: int | None = None) -> tuple[int, int, int]:
@@ -90,6 +90,22 @@ def tf32_min_blocks(D: int, Br: int = 128) -> int:
     N = 64, through ``attention()``: 64-row tiles two an SM 0.067 ms at d = 96 and 0.088 at
     d = 128, against 0.114 and 0.138 with 128 rows (``workbook/results/flash_tf32_short_heads_ab.csv``)."""
     return 2 if D <= 64 or Br <= 64 else 1
+
+
+WGMMA_MODES = ("s", "s+pv")   # what the forward may put on wgmma: S alone, or S and P V (``tf32_wgmma``)
+
+
+def tf32_wgmma(Br: int, D: int) -> str | None:
+    """The products the launchers put on Hopper's wgmma (``make_flash_forward_tf32``'s ``wgmma``):
+    on an sm_90 GPU with 128-row tiles (two warpgroups), S at every D and P V too at D <= 64; else
+    none (the simulator's tiles are smaller than a warpgroup's 64 rows; other GPUs have no wgmma;
+    the short heads' 64-row tiles were not measured with it). Measured on the H100 (bare launches
+    taking turns, ``workbook/results/flash_tf32_wgmma_ab.csv``)."""
+    from kernels.base.wgmma import has_wgmma
+
+    if Br != 128 or not has_wgmma():
+        return None
+    return "s+pv" if D <= 64 else "s"
 
 
 def k_stride(D: int) -> int:
@@ -204,8 +220,7 @@ def split_blocks(n_k: int, D: int) -> int:
 def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False,
                             max_registers: int | None = None, split: bool = False, grouped: bool = False,
                             min_blocks: int = 1, query_parts: bool = False, lo: str = "rounded",
-                            presplit: bool = False, paired: bool = False, wgmma: bool = False,
-                            wgmma_groups: bool = False, wgmma_pv: bool = False, wgmma_chain: bool = False):
+                            presplit: bool = False, paired: bool = False, wgmma: str | None = None):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
@@ -222,10 +237,13 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     k and v are the parts (``part_shapes``), each tile's land by cp.async in one of two
     stages while the other's are used, one barrier a tile instead of four. ``paired``: K_j and V_j
     land together, each in rows of its own, while tile j - 1 is computed; both split after one
-    barrier, two barriers a tile instead of four. ``wgmma``: S = Q_i K_j^T on Hopper's warpgroup
-    instruction (``kernels.base.wgmma``): K_j's parts split into a hi and a lo plane laid out as
-    the tensor cores read B from shared memory, and each warpgroup (64 query rows) takes a k-step
-    as three wgmma m64n{Bc}k8 (its warps' Q parts in registers), chained on one accumulator.
+    barrier, two barriers a tile instead of four. ``wgmma`` (``WGMMA_MODES``; Hopper only):
+    "s" takes S = Q_i K_j^T on the warpgroup instruction (``kernels.base.wgmma``), "s+pv" O += P V_j
+    too: K_j's parts (V_j^T's) are split into a hi and a lo plane laid out as the tensor cores read B
+    from shared memory, and each warpgroup (64 query rows) takes a k-step as three wgmma m64nNk8,
+    its warps' A parts (Q's, P's) in registers, from zero in a group of its own, added in fp32 while
+    the next k-step's group runs (as ``product``: chained on one accumulator, the k-steps of a tile
+    measured 1.1-1.6x faster with errors 2-3.5x float32 NumPy's, past the fp32 rule).
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d), k, v (B*Hkv,
     Nk, d) float32; o (B*H, Nq, d) and lse (B*H, Nq) float32; scale (float32), causal (int32
@@ -254,26 +272,25 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     QPARTS = bool(query_parts)
     PRE = bool(presplit)
     PAIRED = bool(paired) and not PRE
-    WG = bool(wgmma)
+    if wgmma not in (None, False) + WGMMA_MODES:
+        raise ValueError(f"wgmma: expected one of {WGMMA_MODES} or None, got {wgmma!r}")
+    WG = wgmma in WGMMA_MODES
     if WG and (PRE or Br % 64 or Bc > 256):
         raise ValueError(f"wgmma: expected Br a multiple of 64 (warpgroups of 4 warps), Bc <= 256 and K, V "
                          f"not presplit; got Br={Br}, Bc={Bc}, presplit={presplit}")
+    WG_PV = wgmma == "s+pv"                       # O += P V_j on wgmma too
     if WG:
         from kernels.base.mma import shared_address
         from kernels.base.wgmma import async_fence, canonical_strides, desc_add, make_wgmma_tf32, make_wgmma_wait, \
-            make_zeros, wgmma_commit, wgmma_desc, wgmma_fence, wgmma_wait_prior
-        s_wgmma, s_wait, s_zeros = make_wgmma_tf32(Bc), make_wgmma_wait(Bc // 2), make_zeros(Bc // 2)
-        s_wait1 = make_wgmma_wait(Bc // 2, 1)
-        LBO, SBO = canonical_strides(D)
+            make_zeros, wgmma_commit, wgmma_desc, wgmma_fence
+        s_wgmma, s_zeros = make_wgmma_tf32(Bc), make_zeros(Bc // 2)
+        s_wait, s_wait1 = make_wgmma_wait(Bc // 2), make_wgmma_wait(Bc // 2, 1)
+        LBO, SBO = canonical_strides(D)           # K_j's planes: D columns a key
         KLO = 4 * Bc * D                          # bytes from K_j's hi plane to its lo plane
-    WG_GROUPS = bool(wgmma_groups)                # (wgmma, chained) a group a k-step, at most two in flight
-    WG_CHAIN = bool(wgmma_chain)                  # (wgmma) a tile's k-steps chained on one accumulator, or
-    #                                               each from zero into its own, added in fp32 (as ``product``)
-    WG_PV = WG and bool(wgmma_pv)                 # (wgmma) O += P V_j on wgmma too
     if WG_PV:
-        o_wgmma, o_wait, o_zeros = make_wgmma_tf32(D), make_wgmma_wait(D // 2), make_zeros(D // 2)
-        o_wait1 = make_wgmma_wait(D // 2, 1)
-        VLBO, VSBO = canonical_strides(Bc)
+        o_wgmma, o_zeros = make_wgmma_tf32(D), make_zeros(D // 2)
+        o_wait, o_wait1 = make_wgmma_wait(D // 2), make_wgmma_wait(D // 2, 1)
+        VLBO, VSBO = canonical_strides(Bc)        # V_j^T's planes: Bc keys a column
         VLO = 4 * D * Bc                          # bytes from V_j^T's hi plane to its lo plane
     SHARED = 0 if dynamic else shared_words(Bc, D, Br, QPARTS, PRE, PAIRED)
     QROWS = W * KS * 32 if QPARTS else 1          # rows of 4 words of each of Q_i's part planes
@@ -539,17 +556,16 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             for nt in range(NS):
                 for e in range(4):
                     sc[nt, e] = float32(0.0)
-            if WG:                                   # a warpgroup's 64 rows, k-step by k-step on one accumulator
-                dh = wgmma_desc(shared_address(Kw, 0, 0), LBO, SBO)      # K_j's hi plane, k-step 0
-                dl = desc_add(dh, KLO)                                   # its lo plane
-                sw = s_zeros()
+            if WG:                                   # a warpgroup's 64 rows: each k-step from zero, a group of its
+                dh = wgmma_desc(shared_address(Kw, 0, 0), LBO, SBO)      # own, added in fp32 as ``product``'s;
+                dl = desc_add(dh, KLO)                                   # K_j's hi plane and lo plane, k-step 0
                 wgmma_fence()
                 s_ = U(0)
-                while s_ + U(1) < U(KS) and not WG_CHAIN:   # two k-steps, each from zero, a group each: the
-                    x = s_issue(Qh, Ql, qrow, qf, s_, dh, dl)        # first's sum is added while the second runs
-                    y = s_issue(Qh, Ql, qrow, qf, s_ + U(1), dh, dl)  # (no group in flight past the loop's end:
-                    x = s_wait1(x)                                    # its registers would be copied, and the
-                    for nt in range(NS):                              # compiler would serialize every wgmma)
+                while s_ + U(1) < U(KS):             # two k-steps a round: the first's sum is added while the
+                    x = s_issue(Qh, Ql, qrow, qf, s_, dh, dl)            # second runs (no group in flight past
+                    y = s_issue(Qh, Ql, qrow, qf, s_ + U(1), dh, dl)     # a round: its registers would be copied
+                    x = s_wait1(x)                                       # and the compiler would serialize
+                    for nt in range(NS):                                 # every wgmma)
                         for e in range(4):
                             sc[nt, e] += x[4 * nt + e]
                     y = s_wait(y)
@@ -557,33 +573,11 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                         for e in range(4):
                             sc[nt, e] += y[4 * nt + e]
                     s_ += U(2)
-                if s_ < U(KS) and not WG_CHAIN:      # (KS odd: the last k-step)
+                if s_ < U(KS):                       # (KS odd: the last k-step)
                     x = s_wait(s_issue(Qh, Ql, qrow, qf, s_, dh, dl))
                     for nt in range(NS):
                         for e in range(4):
                             sc[nt, e] += x[4 * nt + e]
-                    s_ += U(1)
-                while s_ < U(KS):
-                    if QPARTS:
-                        a_hi = load_words(Qh, qrow + U(32) * s_, 0)
-                        a_lo = load_words(Ql, qrow + U(32) * s_, 0)
-                    else:
-                        a_hi, a_lo = split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
-                    at = U(256) * s_                 # the k-step's 8 columns, 256 bytes on
-                    if passes == 3:                  # the small terms first, as ``product``
-                        sw = s_wgmma(a_lo, desc_add(dh, at), sw, 1)
-                        sw = s_wgmma(a_hi, desc_add(dl, at), sw, 1)
-                    sw = s_wgmma(a_hi, desc_add(dh, at), sw, 1)
-                    if WG_GROUPS:
-                        wgmma_commit()
-                        wgmma_wait_prior()
-                    s_ += U(1)
-                if WG_CHAIN:
-                    wgmma_commit()
-                    sw = s_wait(sw)
-                    for nt in range(NS):
-                        for e in range(4):
-                            sc[nt, e] += sw[4 * nt + e]
             s_ = U(KS) if WG else U(0)
             while s_ < U(KS):                        # (unsigned: its addresses fold into the loads)
                 if QPARTS:
@@ -621,13 +615,12 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             # ---- O += P V_j, 8 keys a step, renumbered: key 2t -> k = t, key 2t + 1 -> k = t + 4.
             # A = (P[g, 2t], P[g + 8, 2t], P[g, 2t + 1], P[g + 8, 2t + 1]) = (c0, c2, c1, c3);
             # B: b0 = V[key 2t, 8 dt + g], b1 = V[key 2t + 1, 8 dt + g]: key pair 4 kp + t
-            if WG_PV:                                # a warpgroup's 64 rows x D, from zero, added in fp32
-                dvh = wgmma_desc(shared_address(Vw, 0, 0), VLBO, VSBO)
-                dvl = desc_add(dvh, VLO)
-                ow = o_zeros()
+            if WG_PV:                                # a warpgroup's 64 rows x D, as S's k-steps
+                dvh = wgmma_desc(shared_address(Vw, 0, 0), VLBO, VSBO)   # V_j^T's hi plane, k-step 0
+                dvl = desc_add(dvh, VLO)                                 # its lo plane
                 wgmma_fence()
                 kp = U(0)
-                while kp + U(1) < U(NS) and not WG_CHAIN:   # two k-steps a round, as S's
+                while kp + U(1) < U(NS):
                     x = o_issue(pv, kp, dvh, dvl)
                     y = o_issue(pv, kp + U(1), dvh, dvl)
                     x = o_wait1(x)
@@ -639,26 +632,11 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                         for e in range(4):
                             acc[j, e] += y[4 * j + e]
                     kp += U(2)
-                if kp < U(NS) and not WG_CHAIN:
+                if kp < U(NS):
                     x = o_wait(o_issue(pv, kp, dvh, dvl))
                     for j in range(ND):
                         for e in range(4):
                             acc[j, e] += x[4 * j + e]
-                    kp += U(1)
-                while kp < U(NS):
-                    a_hi, a_lo = split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
-                    at = U(256) * kp
-                    if passes == 3:
-                        ow = o_wgmma(a_lo, desc_add(dvh, at), ow, 1)
-                        ow = o_wgmma(a_hi, desc_add(dvl, at), ow, 1)
-                    ow = o_wgmma(a_hi, desc_add(dvh, at), ow, 1)
-                    kp += U(1)
-                if WG_CHAIN:
-                    wgmma_commit()
-                    ow = o_wait(ow)
-                    for j in range(ND):
-                        for e in range(4):
-                            acc[j, e] += ow[4 * j + e]
             kp = U(NS) if WG_PV else U(0)
             while kp < U(NS):
                 a_hi, a_lo = split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
@@ -684,20 +662,26 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
 def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: bool = False, tiles=None,
                    max_registers=None, min_blocks=None, query_parts=None, lo=None, presplit=False, paired=None,
-                   keys: int = 0, wgmma: bool = False):
+                   keys: int = 0, wgmma=None):
     """(kernel, Br, dynamic shared bytes or 0) for this call shape: the tiles ``tf32_tiles``
     chooses (or ``tiles`` (Br, Bc)), the launch bounds ``tf32_min_blocks`` (or ``min_blocks``),
     the grouped kernel where Hkv < H, and a raised shared-memory limit where the tiles need
     more than 48 KB (the caller passes the args to ``allow_dynamic_shared_memory``); Q_i's parts
     in shared memory as ``tf32_query_parts`` says (or ``query_parts``); the splits' lo
     ``DEFAULT_LO`` (or ``lo``); K_j and V_j landed together as ``tf32_paired`` says for a block
-    that walks ``keys`` keys (or ``paired``)."""
+    that walks ``keys`` keys (or ``paired``); the products on wgmma as ``tf32_wgmma`` says (or
+    ``wgmma``: a mode of ``WGMMA_MODES``, or False), one block an SM where it takes P V (told two,
+    ptxas spills at 128 registers)."""
     from kernels.base.shared_memory import STATIC_LIMIT_BYTES
 
     Br, Bc, D = tf32_tiles(d, n_q)
     if tiles is not None:
         Br, Bc = tiles
-    min_blocks = tf32_min_blocks(D, Br) if min_blocks is None else min_blocks
+    if wgmma is None:
+        wgmma = None if presplit else tf32_wgmma(Br, D)
+    wgmma = wgmma or None
+    if min_blocks is None:
+        min_blocks = 1 if wgmma == "s+pv" else tf32_min_blocks(D, Br)
     if paired is None:                       # (Q's parts asked for where they fill the SM's shared memory: no room)
         paired = tf32_paired(Br, D, keys) and not presplit and not (query_parts and tf32_query_parts(Br, D))
     paired = bool(paired)
@@ -709,13 +693,12 @@ def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: boo
     kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, split=split,
                                      grouped=BH > BHkv, min_blocks=min_blocks, query_parts=query_parts,
                                      lo=DEFAULT_LO if lo is None else lo, presplit=bool(presplit), paired=paired,
-                                     wgmma=bool(wgmma), wgmma_groups=wgmma == "groups",
-                                     wgmma_pv=wgmma in ("pv", "pv chain"), wgmma_chain=wgmma in ("chain", "pv chain", "groups"))
+                                     wgmma=wgmma)
     return kernel, Br, nbytes if dynamic else 0
 
 
 def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_registers=None, min_blocks=None,
-                   query_parts=None, lo=None, presplit=False, parts=None, paired=None, wgmma=False):
+                   query_parts=None, lo=None, presplit=False, parts=None, paired=None, wgmma=None):
     """The forward on device views: qd (B*H, Nq, d), kd and vd (B*Hkv, Nk, d) float32, Hkv
     dividing H, into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default
     ``tf32_tiles``; ``lo``: the splits' lo, by default ``DEFAULT_LO``; ``presplit``: K and V
@@ -768,7 +751,7 @@ def flash_attention_tf32(q, k, v, *, causal=False, scale=None, passes=3):
 
 
 def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=None, lse=None, query_parts=None,
-                    presplit=None, paired=None):
+                    presplit=None, paired=None, wgmma=None):
     """What ``flash_attention_tf32`` runs once its checks pass, for callers that made them
     (chapter 13's drop-in checks its tensors once): q (B, H, Nq, d), k, v (B, Hkv, Nk, d), H a
     multiple of Hkv, C-contiguous float32 device arrays, ``scale`` a float. (o, lse) from ``kind``'s
@@ -778,26 +761,28 @@ def forward_checked(kind, q, k, v, *, causal, scale, passes=3, splits=None, o=No
     ``query_parts``: Q_i's split parts in shared memory or not (None: ``tf32_query_parts``).
     ``presplit``: K and V split once first (``make_split_kv``), into two arrays from ``kind``'s
     allocator (None: ``DEFAULT_PRESPLIT``). ``paired``: K_j and V_j land together (None:
-    ``tf32_paired``)."""
+    ``tf32_paired``). ``wgmma``: the products on Hopper's wgmma (None: ``tf32_wgmma``; False: none)."""
     B, H, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     o = kind.new((B, H, n_q, d), np.float32) if o is None else given_out(o, (B, H, n_q, d), "o")
     lse = kind.new((B, H, n_q), np.float32) if lse is None else given_out(lse, (B, H, n_q), "lse")
     if B * H and n_q and n_k:
         Br, Bc, D = tf32_tiles(d, n_q)
-        held = multiprocessors() * tf32_min_blocks(D, Br)      # the blocks the GPU holds at once
+        presplit = DEFAULT_PRESPLIT if presplit is None else bool(presplit)
+        on_wgmma = (None if presplit else tf32_wgmma(Br, D)) if wgmma is None else wgmma
+        blocks = 1 if on_wgmma == "s+pv" else tf32_min_blocks(D, Br)
+        held = multiprocessors() * blocks                       # the blocks the GPU holds at once
         splits = choose_splits(cdiv(n_q, Br) * B * H, n_k, Bc, sms=held, whole_waves=True) if splits is None \
             else int(splits)
-        presplit = DEFAULT_PRESPLIT if presplit is None else bool(presplit)
         arrays = dict(q=q, k=k, v=v)
         arrays.update(partials(kind, splits, B * H, n_q, d))
         if presplit:
             arrays.update(zip(("kp", "vp"), (kind.new(shape, np.float32) for shape in part_shapes(B * hkv, n_k, D))))
         run_bound(_launches, (B, H, hkv, n_q, n_k, d, causal, scale, int(passes), splits, query_parts, presplit,
-                              paired),
+                              paired, wgmma),
                   dict(arrays, o=o, lse=lse), lambda a: _views(a, B * H, B * hkv, n_q, n_k, d),
                   lambda views, aligned: _bind_forward(views, causal, scale, passes, aligned, splits, query_parts,
-                                                       presplit, paired),
+                                                       presplit, paired, wgmma),
                   aligned_names=("q", "k", "v"), aligned_d=d % 4 == 0)
     elif B * H and n_q:          # nothing to attend to: O = 0, L = -inf (the kernel's answer, no launch)
         fill(o, 0.0)
@@ -819,7 +804,8 @@ def _views(arrays, BH, BHkv, n_q, n_k, d):
     return views
 
 
-def _bind_forward(views, causal, scale, passes, aligned, splits=1, query_parts=None, presplit=False, paired=None):
+def _bind_forward(views, causal, scale, passes, aligned, splits=1, query_parts=None, presplit=False, paired=None,
+                  wgmma=None):
     """The launch, bound; with ``splits`` > 1 the forward writes the splits' partials and one
     more launch merges them; with ``presplit`` one launch before splits K and V."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory
@@ -827,7 +813,7 @@ def _bind_forward(views, causal, scale, passes, aligned, splits=1, query_parts=N
     BH, n_q, d = views["q"].shape
     BHkv, n_k = views["k"].shape[:2]
     kernel, Br, nbytes = forward_kernel(BH, BHkv, n_q, d, passes, split=splits > 1, query_parts=query_parts,
-                                        presplit=presplit, paired=paired, keys=cdiv(n_k, splits))
+                                        presplit=presplit, paired=paired, keys=cdiv(n_k, splits), wgmma=wgmma)
     names = ("q", "kp", "vp", *output_names(splits)) if presplit else ("q", "k", "v", *output_names(splits))
     args = tuple(views[n] for n in names) + (np.float32(scale), np.int32(causal), np.int32(BH // views["k"].shape[0]),
                                              np.int32(aligned))

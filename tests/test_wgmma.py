@@ -169,13 +169,15 @@ def _cases():
     return tf.tf32_cases()
 
 
-@given(case=st.deferred(_cases), mode=st.sampled_from([True, "groups", "pv"]), paired=st.booleans(),
+@given(case=st.deferred(_cases), mode=st.sampled_from(["s", "s+pv"]), paired=st.booleans(),
        misaligned=st.booleans())
 @settings(max_examples=3 if on_simulator() else 60, deadline=None)
-def test_forward_with_s_on_wgmma_meets_the_fp32_rule(forward_helpers, case, mode, paired, misaligned):
-    """S = Q_i K_j^T as chained wgmma (one group a tile, or a group a k-step) from K_j's parts in
-    planes, the rest of chapter 11's forward unchanged: the fp32 rule, ragged N and d, causal,
-    grouped-query heads, by cp.async or plain loads."""
+def test_forward_on_wgmma_meets_the_fp32_rule(forward_helpers, case, mode, paired, misaligned):
+    """S = Q_i K_j^T on wgmma from K_j's parts in planes ("s"), and O += P V_j from V_j^T's
+    ("s+pv"), each k-step from zero and added in fp32, the rest of chapter 11's forward unchanged:
+    the fp32 rule, ragged N and d, causal, grouped-query heads, K_j and V_j landed together or in
+    turn, by cp.async or plain loads. (A tile's k-steps chained on one accumulator instead failed
+    this rule on the H100: L's error 1.02x its bound.)"""
     from hypothesis import assume
 
     from kernels.flash_tf32 import tf32_tiles

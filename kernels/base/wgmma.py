@@ -45,10 +45,21 @@ import numpy as np
 
 from kernels.base.runtime import on_simulator
 
-__all__ = ["canonical_word", "canonical_strides", "wgmma_desc", "make_wgmma_tf32", "make_wgmma_wait",
+__all__ = ["has_wgmma", "canonical_word", "canonical_strides", "wgmma_desc", "make_wgmma_tf32", "make_wgmma_wait",
            "make_zeros", "desc_add", "wgmma_fence", "wgmma_commit", "wgmma_wait_prior", "async_fence", "WARPGROUP", "wgmma_shapes"]
 
 WARPGROUP = 128                 # threads a warpgroup: four consecutive warps
+
+
+@functools.lru_cache(maxsize=None)
+def has_wgmma() -> bool:
+    """Whether the current device runs wgmma: a GPU of compute capability 9.0 (Hopper), which
+    numba-cuda compiles for as sm_90a. False in the simulator, whose kernels choose smaller tiles."""
+    if on_simulator():
+        return False
+    from numba import cuda
+
+    return tuple(cuda.get_current_device().compute_capability) == (9, 0)
 
 
 def wgmma_shapes() -> tuple[int, ...]:

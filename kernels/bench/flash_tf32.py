@@ -9,7 +9,9 @@ a fixed number of tokens B N = 16k, N = 1024 .. 16384, float32 inputs:
 * SDPA's memory-efficient backend (CUTLASS, 3xTF32 itself) and its math backend, and
   plain PyTorch (``softmax(q k^T scale) v``), all in fp32 with TF32 off
   (``torch.backends.cuda.matmul.allow_tf32 = False``: PyTorch's default);
-* at N = 4096 also plain TF32 (``passes=1``) and chapter 4's FMA kernel (its launcher).
+* at N = 4096 also plain TF32 (``passes=1``), the kernel with every product on ``mma.sync``
+  (``wgmma=False``: where the launchers put S, or S and P V, on Hopper's wgmma) and chapter 4's
+  FMA kernel (its launcher).
 
 Each of our rows, and SDPA memory-efficient's, carries the max error of head (0, 0)'s first
 512 rows against the float64 oracle, also as a multiple of float32 NumPy's error on the same
@@ -31,13 +33,14 @@ import numpy as np
 import kernels  # noqa: F401  (GPU or simulator first)
 from kernels import reference as ref
 from kernels.bench.harness import Result, token_sweep, torch_or_none
-from kernels.flash_tf32 import flash_attention_tf32, launch_forward, tf32_tiles
+from kernels.flash_tf32 import flash_attention_tf32, launch_forward, tf32_tiles, tf32_wgmma
 
 CHAPTER = 11
 TITLE = "fp32 on tensor cores (3xTF32)"
 
 BARE = "flash fwd 3xTF32 (bare)"
 BARE_1X = "flash fwd plain TF32, passes=1 (bare)"
+BARE_MMA = "flash fwd 3xTF32 on mma.sync, wgmma=False (bare)"
 LAUNCHER_TORCH = "flash_attention_tf32() launcher, PyTorch tensors"
 FMA = "chapter 4 flash_attention (fp32 FMA), PyTorch tensors"
 CHECK_ROWS = 512
@@ -48,16 +51,18 @@ ROUNDS = 9
 TARGET_MS = 100.0             # a round's run of back-to-back calls of one variant
 
 
-def bare_launch(b, h, n, d, passes, o, lse):
+def bare_launch(b, h, n, d, passes, o, lse, **kw):
     """The kernel on device arrays (b, h, n, d) into preallocated o, lse views: the launcher's
-    work without its checks and allocations (no split of the keys among blocks)."""
-    Br, Bc, _ = tf32_tiles(d)
+    work without its checks and allocations (no split of the keys among blocks); ``kw`` to
+    ``launch_forward`` (``wgmma=False``: every product on mma.sync)."""
+    Br, Bc, D = tf32_tiles(d)
     scale = np.float32(1.0 / np.sqrt(d))
 
     def launch(q, k, v, causal):
-        launch_forward(*(x.reshape(b * h, n, d) for x in (q, k, v)), o, lse, scale, causal, passes)
+        launch_forward(*(x.reshape(b * h, n, d) for x in (q, k, v)), o, lse, scale, causal, passes, **kw)
 
     launch.tiles = (Br, Bc)
+    launch.wgmma = (tf32_wgmma(Br, D) if kw.get("wgmma") is None else kw["wgmma"]) or "none"
     return launch
 
 
@@ -112,14 +117,16 @@ def run(ctx) -> list[Result]:
                     results.append(r)
                     return r
 
-                for passes, label in ((3, BARE), (1, BARE_1X)) if at_ref else ((3, BARE),):
-                    launch = bare_launch(b, h, n, d, passes, o, lse)
+                bare = ((3, BARE, {}), (3, BARE_MMA, {"wgmma": False}), (1, BARE_1X, {})) if at_ref else ((3, BARE, {}),)
+                for passes, label, kw in bare:
+                    launch = bare_launch(b, h, n, d, passes, o, lse, **kw)
                     r = measure(label, lambda q, k, v, c=causal, f=launch: f(q, k, v, c), shaped)
                     launch(*shaped[0], causal)
                     err, times = _error(o[0, :rows].copy_to_host(), head, causal)
-                    r.note = f"bare launch, Br={launch.tiles[0]} Bc={launch.tiles[1]}; head (0,0) max error " \
-                             f"{err:.1e} ({times:.2f}x float32 NumPy's)"
-                    r.extra.update({"max_error": err, "error_vs_float32": times, "passes": passes})
+                    r.note = f"bare launch, Br={launch.tiles[0]} Bc={launch.tiles[1]}, on wgmma: {launch.wgmma}; " \
+                             f"head (0,0) max error {err:.1e} ({times:.2f}x float32 NumPy's)"
+                    r.extra.update({"max_error": err, "error_vs_float32": times, "passes": passes,
+                                    "wgmma": launch.wgmma})
                 if torch is None:
                     continue
                 measure(LAUNCHER_TORCH, lambda q, k, v, c=causal: flash_attention_tf32(q, k, v, causal=c), tsets,
