@@ -833,8 +833,8 @@ def _bind_forward(views, causal, scale, passes, aligned, splits=1, query_parts=N
 def ptx_targets(every_shape: bool = False):
     """The kernel at the GPU tiles, d = 64 and 128, 3xTF32 (``every_shape``: plain TF32 too), K_j
     and V_j landed as ``tf32_paired`` says (at d = 128 both ways: few keys a block, and many),
-    its grouped-query form at d = 128 (``every_shape``: at 64 too), and the short heads' 64-row
-    tiles at d = 128."""
+    its grouped-query form at d = 128 (``every_shape``: at 64 too), the short heads' 64-row
+    tiles at d = 128, and the products on wgmma as ``tf32_wgmma`` puts them on a Hopper GPU."""
     sig = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], "
            "float32[:, ::1], float32, int32, int32, int32)")
     out = []
@@ -862,6 +862,12 @@ def ptx_targets(every_shape: bool = False):
                 make_flash_forward_tf32(128, 32, 128, 3, 4 * shared_words(32, 128, 128, qp) > 48 * 1024,
                                         min_blocks=tf32_min_blocks(128), query_parts=qp,
                                         lo="rounded" if DEFAULT_LO == "truncated" else "truncated"), sig))
+    for D, Bc, mode in ((64, 64, "s+pv"), (128, 32, "s")):          # Hopper's wgmma (``tf32_wgmma``)
+        for paired in (True, False) if D == 128 else (True,):
+            qp = tf32_query_parts(128, D) and not paired
+            out.append((f"flash fwd 3xTF32 on wgmma ({mode}) Br=128 Bc={Bc} D={D}{' K, V together' if paired else ''}",
+                        make_flash_forward_tf32(128, Bc, D, 3, 4 * shared_words(Bc, D, 128, qp, paired=paired) > 48 * 1024,
+                                                min_blocks=1, query_parts=qp, paired=paired, wgmma=mode), sig))
     if every_shape:
         out.append(("flash fwd 3xTF32 raw queries Br=128 Bc=32 D=128 (before Q's parts)",
                     make_flash_forward_tf32(128, 32, 128, 3, True, min_blocks=1), sig))

@@ -189,3 +189,27 @@ def test_forward_on_wgmma_meets_the_fp32_rule(forward_helpers, case, mode, paire
     tiles = (64, 16) if on_simulator() else (max(Br, 64), Bc)
     o, lse = _forward_case(tf, case, tiles, mode, paired, misaligned)
     tf.check_result(case, o, lse)
+
+
+def test_the_launchers_put_products_on_wgmma_where_it_runs(monkeypatch):
+    """``tf32_wgmma``: on a Hopper GPU with 128-row tiles, S at every d and P V too at d <= 64;
+    nowhere else (other GPUs, the simulator, the short heads' 64-row tiles)."""
+    from kernels.base import wgmma as module
+    from kernels.flash_tf32 import KERNEL_HEAD_DIMS, tf32_wgmma
+
+    monkeypatch.setattr(module, "has_wgmma", lambda: True)
+    assert [tf32_wgmma(128, D) for D in (8, 64, 72, 128)] == ["s+pv", "s+pv", "s", "s"]
+    assert all(tf32_wgmma(64, D) is None for D in KERNEL_HEAD_DIMS)
+    monkeypatch.setattr(module, "has_wgmma", lambda: False)
+    assert all(tf32_wgmma(128, D) is None for D in KERNEL_HEAD_DIMS)
+
+
+def test_a_shape_wgmma_cannot_take_is_named():
+    from kernels.flash_tf32 import make_flash_forward_tf32
+
+    with pytest.raises(ValueError, match=r"^wgmma: expected Br a multiple of 64"):
+        make_flash_forward_tf32(32, 16, 16, 3, wgmma="s")
+    with pytest.raises(ValueError, match=r"^wgmma: expected Br a multiple of 64 .* presplit=True"):
+        make_flash_forward_tf32(128, 32, 64, 3, presplit=True, wgmma="s")
+    with pytest.raises(ValueError, match=r"^wgmma: expected one of \('s', 's\+pv'\) or None, got 'pv'"):
+        make_flash_forward_tf32(128, 32, 64, 3, wgmma="pv")
