@@ -623,6 +623,57 @@ if ab.exists():
 # the default. At d = 128, 64-row tiles two blocks an SM measured 0.79-0.82x and 64-key
 # tiles 0.91-0.93x.
 #
+# **Hopper's own instruction: wgmma** (`kernels/base/wgmma.py`, `tf32_wgmma`,
+# `workbook/results/flash_tf32_wgmma_ab.csv`). Everything above issues `mma.sync`: one warp,
+# a 16 x 8 tile, both operands in its registers. The H100's tensor cores also take
+# `wgmma.mma_async`, issued by a *warpgroup* (4 consecutive warps) for a 64 x N tile, N up to
+# 256. Its B operand is not in registers at all: the tensor cores read it from shared memory,
+# described by a 64-bit descriptor (its address and the distances between its 8 x 4 "core
+# matrices", each 8 rows of 16 bytes). And it runs asynchronously: the warps issue a group of
+# them, commit it, and wait for it only when they need the result. Numba compiles for the
+# sm_90a target on a Hopper GPU, so an `@intrinsic` can emit it like `mma.sync`.
+#
+# It fits this kernel's layout exactly. The block's 8 warps are two warpgroups of 64 query
+# rows. A warp's A fragment (its Q parts, or its P) is `mma.sync`'s m16n8k8 fragment, and its
+# part of the 64 x N accumulator is the N / 8 accumulator tiles it holds now. What changes is
+# the B side: K_j's parts are split into a hi plane and a lo plane in the layout the tensor
+# cores read (`canonical_word`: K-major, each key's 8 columns of a k-step in two core
+# matrices), and for O += P V_j, V_j^T's planes, each k-step's 8 keys renumbered as P's
+# fragment takes them (key 2t as k = t, key 2t + 1 as k = t + 4). A k-step is then three
+# wgmma a warpgroup (lo·hi, hi·lo, hi·hi) where it was 3 Bc / 8 `mma.sync` a warp, with no B
+# loads and no fp32 additions between them.
+#
+# One thing must not change: each k-step starts from zero and is added to S (or O) in fp32,
+# as `product` does. The tensor core's own sums may round toward zero; chained over a tile's
+# 16 k-steps on one accumulator, the products measured 1.08-1.12x faster at d = 128 and
+# 1.49-1.58x at d = 64, but with errors 1.4-3.5x float32 NumPy's (against 0.3-1.4x), and the
+# tests' fp32 rule failed (L 1.02x its bound): not kept. From zero, a group a k-step, two in
+# flight (the first's sum is added while the second runs), the errors are the `mma.sync`
+# kernel's to three digits. Bare launches on the H100, 5 rounds taking turns, SDPA
+# memory-efficient in the same rounds:
+
+# %%
+wg = RESULTS_DIR / "flash_tf32_wgmma_ab.csv"
+if wg.exists():
+    for r in csv.DictReader(line for line in open(wg) if not line.startswith("#")):
+        print(f"{r['config']:36s} {r['variant'][:58]:58s} {float(r['median_ms']):7.3f} ms  "
+              f"{float(r['speedup_over_default']):.2f}x mma.sync  {float(r['vs_sdpa_mem_eff']):.2f}x SDPA m-e  "
+              f"error {float(r['error_vs_float32']):.2f}x float32's")
+
+# %% [markdown]
+# * d = 128: S on wgmma, 1.06-1.07x the `mma.sync` kernel (N = 4096: 11.30 ms against 12.09;
+#   SDPA memory-efficient 11.74, so 1.04x it).
+# * d = 64: S and P V on wgmma, one block an SM (told two, ptxas spills at 128 registers):
+#   1.05-1.14x; at N = 4096 5.17 ms, **1.51x SDPA memory-efficient** (7.81), causal 2.85 ms,
+#   1.50x. S alone measured 0.97-1.05x there.
+# * P V on wgmma at d = 128 measured 0.19x, five times slower. A k-step's 64 x 128 result is 64
+#   registers a thread, two k-steps are in flight, and O holds 64 more: ptxas takes 255
+#   registers (it reports no serialized wgmma). Why it is that slow was not profiled.
+#
+# So the launchers take S on wgmma at every d and P V too at d <= 64, on an sm_90 GPU with
+# 128-row tiles (`tf32_wgmma`); `wgmma=False` keeps every product on `mma.sync`. The chapter's
+# bench above (`flash_tf32.csv`) was run before this change: it shows the `mma.sync` kernel.
+#
 # Section 7 puts the backward on the same products.
 
 # %% [markdown]
