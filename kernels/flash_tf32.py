@@ -404,16 +404,25 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 h1, l1 = parts(u, e)
                 store_words(Vp, p, 4 * (c + e), h0, h1, l0, l1)
 
+    @inlined
+    def q_parts(Qh, Ql, qrow, qf, s_):
+        """Q_i's A fragment of k-step s, hi and lo: loaded where kept (QPARTS), else split here."""
+        if QPARTS:
+            return load_words(Qh, qrow + U(32) * s_, 0), load_words(Ql, qrow + U(32) * s_, 0)
+        return split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
+
+    @inlined
+    def p_parts(pv, kp):
+        """P's accumulator tile kp as P V's A fragment, hi and lo: the lane's keys 2t and 2t + 1
+        renumbered as k = t and t + 4 (c0, c2, c1, c3)."""
+        return split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
+
     if WG:
         @inlined
         def s_issue(Qh, Ql, qrow, qf, s_, dh, dl):
             """(wgmma) k-step s of S from zero: Q's parts (kept, or split here) times K_j's, the small
             terms first (as ``product``), one group; returns the accumulators, not yet ready."""
-            if QPARTS:
-                a_hi = load_words(Qh, qrow + U(32) * s_, 0)
-                a_lo = load_words(Ql, qrow + U(32) * s_, 0)
-            else:
-                a_hi, a_lo = split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
+            a_hi, a_lo = q_parts(Qh, Ql, qrow, qf, s_)
             at = U(256) * s_                         # the k-step's 8 columns, 256 bytes on
             if passes == 3:
                 x = s_wgmma(a_lo, desc_add(dh, at), s_zeros(), 0)
@@ -428,7 +437,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         @inlined
         def o_issue(pv, kp, dvh, dvl):
             """(wgmma) k-step kp of P V_j from zero: P's parts (keys renumbered) times V_j^T's, one group."""
-            a_hi, a_lo = split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
+            a_hi, a_lo = p_parts(pv, kp)
             at = U(256) * kp
             if passes == 3:
                 x = o_wgmma(a_lo, desc_add(dvh, at), o_zeros(), 0)
@@ -580,11 +589,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                             sc[nt, e] += x[4 * nt + e]
             s_ = U(KS) if WG else U(0)
             while s_ < U(KS):                        # (unsigned: its addresses fold into the loads)
-                if QPARTS:
-                    a_hi = load_words(Qh, qrow + U(32) * s_, 0)
-                    a_lo = load_words(Ql, qrow + U(32) * s_, 0)
-                else:
-                    a_hi, a_lo = split4(qf[s_, 0], qf[s_, 1], qf[s_, 2], qf[s_, 3])
+                a_hi, a_lo = q_parts(Qh, Ql, qrow, qf, s_)
                 for nt in range(NS):
                     b = load_words(Kp, krow + U(nt * 8), U(16) * s_ + U(4) * ut)
                     for e in range(4):
@@ -639,7 +644,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                             acc[j, e] += x[4 * j + e]
             kp = U(NS) if WG_PV else U(0)
             while kp < U(NS):
-                a_hi, a_lo = split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])
+                a_hi, a_lo = p_parts(pv, kp)
                 pair = U(4) * kp + prow
                 for dg in range(ND // DG):
                     for j in range(DG):

@@ -431,9 +431,19 @@ MUTANTS += [
            T11, "test_query_parts", "Q_i's lo parts, kept in shared memory, never written (zeros): S from Q's hi "
                                     "parts alone, about 2^-11 of |q||k| lost"),
     Mutant("tf32-q-parts-of-another-lane", 11, TF32,
-           (("a_hi = load_words(Qh, qrow + U(32) * s_, 0)", "a_hi = load_words(Qh, (qrow ^ U(4)) + U(32) * s_, 0)"),),
+           (("return load_words(Qh, qrow + U(32) * s_, 0), load_words(Ql, qrow + U(32) * s_, 0)",
+             "return load_words(Qh, (qrow ^ U(4)) + U(32) * s_, 0), load_words(Ql, qrow + U(32) * s_, 0)"),),
            T11, "test_query_parts", "Q_i's hi parts read back from lane ^ 4's row (the fragment of query row g ^ 1): "
                                     "S mixes two queries' rows"),
+    Mutant("tf32-wgmma-k-plane-rows-shifted", 11, TF32,
+           (("row = 8 * ((r // 8) * (D // 4) + c // 4) + r % 8", "row = 8 * ((r // 8) * (D // 4) + c // 4) + (r + 1) % 8"),),
+           ("tests/test_wgmma.py",), "test_forward_on_wgmma",
+           "(wgmma) K_j's planes written one row off within each core matrix: S's column of key r reads key r - 1"),
+    Mutant("tf32-wgmma-v-plane-keys-not-renumbered", 11, TF32,
+           (("r0 = 8 * (q4 // 2) + q4 % 2", "r0 = 8 * (q4 // 2) + 1 - q4 % 2"),),
+           ("tests/test_wgmma.py",), "test_forward_on_wgmma",
+           "(wgmma P V) V_j^T's planes renumber a k-step's keys the other way round (key 2t + 1 where P's "
+           "fragment takes key 2t)"),
     Mutant("tf32-v-pair-swapped", 11, TF32,
            (("store_words(Vp, p, 4 * (c + e), h0, h1, l0, l1)", "store_words(Vp, p, 4 * (c + e), h1, h0, l1, l0)"),),
            T11, "test_matches_oracle", "V's parts laid out with the keys of a pair swapped: key 2p's P weighs V row "
@@ -443,7 +453,8 @@ MUTANTS += [
            T11, "test_matches_oracle", "grouped-query: query head row bh reads KV row bh mod B*Hkv (heads interleaved), "
                                        "not bh // group"),
     Mutant("tf32-p-keys-not-renumbered", 11, TF32,
-           (("split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])", "split4(pv[kp, 0], pv[kp, 1], pv[kp, 2], pv[kp, 3])"),),
+           (("return split4(pv[kp, 0], pv[kp, 2], pv[kp, 1], pv[kp, 3])",
+             "return split4(pv[kp, 0], pv[kp, 1], pv[kp, 2], pv[kp, 3])"),),
            T11, "test_matches_oracle", "P's accumulator tile used as P V's A operand as it lies: keys 2t + 1 and t + 4 "
                                        "mixed up, rows g and g + 8 too"),
     Mutant("tf32-chained-accumulator", 11, TF32,
