@@ -189,7 +189,8 @@ def main(only):
                 for paired, splits in ((True, 1), (True, 3), (False, 1)):
                     m.forward_checked(ArrayKind(q), q, k, v, causal=causal, scale=d ** -0.5, splits=splits,
                                       paired=paired)
-        # (Hopper) the products on wgmma, S alone and S with P V, K_j and V_j landed together or in turn;
+        # (Hopper) the products on wgmma, S alone and S with P V, K_j and V_j landed together or in turn,
+        # the k-steps in flight four groups a round or two, one k-step a group or two;
         # and every product on mma.sync where the launchers would take wgmma
         from kernels.base.wgmma import has_wgmma
         for b, h, hkv, nq, nk, d in [(1, 2, 2, 150, 67, 128), (2, 4, 2, 129, 300, 64), (1, 1, 1, 70, 45, 100),
@@ -203,6 +204,10 @@ def main(only):
                 views = (q.reshape(b * h, nq, d), k.reshape(b * hkv, nk, d), v.reshape(b * hkv, nk, d))
                 for mode, paired in (("s", False), ("s", True), ("s+pv", True), ("s+pv", False)):
                     m.launch_forward(*views, o, lse, d ** -0.5, int(causal), 3, wgmma=mode, paired=paired, min_blocks=1)
+                    if d in (64, 128) and mode == ("s+pv" if d == 64 else "s"):    # every schedule of the k-steps
+                        for inflight, chain in ((2, 1), (4, 1), (2, 2), (4, 2)):
+                            m.launch_forward(*views, o, lse, d ** -0.5, int(causal), 3, wgmma=mode, paired=paired,
+                                             min_blocks=1, inflight=inflight, chain=chain)
         ran.append("flash_tf32")
     if want("decode") and (m := have("decode")):
         # ragged (an empty cache, a length of 1), GQA and MHA, Nq up to 16, causal, fp16 caches;

@@ -58,7 +58,8 @@ from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, ch
 __all__ = ["flash_attention_tf32", "make_flash_forward_tf32", "launch_forward", "forward_kernel", "tf32_tiles",
            "tf32_min_blocks", "tf32_query_parts", "SHORT_QUERIES", "DEFAULT_LO", "k_stride", "v_stride", "shared_words", "PASSES", "ptx_targets",
            "fragment_strides", "check_fragment_strides", "check_fragment_strides_case", "KERNEL_HEAD_DIMS",
-           "make_split_kv", "part_shapes", "split_blocks", "tf32_paired", "PAIRED_MIN_KEYS", "tf32_wgmma", "WGMMA_MODES"]
+           "make_split_kv", "part_shapes", "split_blocks", "tf32_paired", "PAIRED_MIN_KEYS", "tf32_wgmma", "WGMMA_MODES",
+           "WGMMA_INFLIGHT", "WGMMA_CHAIN"]
 
 
 def tf32_tiles(d: int, n_q: int | None = None) -> tuple[int, int, int]:
@@ -92,6 +93,10 @@ def tf32_min_blocks(D: int, Br: int = 128) -> int:
     return 2 if D <= 64 or Br <= 64 else 1
 
 
+# (wgmma) the k-steps' schedule: groups issued a round, k-steps a group (``make_flash_forward_tf32``);
+# four groups of two measured fastest of the four schedules at d = 64 and 128, errors unchanged
+# (H100, taking turns: ``workbook/results/flash_tf32_wgmma_schedule_ab.csv``)
+WGMMA_INFLIGHT, WGMMA_CHAIN = 4, 2
 WGMMA_MODES = ("s", "s+pv")   # what the forward may put on wgmma: S alone, or S and P V (``tf32_wgmma``)
 
 
@@ -220,7 +225,8 @@ def split_blocks(n_k: int, D: int) -> int:
 def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: bool = False,
                             max_registers: int | None = None, split: bool = False, grouped: bool = False,
                             min_blocks: int = 1, query_parts: bool = False, lo: str = "rounded",
-                            presplit: bool = False, paired: bool = False, wgmma: str | None = None):
+                            presplit: bool = False, paired: bool = False, wgmma: str | None = None,
+                            inflight: int = WGMMA_INFLIGHT, chain: int = WGMMA_CHAIN):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
@@ -241,9 +247,11 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     "s" takes S = Q_i K_j^T on the warpgroup instruction (``kernels.base.wgmma``), "s+pv" O += P V_j
     too: K_j's parts (V_j^T's) are split into a hi and a lo plane laid out as the tensor cores read B
     from shared memory, and each warpgroup (64 query rows) takes a k-step as three wgmma m64nNk8,
-    its warps' A parts (Q's, P's) in registers, from zero in a group of its own, added in fp32 while
-    the next k-step's group runs (as ``product``: chained on one accumulator, the k-steps of a tile
-    measured 1.1-1.6x faster with errors 2-3.5x float32 NumPy's, past the fp32 rule).
+    its warps' A parts (Q's, P's) in registers. ``chain`` k-steps (1 or 2) go to the tensor cores as one
+    group, from zero on one accumulator, and each group's sum is added in fp32 while the groups
+    after it run, ``inflight`` groups (2 or 4) issued a round (``WGMMA_INFLIGHT``, ``WGMMA_CHAIN``:
+    four groups of two, measured 1.14-1.25x faster than two of one, with the same errors; a whole
+    tile's k-steps chained on one accumulator erred 2-3.5x float32 NumPy's, past the fp32 rule).
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d), k, v (B*Hkv,
     Nk, d) float32; o (B*H, Nq, d) and lse (B*H, Nq) float32; scale (float32), causal (int32
@@ -279,17 +287,22 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         raise ValueError(f"wgmma: expected Br a multiple of 64 (warpgroups of 4 warps), Bc <= 256 and K, V "
                          f"not presplit; got Br={Br}, Bc={Bc}, presplit={presplit}")
     WG_PV = wgmma == "s+pv"                       # O += P V_j on wgmma too
+    if inflight not in (2, 4) or chain not in (1, 2):
+        raise ValueError(f"inflight, chain: expected 2 or 4 groups in flight of 1 or 2 k-steps; got {inflight}, {chain}")
+    FLY, CHAIN = int(inflight), int(chain)
     if WG:
         from kernels.base.mma import shared_address
         from kernels.base.wgmma import async_fence, canonical_strides, desc_add, make_wgmma_tf32, make_wgmma_wait, \
             make_zeros, wgmma_commit, wgmma_desc, wgmma_fence
         s_wgmma, s_zeros = make_wgmma_tf32(Bc), make_zeros(Bc // 2)
         s_wait, s_wait1 = make_wgmma_wait(Bc // 2), make_wgmma_wait(Bc // 2, 1)
+        s_wait2, s_wait3 = make_wgmma_wait(Bc // 2, 2), make_wgmma_wait(Bc // 2, 3)
         LBO, SBO = canonical_strides(D)           # K_j's planes: D columns a key
         KLO = 4 * Bc * D                          # bytes from K_j's hi plane to its lo plane
     if WG_PV:
         o_wgmma, o_zeros = make_wgmma_tf32(D), make_zeros(D // 2)
         o_wait, o_wait1 = make_wgmma_wait(D // 2), make_wgmma_wait(D // 2, 1)
+        o_wait2, o_wait3 = make_wgmma_wait(D // 2, 2), make_wgmma_wait(D // 2, 3)
         VLBO, VSBO = canonical_strides(Bc)        # V_j^T's planes: Bc keys a column
         VLO = 4 * D * Bc                          # bytes from V_j^T's hi plane to its lo plane
     SHARED = 0 if dynamic else shared_words(Bc, D, Br, QPARTS, PRE, PAIRED)
@@ -419,9 +432,9 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
     if WG:
         @inlined
-        def s_issue(Qh, Ql, qrow, qf, s_, dh, dl):
+        def s_first(Qh, Ql, qrow, qf, s_, dh, dl):
             """(wgmma) k-step s of S from zero: Q's parts (kept, or split here) times K_j's, the small
-            terms first (as ``product``), one group; returns the accumulators, not yet ready."""
+            terms first (as ``product``)."""
             a_hi, a_lo = q_parts(Qh, Ql, qrow, qf, s_)
             at = U(256) * s_                         # the k-step's 8 columns, 256 bytes on
             if passes == 3:
@@ -430,13 +443,42 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 x = s_wgmma(a_hi, desc_add(dh, at), x, 1)
             else:
                 x = s_wgmma(a_hi, desc_add(dh, at), s_zeros(), 0)
+            return x
+
+        @inlined
+        def s_next(x, Qh, Ql, qrow, qf, s_, dh, dl):
+            """(wgmma, chain 2) k-step s of S added on the tensor cores to x."""
+            a_hi, a_lo = q_parts(Qh, Ql, qrow, qf, s_)
+            at = U(256) * s_
+            if passes == 3:
+                x = s_wgmma(a_lo, desc_add(dh, at), x, 1)
+                x = s_wgmma(a_hi, desc_add(dl, at), x, 1)
+                x = s_wgmma(a_hi, desc_add(dh, at), x, 1)
+            else:
+                x = s_wgmma(a_hi, desc_add(dh, at), x, 1)
+            return x
+
+        @inlined
+        def s_issue(Qh, Ql, qrow, qf, s_, dh, dl):
+            """(wgmma) CHAIN k-steps of S from s on, from zero, one group; returns the
+            accumulators, not yet ready."""
+            x = s_first(Qh, Ql, qrow, qf, s_, dh, dl)
+            if CHAIN == 2:
+                x = s_next(x, Qh, Ql, qrow, qf, s_ + U(1), dh, dl)
+            wgmma_commit()
+            return x
+
+        @inlined
+        def s_issue1(Qh, Ql, qrow, qf, s_, dh, dl):
+            """(wgmma) k-step s of S alone, from zero, one group (the k-steps left over)."""
+            x = s_first(Qh, Ql, qrow, qf, s_, dh, dl)
             wgmma_commit()
             return x
 
     if WG_PV:
         @inlined
-        def o_issue(pv, kp, dvh, dvl):
-            """(wgmma) k-step kp of P V_j from zero: P's parts (keys renumbered) times V_j^T's, one group."""
+        def o_first(pv, kp, dvh, dvl):
+            """(wgmma) k-step kp of P V_j from zero: P's parts (keys renumbered) times V_j^T's."""
             a_hi, a_lo = p_parts(pv, kp)
             at = U(256) * kp
             if passes == 3:
@@ -445,6 +487,34 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 x = o_wgmma(a_hi, desc_add(dvh, at), x, 1)
             else:
                 x = o_wgmma(a_hi, desc_add(dvh, at), o_zeros(), 0)
+            return x
+
+        @inlined
+        def o_next(x, pv, kp, dvh, dvl):
+            """(wgmma, chain 2) k-step kp of P V_j added on the tensor cores to x."""
+            a_hi, a_lo = p_parts(pv, kp)
+            at = U(256) * kp
+            if passes == 3:
+                x = o_wgmma(a_lo, desc_add(dvh, at), x, 1)
+                x = o_wgmma(a_hi, desc_add(dvl, at), x, 1)
+                x = o_wgmma(a_hi, desc_add(dvh, at), x, 1)
+            else:
+                x = o_wgmma(a_hi, desc_add(dvh, at), x, 1)
+            return x
+
+        @inlined
+        def o_issue(pv, kp, dvh, dvl):
+            """(wgmma) CHAIN k-steps of P V_j from kp on, from zero, one group."""
+            x = o_first(pv, kp, dvh, dvl)
+            if CHAIN == 2:
+                x = o_next(x, pv, kp + U(1), dvh, dvl)
+            wgmma_commit()
+            return x
+
+        @inlined
+        def o_issue1(pv, kp, dvh, dvl):
+            """(wgmma) k-step kp of P V_j alone, from zero, one group."""
+            x = o_first(pv, kp, dvh, dvl)
             wgmma_commit()
             return x
 
@@ -570,23 +640,47 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 dl = desc_add(dh, KLO)                                   # K_j's hi plane and lo plane, k-step 0
                 wgmma_fence()
                 s_ = U(0)
-                while s_ + U(1) < U(KS):             # two k-steps a round: the first's sum is added while the
-                    x = s_issue(Qh, Ql, qrow, qf, s_, dh, dl)            # second runs (no group in flight past
-                    y = s_issue(Qh, Ql, qrow, qf, s_ + U(1), dh, dl)     # a round: its registers would be copied
-                    x = s_wait1(x)                                       # and the compiler would serialize
-                    for nt in range(NS):                                 # every wgmma)
+                if FLY == 4:                         # four groups a round
+                    while s_ + U(4 * CHAIN - 1) < U(KS):
+                        x = s_issue(Qh, Ql, qrow, qf, s_, dh, dl)
+                        y = s_issue(Qh, Ql, qrow, qf, s_ + U(CHAIN), dh, dl)
+                        z = s_issue(Qh, Ql, qrow, qf, s_ + U(2 * CHAIN), dh, dl)
+                        w = s_issue(Qh, Ql, qrow, qf, s_ + U(3 * CHAIN), dh, dl)
+                        x = s_wait3(x)
+                        for nt in range(NS):
+                            for e in range(4):
+                                sc[nt, e] += x[4 * nt + e]
+                        y = s_wait2(y)
+                        for nt in range(NS):
+                            for e in range(4):
+                                sc[nt, e] += y[4 * nt + e]
+                        z = s_wait1(z)
+                        for nt in range(NS):
+                            for e in range(4):
+                                sc[nt, e] += z[4 * nt + e]
+                        w = s_wait(w)
+                        for nt in range(NS):
+                            for e in range(4):
+                                sc[nt, e] += w[4 * nt + e]
+                        s_ += U(4 * CHAIN)
+                while s_ + U(2 * CHAIN - 1) < U(KS):  # two k-steps a round: the first's sum is added while
+                    x = s_issue(Qh, Ql, qrow, qf, s_, dh, dl)            # the second runs (no group in flight
+                    y = s_issue(Qh, Ql, qrow, qf, s_ + U(CHAIN), dh, dl)  # past a round: its registers would be
+                    x = s_wait1(x)                                       # copied and the compiler would
+                    for nt in range(NS):                                 # serialize every wgmma)
                         for e in range(4):
                             sc[nt, e] += x[4 * nt + e]
                     y = s_wait(y)
                     for nt in range(NS):
                         for e in range(4):
                             sc[nt, e] += y[4 * nt + e]
-                    s_ += U(2)
-                if s_ < U(KS):                       # (KS odd: the last k-step)
-                    x = s_wait(s_issue(Qh, Ql, qrow, qf, s_, dh, dl))
+                    s_ += U(2 * CHAIN)
+                while s_ < U(KS):                    # (the k-steps left over, one a group)
+                    x = s_wait(s_issue1(Qh, Ql, qrow, qf, s_, dh, dl))
                     for nt in range(NS):
                         for e in range(4):
                             sc[nt, e] += x[4 * nt + e]
+                    s_ += U(1)
             s_ = U(KS) if WG else U(0)
             while s_ < U(KS):                        # (unsigned: its addresses fold into the loads)
                 a_hi, a_lo = q_parts(Qh, Ql, qrow, qf, s_)
@@ -625,9 +719,32 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 dvl = desc_add(dvh, VLO)                                 # its lo plane
                 wgmma_fence()
                 kp = U(0)
-                while kp + U(1) < U(NS):
+                if FLY == 4:
+                    while kp + U(4 * CHAIN - 1) < U(NS):
+                        x = o_issue(pv, kp, dvh, dvl)
+                        y = o_issue(pv, kp + U(CHAIN), dvh, dvl)
+                        z = o_issue(pv, kp + U(2 * CHAIN), dvh, dvl)
+                        w = o_issue(pv, kp + U(3 * CHAIN), dvh, dvl)
+                        x = o_wait3(x)
+                        for j in range(ND):
+                            for e in range(4):
+                                acc[j, e] += x[4 * j + e]
+                        y = o_wait2(y)
+                        for j in range(ND):
+                            for e in range(4):
+                                acc[j, e] += y[4 * j + e]
+                        z = o_wait1(z)
+                        for j in range(ND):
+                            for e in range(4):
+                                acc[j, e] += z[4 * j + e]
+                        w = o_wait(w)
+                        for j in range(ND):
+                            for e in range(4):
+                                acc[j, e] += w[4 * j + e]
+                        kp += U(4 * CHAIN)
+                while kp + U(2 * CHAIN - 1) < U(NS):
                     x = o_issue(pv, kp, dvh, dvl)
-                    y = o_issue(pv, kp + U(1), dvh, dvl)
+                    y = o_issue(pv, kp + U(CHAIN), dvh, dvl)
                     x = o_wait1(x)
                     for j in range(ND):
                         for e in range(4):
@@ -636,12 +753,13 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                     for j in range(ND):
                         for e in range(4):
                             acc[j, e] += y[4 * j + e]
-                    kp += U(2)
-                if kp < U(NS):
-                    x = o_wait(o_issue(pv, kp, dvh, dvl))
+                    kp += U(2 * CHAIN)
+                while kp < U(NS):
+                    x = o_wait(o_issue1(pv, kp, dvh, dvl))
                     for j in range(ND):
                         for e in range(4):
                             acc[j, e] += x[4 * j + e]
+                    kp += U(1)
             kp = U(NS) if WG_PV else U(0)
             while kp < U(NS):
                 a_hi, a_lo = p_parts(pv, kp)
@@ -667,7 +785,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
 def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: bool = False, tiles=None,
                    max_registers=None, min_blocks=None, query_parts=None, lo=None, presplit=False, paired=None,
-                   keys: int = 0, wgmma=None):
+                   keys: int = 0, wgmma=None, inflight=None, chain=None):
     """(kernel, Br, dynamic shared bytes or 0) for this call shape: the tiles ``tf32_tiles``
     chooses (or ``tiles`` (Br, Bc)), the launch bounds ``tf32_min_blocks`` (or ``min_blocks``),
     the grouped kernel where Hkv < H, and a raised shared-memory limit where the tiles need
@@ -698,24 +816,27 @@ def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: boo
     kernel = make_flash_forward_tf32(Br, Bc, D, int(passes), dynamic, max_registers, split=split,
                                      grouped=BH > BHkv, min_blocks=min_blocks, query_parts=query_parts,
                                      lo=DEFAULT_LO if lo is None else lo, presplit=bool(presplit), paired=paired,
-                                     wgmma=wgmma)
+                                     wgmma=wgmma, inflight=WGMMA_INFLIGHT if inflight is None else int(inflight),
+                                     chain=WGMMA_CHAIN if chain is None else int(chain))
     return kernel, Br, nbytes if dynamic else 0
 
 
 def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_registers=None, min_blocks=None,
-                   query_parts=None, lo=None, presplit=False, parts=None, paired=None, wgmma=None):
+                   query_parts=None, lo=None, presplit=False, parts=None, paired=None, wgmma=None, inflight=None,
+                   chain=None):
     """The forward on device views: qd (B*H, Nq, d), kd and vd (B*Hkv, Nk, d) float32, Hkv
     dividing H, into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default
     ``tf32_tiles``; ``lo``: the splits' lo, by default ``DEFAULT_LO``; ``presplit``: K and V
     split first by ``make_split_kv`` into ``parts`` (kp, vp: ``part_shapes``, 32-bit words in
     float32 arrays; None: allocated here); ``paired``: K_j and V_j land together (None:
-    ``tf32_paired``)."""
+    ``tf32_paired``); ``inflight``, ``chain``: the wgmma k-steps' schedule (None:
+    ``WGMMA_INFLIGHT``, ``WGMMA_CHAIN``)."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory
 
     BH, n_q, d = qd.shape
     kernel, Br, nbytes = forward_kernel(BH, kd.shape[0], n_q, d, passes, tiles=tiles, max_registers=max_registers,
                                         min_blocks=min_blocks, query_parts=query_parts, lo=lo, presplit=presplit,
-                                        paired=paired, keys=kd.shape[1], wgmma=wgmma)
+                                        paired=paired, keys=kd.shape[1], wgmma=wgmma, inflight=inflight, chain=chain)
     aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
         if not on_simulator() else int(d % 4 == 0)
     if presplit:

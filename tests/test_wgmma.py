@@ -150,7 +150,7 @@ def forward_helpers(hopper):
     return tf
 
 
-def _forward_case(tf, case, tiles, mode, paired, misaligned):
+def _forward_case(tf, case, tiles, mode, paired, misaligned, inflight=None, chain=None):
     from kernels.flash_tf32 import launch_forward
 
     B, H, n_q, d = case.q.shape
@@ -159,7 +159,8 @@ def _forward_case(tf, case, tiles, mode, paired, misaligned):
     o = cuda.device_array((B * H, n_q, d), np.float32)
     lse = cuda.device_array((B * H, n_q), np.float32)
     views = [tf.on_device(x.reshape(x.shape[0] * x.shape[1], x.shape[2], d), misaligned) for x in (case.q, case.k, case.v)]
-    launch_forward(*views, o, lse, scale, int(case.causal), 3, tiles=tiles, wgmma=mode, paired=paired)
+    launch_forward(*views, o, lse, scale, int(case.causal), 3, tiles=tiles, wgmma=mode, paired=paired,
+                   inflight=inflight, chain=chain)
     return o.copy_to_host().reshape(case.q.shape), lse.copy_to_host().reshape(B, H, n_q)
 
 
@@ -170,9 +171,9 @@ def _cases():
 
 
 @given(case=st.deferred(_cases), mode=st.sampled_from(["s", "s+pv"]), paired=st.booleans(),
-       misaligned=st.booleans())
+       misaligned=st.booleans(), schedule=st.sampled_from([(2, 1), (4, 1), (2, 2), (4, 2)]))
 @settings(max_examples=3 if on_simulator() else 60, deadline=None)
-def test_forward_on_wgmma_meets_the_fp32_rule(forward_helpers, case, mode, paired, misaligned):
+def test_forward_on_wgmma_meets_the_fp32_rule(forward_helpers, case, mode, paired, misaligned, schedule):
     """S = Q_i K_j^T on wgmma from K_j's parts in planes ("s"), and O += P V_j from V_j^T's
     ("s+pv"), each k-step from zero and added in fp32, the rest of chapter 11's forward unchanged:
     the fp32 rule, ragged N and d, causal, grouped-query heads, K_j and V_j landed together or in
@@ -187,7 +188,20 @@ def test_forward_on_wgmma_meets_the_fp32_rule(forward_helpers, case, mode, paire
     assume(B * H and n_q and case.k.shape[2])
     Br, Bc, _ = tf32_tiles(d, n_q)
     tiles = (64, 16) if on_simulator() else (max(Br, 64), Bc)
-    o, lse = _forward_case(tf, case, tiles, mode, paired, misaligned)
+    o, lse = _forward_case(tf, case, tiles, mode, paired, misaligned, *schedule)
+    tf.check_result(case, o, lse)
+
+
+@pytest.mark.parametrize("inflight, chain", [(4, 1), (2, 2), (4, 2)])
+def test_every_wgmma_schedule_meets_the_fp32_rule(forward_helpers, inflight, chain):
+    """Each schedule of the k-steps (``inflight`` groups a round, ``chain`` k-steps a group on
+    one accumulator): at d = 72 S's 9 k-steps fill whole rounds and leave one over (a group
+    of its own), at Bc = 64 P V's 8 fill whole rounds; causal, ragged keys."""
+    from kernels.base.testing import case_with
+
+    tf = forward_helpers
+    case = case_with((1, 1, 64, 72), (1, 1, 50, 72), causal=True, seed=inflight + chain)
+    o, lse = _forward_case(tf, case, (64, 64), "s+pv", False, False, inflight, chain)
     tf.check_result(case, o, lse)
 
 
