@@ -408,14 +408,16 @@ for passes in (3, 1):
 # ## 6. Results on the H100
 #
 # The table and the plot below print `workbook/results/flash_tf32.csv`: the bench rerun on an
-# H100 on 2026-12-07, on section 4's kernel as it is now (K_j and V_j landed by column, and
-# together where a block walks 1024 keys or more: the end of this section). Over N = 1k-16k
-# the launcher is 1.33-1.42x SDPA memory-efficient at d = 64 (causal 1.17-1.39x) and
-# 0.89-1.03x at d = 128 (causal 0.81-1.00x), and faster than plain PyTorch everywhere (d = 128
-# without the mask: 1.34-1.60x). The run before K_j and V_j landed together: 1.23-1.34x
-# (1.08-1.29x) and 0.86-0.94x (0.78-0.91x); the run of 2026-12-06, before the landing by
-# column: 1.20-1.30x (1.06-1.25x) and 0.81-0.88x (0.75-0.85x); before Q's parts, 0.79-0.87x
-# (0.70-0.85x) at d = 128.
+# H100 on 2026-12-07 with the products on Hopper's wgmma (the end of this section), four
+# groups of two k-steps in flight. Over N = 1k-16k the launcher is **1.75-1.99x SDPA
+# memory-efficient at d = 64 (causal 1.53-2.03x)** and 1.04-1.20x at d = 128 (causal
+# 0.92-1.14x), and faster than plain PyTorch everywhere (d = 128 without the mask:
+# 1.53-1.84x). The same kernel with every product on `mma.sync` (`wgmma=False`, the bare
+# rows at N = 4096) is 1.34x slower at d = 64 and 1.16x at d = 128. The run before wgmma, the
+# same day: 1.33-1.42x (causal 1.17-1.39x) and 0.89-1.03x (0.81-1.00x). Before K_j and V_j
+# landed together: 1.23-1.34x (1.08-1.29x) and 0.86-0.94x (0.78-0.91x); the run of
+# 2026-12-06, before the landing by column: 1.20-1.30x (1.06-1.25x) and 0.81-0.88x
+# (0.75-0.85x); before Q's parts, 0.79-0.87x (0.70-0.85x) at d = 128.
 # Q's parts alone, bare launches in one process (`workbook/results/flash_tf32_query_parts_ab.csv`,
 # outputs bit for bit equal): 1.08x at B·H = 512, N = 256, 1.03x at N = 1024, level at N = 4096
 # and 16384, and 0.98x at d = 96, where the kernel keeps Q raw. The list after them, "What the GPU says", reads the first version's run (K and
@@ -664,15 +666,44 @@ if wg.exists():
 # * d = 128: S on wgmma, 1.06-1.07x the `mma.sync` kernel (N = 4096: 11.30 ms against 12.09;
 #   SDPA memory-efficient 11.74, so 1.04x it).
 # * d = 64: S and P V on wgmma, one block an SM (told two, ptxas spills at 128 registers):
-#   1.05-1.14x; at N = 4096 5.17 ms, **1.51x SDPA memory-efficient** (7.81), causal 2.85 ms,
+#   1.05-1.14x; at N = 4096 5.17 ms, 1.51x SDPA memory-efficient (7.81), causal 2.85 ms,
 #   1.50x. S alone measured 0.97-1.05x there.
 # * P V on wgmma at d = 128 measured 0.19x, five times slower. A k-step's 64 x 128 result is 64
 #   registers a thread, two k-steps are in flight, and O holds 64 more: ptxas takes 255
 #   registers (it reports no serialized wgmma). Why it is that slow was not profiled.
 #
 # So the launchers take S on wgmma at every d and P V too at d <= 64, on an sm_90 GPU with
-# 128-row tiles (`tf32_wgmma`); `wgmma=False` keeps every product on `mma.sync`. The chapter's
-# bench above (`flash_tf32.csv`) was run before this change: it shows the `mma.sync` kernel.
+# 128-row tiles (`tf32_wgmma`); `wgmma=False` keeps every product on `mma.sync`.
+#
+# **How many k-steps in flight** (`WGMMA_INFLIGHT`, `WGMMA_CHAIN`,
+# `workbook/results/flash_tf32_wgmma_schedule_ab.csv`). Two groups of one k-step leave the
+# tensor cores idle at the end of every round: the second group's sum is added with nothing
+# behind it. Two knobs shorten that: `inflight`, the groups issued before the first wait (2
+# or 4: each holds its own accumulators, Bc / 2 registers a thread for S), and `chain`, the
+# k-steps a group adds on the tensor cores before its sum goes to fp32 (1 or 2). Chaining all
+# of a tile's k-steps failed the fp32 rule; chaining two keeps the errors where they were
+# (the tensor core's own rounding now touches a sum of 16 products instead of 8, and the
+# fp32 additions are half as many). Bare launches, 5 rounds taking turns:
+
+# %%
+sched = RESULTS_DIR / "flash_tf32_wgmma_schedule_ab.csv"
+if sched.exists():
+    for r in csv.DictReader(line for line in open(sched) if not line.startswith("#")):
+        print(f"{r['config']:36s} {r['variant']:22s} {float(r['median_ms']):7.3f} ms  "
+              f"{float(r['speedup_over_first']):.2f}x two groups of one  {float(r['vs_sdpa_mem_eff']):.2f}x SDPA m-e  "
+              f"error {float(r['error_vs_float32']):.2f}x float32's")
+
+# %% [markdown]
+# Four groups of two were the fastest in every cell: 1.25x two groups of one at d = 64
+# (1.87x SDPA memory-efficient at N = 4096, 1.84x causal, 1.79x at B·H = 512, N = 1024) and
+# 1.13-1.14x at d = 128 (1.13x, causal 1.06x, N = 1024 1.04x), with errors of the same size
+# as before: 0.66-1.37x float32 NumPy's at d = 128 (two groups of one: 0.37-1.61x),
+# 0.96-1.17x at d = 64 (0.79-1.19x). The launchers take it. It has a price at d = 64:
+# 255 registers a thread, and ptxas's log (`kernels.base.sass.ptx_to_cubin`) reports the
+# wgmma serialized for want of registers (four groups of one spill 40 bytes instead). It is
+# still the fastest there, so a schedule that fits (four groups for S, two for P V) is the
+# next thing to measure. Every schedule is
+# tested against the fp32 rule (`tests/test_wgmma.py`) and run under the sanitizer.
 #
 # Section 7 puts the backward on the same products.
 
