@@ -31,7 +31,26 @@ if sys.argv[1:2] == ["test"]:
     workers = min(cores + 1, 8) if kernels.DEVICE == "sim" else 2
     command = [sys.executable, "-m", "pytest", "-n", str(workers), "--dist", "worksteal", "--nbmake", "tests",
                "workbook", *sys.argv[2:]]
-    sys.exit(subprocess.call(command, cwd=root))
+    env = cache = None
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        # The run starts a hundred Python processes (the workers, the notebooks' kernels, the
+        # PTX checks, the learner's and the tour's tests ...), each importing NumPy, Numba,
+        # Hypothesis, pytest and the course (PyTorch, Jupyter for some). With no bytecode
+        # written, each compiled all that source again: 1.5-2 s a process. They share one
+        # bytecode cache instead, for this run only, in a folder of its own removed at the
+        # end (nothing is written beside the sources, as PYTHONDONTWRITEBYTECODE asks).
+        import shutil
+        import tempfile
+
+        cache = tempfile.mkdtemp(prefix="workbook-test-pycache-")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        env["PYTHONPYCACHEPREFIX"] = cache
+    try:
+        status = subprocess.call(command, cwd=root, env=env)
+    finally:
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
+    sys.exit(status)
 
 from kernels.bench.tour import main  # noqa: E402
 

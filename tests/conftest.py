@@ -58,3 +58,16 @@ def pytest_report_header(config):
     planted = f"; planted bug: {mutant}" if mutant else ""
     mine = f"; the learner's {', '.join(LEARNER[1])} in kernels.{LEARNER[0]}" if LEARNER else ""
     return f"workbook device: {device_name()}; hypothesis profile: {settings._current_profile}{planted}{mine}"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The PTX checks of the kernel modules first (``tests/test_ptx.py``), the rest in their
+    usual order. Under ``--dist worksteal`` each worker starts on a contiguous share of this
+    list and an idle worker takes the end of another's: so the long compiles start at once,
+    on one worker, in one checker process that compiles the device functions the chapters
+    share once (``kernels.base.ptx_check --serve``), instead of running last, split between
+    workers. Only the order changes: every test runs, and runs the same."""
+    ptx = [item for item in items if item.path.name == "test_ptx.py"]
+    if ptx:
+        rest = [item for item in items if item.path.name != "test_ptx.py"]
+        items[:] = ptx + rest

@@ -2,13 +2,17 @@
 
 The simulator does not type-check, so this is what catches code that only the GPU
 compiler rejects. Runs ``python -m kernels.base.ptx_check`` in a subprocess with the simulator
-off (``WORKBOOK_DEVICE=gpu``).
+off (``WORKBOOK_DEVICE=gpu``): one such process a pytest worker (``--serve``), which checks
+each test's module in turn, exactly as ``python -m kernels.base.ptx_check <module>`` would.
 """
 
 import os
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -35,18 +39,84 @@ def _modules():
     return [m for m in kernel_modules() if "def ptx_targets" in (folder / f"{m}.py").read_text()]
 
 
-@pytest.mark.parametrize("module", _modules())
-def test_every_kernel_compiles_to_ptx(module):
-    # One module a test, so that pytest-xdist spreads the compiles over the workers.
+class _Checker:
+    """``python -m kernels.base.ptx_check --serve``, started on first use: ``check(module)``
+    returns (exit status, output) of that module's check. Starting Python, importing Numba
+    and the course, and compiling the device functions the chapters share is then done once
+    a worker instead of once a module. A checker that dies (or runs past the timeout) fails
+    that module's test and is started again for the next."""
+
+    TIMEOUT_S = 900
+
+    def __init__(self, args):
+        self.args = args
+        self.proc = None
+
+    def _start(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", "kernels.base.ptx_check", "--serve", *self.args],
+                                     env=_gpu_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
+
+    @staticmethod
+    def _read(stream, lines):
+        for line in stream:
+            lines.put(line)
+        lines.put(None)                             # the checker exited
+
+    def check(self, module):
+        from kernels.base.ptx_check import SERVED
+
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        try:
+            self.proc.stdin.write(module + "\n")
+            self.proc.stdin.flush()
+        except OSError:                             # it has just exited: its output says why
+            pass
+        out = []
+        deadline = time.monotonic() + self.TIMEOUT_S
+        try:
+            while True:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                if line is None:
+                    rc = self.proc.wait()
+                    self.proc = None
+                    return (rc or 1), "".join(out) + f"(the PTX checker exited, status {rc})\n"
+                if line.startswith(SERVED):
+                    return int(line[len(SERVED):]), "".join(out)
+                out.append(line)
+        except queue.Empty:
+            self.close()
+            return 1, "".join(out) + f"(the PTX check of {module} ran past {self.TIMEOUT_S} s)\n"
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def ptx_checker():
     # In the simulator (CI) the production shapes; on a GPU machine every shape the modules list.
     from kernels.base.runtime import on_simulator
 
-    proc = _run(["-m", "kernels.base.ptx_check", module, *([] if on_simulator() else ["--every-shape"])])
-    out = proc.stdout + proc.stderr
+    checker = _Checker([] if on_simulator() else ["--every-shape"])
+    yield checker
+    checker.close()
+
+
+@pytest.mark.parametrize("module", _modules())
+def test_every_kernel_compiles_to_ptx(module, ptx_checker):
+    # One module a test (each passes or fails on its own); tests/conftest.py runs them first,
+    # so that one worker's checker compiles the device functions the modules share once.
+    returncode, out = ptx_checker.check(module)
     print(out)
     failures = [line for line in out.splitlines() if line.startswith("FAIL")]
     assert not failures, f"kernels of {module} that do not compile for sm_90:\n" + out
-    assert proc.returncode == 0, out
+    assert returncode == 0, out
     assert f"OK    {module}:" in out, out
 
 

@@ -2,6 +2,7 @@
 
     python -m kernels.base.ptx_check            # every module in kernels/ that defines ptx_targets()
     python -m kernels.base.ptx_check flash_forward gpu_basics
+    python -m kernels.base.ptx_check --serve    # module names on stdin, one check each (tests/test_ptx.py)
 
 The simulator runs kernels as Python: it never type-checks them, so code that the GPU
 compiler rejects (a float64 sneaking into a float32 array, an unsupported call, a
@@ -117,11 +118,41 @@ def rerun_for_the_gpu_target(module: str, argv) -> int:
     return subprocess.call([sys.executable, "-m", module, *argv], env=env)
 
 
+# ``--serve``: the line that ends each request's output; the request's exit status follows it.
+SERVED = "PTX check served, exit status "
+
+
+def serve(every_shape: bool = False) -> int:
+    """``python -m kernels.base.ptx_check --serve [--every-shape]``: one process that checks
+    module after module, each named on a line of stdin, each exactly as ``main([name])``
+    would (the same output), followed by the line ``SERVED <exit status>``. For
+    ``tests/test_ptx.py``: one check a test, without starting Python, importing Numba and
+    the course, and compiling again the device functions the chapters share (``kernels.base``:
+    a device function is compiled once a process, the same code for every kernel that calls
+    it, so each kernel's PTX is the one a fresh process would compile)."""
+    for line in sys.stdin:
+        name = line.strip()
+        if not name:
+            continue
+        try:
+            status = main([name, *(["--every-shape"] if every_shape else [])])
+        except KeyboardInterrupt:
+            raise
+        except BaseException:                   # what main() did not catch (SystemExit too): this request fails
+            traceback.print_exc()
+            status = 1
+        sys.stderr.flush()
+        print(f"{SERVED}{status}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if on_simulator():
         return rerun_for_the_gpu_target("kernels.base.ptx_check", argv)
     every_shape = "--every-shape" in argv
+    if "--serve" in argv:
+        return serve(every_shape)
     names = [a for a in argv if not a.startswith("--")] or kernel_modules()
     print(f"PTX check for sm_90 (numba.cuda.compile_ptx; nothing is launched; "
           f"{'every shape' if every_shape else 'production shapes, d = 64 and 128'}): {', '.join(names)}")
