@@ -50,6 +50,7 @@ from kernels.base.fragment_softmax import make_fragment_softmax
 from kernels.base.fused import LOG2E, MASKED, MAX_GRID_Y
 from kernels.base.inlined import inlined
 from kernels.base.tf32_product import PASSES, make_tf32_product, make_tf32_products
+from kernels.base.wgmma_product import SCHEDULES, make_wgmma_product
 from kernels.base.key_split import add_combine, choose_splits, multiprocessors, output_names, partial_views, \
     partials
 from kernels.base.runtime import ArrayKind, BoundLaunches, LaunchCache, cdiv, check_flag, check_qkv, check_scale, \
@@ -287,22 +288,14 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
         raise ValueError(f"wgmma: expected Br a multiple of 64 (warpgroups of 4 warps), Bc <= 256 and K, V "
                          f"not presplit; got Br={Br}, Bc={Bc}, presplit={presplit}")
     WG_PV = wgmma == "s+pv"                       # O += P V_j on wgmma too
-    if inflight not in (2, 4) or chain not in (1, 2):
+    if (inflight, chain) not in SCHEDULES:
         raise ValueError(f"inflight, chain: expected 2 or 4 groups in flight of 1 or 2 k-steps; got {inflight}, {chain}")
-    FLY, CHAIN = int(inflight), int(chain)
     if WG:
         from kernels.base.mma import shared_address
-        from kernels.base.wgmma import async_fence, canonical_strides, desc_add, make_wgmma_tf32, make_wgmma_wait, \
-            make_zeros, wgmma_commit, wgmma_desc, wgmma_fence
-        s_wgmma, s_zeros = make_wgmma_tf32(Bc), make_zeros(Bc // 2)
-        s_wait, s_wait1 = make_wgmma_wait(Bc // 2), make_wgmma_wait(Bc // 2, 1)
-        s_wait2, s_wait3 = make_wgmma_wait(Bc // 2, 2), make_wgmma_wait(Bc // 2, 3)
+        from kernels.base.wgmma import async_fence, canonical_strides, desc_add, wgmma_desc
         LBO, SBO = canonical_strides(D)           # K_j's planes: D columns a key
         KLO = 4 * Bc * D                          # bytes from K_j's hi plane to its lo plane
     if WG_PV:
-        o_wgmma, o_zeros = make_wgmma_tf32(D), make_zeros(D // 2)
-        o_wait, o_wait1 = make_wgmma_wait(D // 2), make_wgmma_wait(D // 2, 1)
-        o_wait2, o_wait3 = make_wgmma_wait(D // 2, 2), make_wgmma_wait(D // 2, 3)
         VLBO, VSBO = canonical_strides(Bc)        # V_j^T's planes: Bc keys a column
         VLO = 4 * D * Bc                          # bytes from V_j^T's hi plane to its lo plane
     SHARED = 0 if dynamic else shared_words(Bc, D, Br, QPARTS, PRE, PAIRED)
@@ -432,91 +425,14 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
     if WG:
         @inlined
-        def s_first(Qh, Ql, qrow, qf, s_, dh, dl):
-            """(wgmma) k-step s of S from zero: Q's parts (kept, or split here) times K_j's, the small
-            terms first (as ``product``)."""
-            a_hi, a_lo = q_parts(Qh, Ql, qrow, qf, s_)
-            at = U(256) * s_                         # the k-step's 8 columns, 256 bytes on
-            if passes == 3:
-                x = s_wgmma(a_lo, desc_add(dh, at), s_zeros(), 0)
-                x = s_wgmma(a_hi, desc_add(dl, at), x, 1)
-                x = s_wgmma(a_hi, desc_add(dh, at), x, 1)
-            else:
-                x = s_wgmma(a_hi, desc_add(dh, at), s_zeros(), 0)
-            return x
+        def q_of(src, s_):
+            """(wgmma) Q_i's A fragment of k-step s, hi and lo; src = (Qh, Ql, qrow, qf)."""
+            Qh, Ql, qrow, qf = src
+            return q_parts(Qh, Ql, qrow, qf, s_)
 
-        @inlined
-        def s_next(x, Qh, Ql, qrow, qf, s_, dh, dl):
-            """(wgmma, chain 2) k-step s of S added on the tensor cores to x."""
-            a_hi, a_lo = q_parts(Qh, Ql, qrow, qf, s_)
-            at = U(256) * s_
-            if passes == 3:
-                x = s_wgmma(a_lo, desc_add(dh, at), x, 1)
-                x = s_wgmma(a_hi, desc_add(dl, at), x, 1)
-                x = s_wgmma(a_hi, desc_add(dh, at), x, 1)
-            else:
-                x = s_wgmma(a_hi, desc_add(dh, at), x, 1)
-            return x
-
-        @inlined
-        def s_issue(Qh, Ql, qrow, qf, s_, dh, dl):
-            """(wgmma) CHAIN k-steps of S from s on, from zero, one group; returns the
-            accumulators, not yet ready."""
-            x = s_first(Qh, Ql, qrow, qf, s_, dh, dl)
-            if CHAIN == 2:
-                x = s_next(x, Qh, Ql, qrow, qf, s_ + U(1), dh, dl)
-            wgmma_commit()
-            return x
-
-        @inlined
-        def s_issue1(Qh, Ql, qrow, qf, s_, dh, dl):
-            """(wgmma) k-step s of S alone, from zero, one group (the k-steps left over)."""
-            x = s_first(Qh, Ql, qrow, qf, s_, dh, dl)
-            wgmma_commit()
-            return x
-
-    if WG_PV:
-        @inlined
-        def o_first(pv, kp, dvh, dvl):
-            """(wgmma) k-step kp of P V_j from zero: P's parts (keys renumbered) times V_j^T's."""
-            a_hi, a_lo = p_parts(pv, kp)
-            at = U(256) * kp
-            if passes == 3:
-                x = o_wgmma(a_lo, desc_add(dvh, at), o_zeros(), 0)
-                x = o_wgmma(a_hi, desc_add(dvl, at), x, 1)
-                x = o_wgmma(a_hi, desc_add(dvh, at), x, 1)
-            else:
-                x = o_wgmma(a_hi, desc_add(dvh, at), o_zeros(), 0)
-            return x
-
-        @inlined
-        def o_next(x, pv, kp, dvh, dvl):
-            """(wgmma, chain 2) k-step kp of P V_j added on the tensor cores to x."""
-            a_hi, a_lo = p_parts(pv, kp)
-            at = U(256) * kp
-            if passes == 3:
-                x = o_wgmma(a_lo, desc_add(dvh, at), x, 1)
-                x = o_wgmma(a_hi, desc_add(dvl, at), x, 1)
-                x = o_wgmma(a_hi, desc_add(dvh, at), x, 1)
-            else:
-                x = o_wgmma(a_hi, desc_add(dvh, at), x, 1)
-            return x
-
-        @inlined
-        def o_issue(pv, kp, dvh, dvl):
-            """(wgmma) CHAIN k-steps of P V_j from kp on, from zero, one group."""
-            x = o_first(pv, kp, dvh, dvl)
-            if CHAIN == 2:
-                x = o_next(x, pv, kp + U(1), dvh, dvl)
-            wgmma_commit()
-            return x
-
-        @inlined
-        def o_issue1(pv, kp, dvh, dvl):
-            """(wgmma) k-step kp of P V_j alone, from zero, one group."""
-            x = o_first(pv, kp, dvh, dvl)
-            wgmma_commit()
-            return x
+        s_wgmma = make_wgmma_product(Bc, KS, passes, q_of, inflight, chain)      # S += Q_i K_j^T
+        if WG_PV:
+            pv_wgmma = make_wgmma_product(D, NS, passes, p_parts, inflight, chain)   # O += P V_j
 
     caps = {} if on_simulator() else {"launch_bounds": (THREADS, int(min_blocks))}
     if max_registers and not on_simulator():
@@ -635,52 +551,10 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             for nt in range(NS):
                 for e in range(4):
                     sc[nt, e] = float32(0.0)
-            if WG:                                   # a warpgroup's 64 rows: each k-step from zero, a group of its
-                dh = wgmma_desc(shared_address(Kw, 0, 0), LBO, SBO)      # own, added in fp32 as ``product``'s;
+            if WG:                                   # a warpgroup's 64 rows, k-steps scheduled as
+                dh = wgmma_desc(shared_address(Kw, 0, 0), LBO, SBO)      # ``make_wgmma_product`` says;
                 dl = desc_add(dh, KLO)                                   # K_j's hi plane and lo plane, k-step 0
-                wgmma_fence()
-                s_ = U(0)
-                if FLY == 4:                         # four groups a round
-                    while s_ + U(4 * CHAIN - 1) < U(KS):
-                        x = s_issue(Qh, Ql, qrow, qf, s_, dh, dl)
-                        y = s_issue(Qh, Ql, qrow, qf, s_ + U(CHAIN), dh, dl)
-                        z = s_issue(Qh, Ql, qrow, qf, s_ + U(2 * CHAIN), dh, dl)
-                        w = s_issue(Qh, Ql, qrow, qf, s_ + U(3 * CHAIN), dh, dl)
-                        x = s_wait3(x)
-                        for nt in range(NS):
-                            for e in range(4):
-                                sc[nt, e] += x[4 * nt + e]
-                        y = s_wait2(y)
-                        for nt in range(NS):
-                            for e in range(4):
-                                sc[nt, e] += y[4 * nt + e]
-                        z = s_wait1(z)
-                        for nt in range(NS):
-                            for e in range(4):
-                                sc[nt, e] += z[4 * nt + e]
-                        w = s_wait(w)
-                        for nt in range(NS):
-                            for e in range(4):
-                                sc[nt, e] += w[4 * nt + e]
-                        s_ += U(4 * CHAIN)
-                while s_ + U(2 * CHAIN - 1) < U(KS):  # two k-steps a round: the first's sum is added while
-                    x = s_issue(Qh, Ql, qrow, qf, s_, dh, dl)            # the second runs (no group in flight
-                    y = s_issue(Qh, Ql, qrow, qf, s_ + U(CHAIN), dh, dl)  # past a round: its registers would be
-                    x = s_wait1(x)                                       # copied and the compiler would
-                    for nt in range(NS):                                 # serialize every wgmma)
-                        for e in range(4):
-                            sc[nt, e] += x[4 * nt + e]
-                    y = s_wait(y)
-                    for nt in range(NS):
-                        for e in range(4):
-                            sc[nt, e] += y[4 * nt + e]
-                    s_ += U(2 * CHAIN)
-                while s_ < U(KS):                    # (the k-steps left over, one a group)
-                    x = s_wait(s_issue1(Qh, Ql, qrow, qf, s_, dh, dl))
-                    for nt in range(NS):
-                        for e in range(4):
-                            sc[nt, e] += x[4 * nt + e]
-                    s_ += U(1)
+                s_wgmma(sc, (Qh, Ql, qrow, qf), dh, dl)
             s_ = U(KS) if WG else U(0)
             while s_ < U(KS):                        # (unsigned: its addresses fold into the loads)
                 a_hi, a_lo = q_parts(Qh, Ql, qrow, qf, s_)
@@ -717,49 +591,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
             if WG_PV:                                # a warpgroup's 64 rows x D, as S's k-steps
                 dvh = wgmma_desc(shared_address(Vw, 0, 0), VLBO, VSBO)   # V_j^T's hi plane, k-step 0
                 dvl = desc_add(dvh, VLO)                                 # its lo plane
-                wgmma_fence()
-                kp = U(0)
-                if FLY == 4:
-                    while kp + U(4 * CHAIN - 1) < U(NS):
-                        x = o_issue(pv, kp, dvh, dvl)
-                        y = o_issue(pv, kp + U(CHAIN), dvh, dvl)
-                        z = o_issue(pv, kp + U(2 * CHAIN), dvh, dvl)
-                        w = o_issue(pv, kp + U(3 * CHAIN), dvh, dvl)
-                        x = o_wait3(x)
-                        for j in range(ND):
-                            for e in range(4):
-                                acc[j, e] += x[4 * j + e]
-                        y = o_wait2(y)
-                        for j in range(ND):
-                            for e in range(4):
-                                acc[j, e] += y[4 * j + e]
-                        z = o_wait1(z)
-                        for j in range(ND):
-                            for e in range(4):
-                                acc[j, e] += z[4 * j + e]
-                        w = o_wait(w)
-                        for j in range(ND):
-                            for e in range(4):
-                                acc[j, e] += w[4 * j + e]
-                        kp += U(4 * CHAIN)
-                while kp + U(2 * CHAIN - 1) < U(NS):
-                    x = o_issue(pv, kp, dvh, dvl)
-                    y = o_issue(pv, kp + U(CHAIN), dvh, dvl)
-                    x = o_wait1(x)
-                    for j in range(ND):
-                        for e in range(4):
-                            acc[j, e] += x[4 * j + e]
-                    y = o_wait(y)
-                    for j in range(ND):
-                        for e in range(4):
-                            acc[j, e] += y[4 * j + e]
-                    kp += U(2 * CHAIN)
-                while kp < U(NS):
-                    x = o_wait(o_issue1(pv, kp, dvh, dvl))
-                    for j in range(ND):
-                        for e in range(4):
-                            acc[j, e] += x[4 * j + e]
-                    kp += U(1)
+                pv_wgmma(acc, pv, dvh, dvl)
             kp = U(NS) if WG_PV else U(0)
             while kp < U(NS):
                 a_hi, a_lo = p_parts(pv, kp)

@@ -444,11 +444,11 @@ MUTANTS += [
            ("tests/test_wgmma.py",), "test_forward_on_wgmma",
            "(wgmma P V) V_j^T's planes renumber a k-step's keys the other way round (key 2t + 1 where P's "
            "fragment takes key 2t)"),
-    Mutant("tf32-wgmma-chain-repeats-a-k-step", 11, TF32,
-           (("x = s_next(x, Qh, Ql, qrow, qf, s_ + U(1), dh, dl)", "x = s_next(x, Qh, Ql, qrow, qf, s_, dh, dl)"),),
+    Mutant("tf32-wgmma-chain-repeats-a-k-step", 11, "kernels.base.wgmma_product",
+           (("x = more(x, src, s + U(1), dh, dl)", "x = more(x, src, s, dh, dl)"),),
            ("tests/test_wgmma.py",), "test_every_wgmma_schedule",
            "(wgmma, two k-steps a group) the group's second k-step is its first again: S counts Q's columns "
-           "8s..8s + 7 twice and drops the next eight"),
+           "8s..8s + 7 twice and drops the next eight (P V its keys)"),
     Mutant("tf32-v-pair-swapped", 11, TF32,
            (("store_words(Vp, p, 4 * (c + e), h0, h1, l0, l1)", "store_words(Vp, p, 4 * (c + e), h1, h0, l1, l0)"),),
            T11, "test_matches_oracle", "V's parts laid out with the keys of a pair swapped: key 2p's P weighs V row "
