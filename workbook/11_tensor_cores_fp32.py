@@ -655,12 +655,9 @@ if ab.exists():
 # memory-efficient in the same rounds:
 
 # %%
-wg = RESULTS_DIR / "flash_tf32_wgmma_ab.csv"
-if wg.exists():
-    for r in csv.DictReader(line for line in open(wg) if not line.startswith("#")):
-        print(f"{r['config']:36s} {r['variant'][:58]:58s} {float(r['median_ms']):7.3f} ms  "
-              f"{float(r['speedup_over_default']):.2f}x mma.sync  {float(r['vs_sdpa_mem_eff']):.2f}x SDPA m-e  "
-              f"error {float(r['error_vs_float32']):.2f}x float32's")
+from kernels.base.notebook import show_ab
+
+show_ab(RESULTS_DIR / "flash_tf32_wgmma_ab.csv", "speedup_over_default", "mma.sync")
 
 # %% [markdown]
 # * d = 128: S on wgmma, 1.06-1.07x the `mma.sync` kernel (N = 4096: 11.30 ms against 12.09;
@@ -683,15 +680,20 @@ if wg.exists():
 # k-steps a group adds on the tensor cores before its sum goes to fp32 (1 or 2). Chaining all
 # of a tile's k-steps failed the fp32 rule; chaining two keeps the errors where they were
 # (the tensor core's own rounding now touches a sum of 16 products instead of 8, and the
-# fp32 additions are half as many). Bare launches, 5 rounds taking turns:
+# fp32 additions are half as many). One building block, `kernels/base/wgmma_product.py`,
+# schedules both products, S's k-steps over D and P V's over Bc (`issue` puts `chain` k-steps
+# in one group, three wgmma each; `add` adds a waited group's sum in fp32):
 
 # %%
-sched = RESULTS_DIR / "flash_tf32_wgmma_schedule_ab.csv"
-if sched.exists():
-    for r in csv.DictReader(line for line in open(sched) if not line.startswith("#")):
-        print(f"{r['config']:36s} {r['variant']:22s} {float(r['median_ms']):7.3f} ms  "
-              f"{float(r['speedup_over_first']):.2f}x two groups of one  {float(r['vs_sdpa_mem_eff']):.2f}x SDPA m-e  "
-              f"error {float(r['error_vs_float32']):.2f}x float32's")
+from kernels.base.wgmma_product import make_wgmma_product
+
+show_source(make_wgmma_product, "def add_product(c, src, dh, dl):", "s += U(1)")
+
+# %% [markdown]
+# Bare launches on the H100, 5 rounds taking turns:
+
+# %%
+show_ab(RESULTS_DIR / "flash_tf32_wgmma_schedule_ab.csv", "speedup_over_first", "two groups of one")
 
 # %% [markdown]
 # Four groups of two were the fastest in every cell: 1.25x two groups of one at d = 64

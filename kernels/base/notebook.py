@@ -1,5 +1,5 @@
-"""What the notebooks share: printing a part of a kernel's source, a ladder's timings, and
-the picture of mma.sync's fragments.
+"""What the notebooks share: printing a part of a kernel's source, a ladder's timings, an
+A/B's rows, and the picture of mma.sync's fragments.
 
 A chapter shows its kernel a piece at a time, next to the text that explains that piece:
 ``show_source(make_stream_k, "for g in range(", "`last` is rewritten")`` prints the lines
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 
-__all__ = ["show_source", "show_ladder", "draw_fragments"]
+__all__ = ["show_source", "show_ladder", "show_ab", "draw_fragments"]
 
 
 def show_source(fn, first: str, last: str, more: int = 0) -> None:
@@ -45,6 +45,28 @@ def show_ladder(path) -> None:
         for r in these:
             print(f"  {r['kernel']:<38} {r['config']:<40} {r['median_ms']:9.2f} ms  "
                   f"{r['tflops']:6.2f} TFLOP/s  {r['median_ms'] / these[-1]['median_ms']:6.1f}x the last")
+
+
+def show_ab(path, over: str, over_name: str) -> None:
+    """Print the rows of a committed A/B of kernel variants (bare launches taking turns, the
+    peer SDPA memory-efficient in the same rounds): config, variant, median time, its speedup
+    in column ``over`` (over the variant named ``over_name``), over SDPA, and its error over
+    float32 NumPy's."""
+    import csv
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.exists():
+        print(f"(no {path} yet: it is written by an A/B run on a GPU)")
+        return
+    with open(path) as fh:
+        rows = list(csv.DictReader(line for line in fh if not line.startswith("#")))
+    width = min(58, max(len(r["variant"]) for r in rows))
+    for r in rows:
+        error = float(r["error_vs_float32"] or "nan")
+        error = f"error {error:.2f}x float32's" if error == error else "(error not measured)"
+        print(f"{r['config']:36s} {r['variant'][:width]:{width}s} {float(r['median_ms']):7.3f} ms  "
+              f"{float(r[over]):.2f}x {over_name}  {float(r['vs_sdpa_mem_eff']):.2f}x SDPA m-e  {error}")
 
 
 def draw_fragments():
