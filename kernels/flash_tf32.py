@@ -227,7 +227,8 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                             max_registers: int | None = None, split: bool = False, grouped: bool = False,
                             min_blocks: int = 1, query_parts: bool = False, lo: str = "rounded",
                             presplit: bool = False, paired: bool = False, wgmma: str | None = None,
-                            inflight: int = WGMMA_INFLIGHT, chain: int = WGMMA_CHAIN):
+                            inflight: int = WGMMA_INFLIGHT, chain: int = WGMMA_CHAIN,
+                            pv_schedule: tuple | None = None):
     """The forward kernel for Br query rows (Br / 16 warps), Bc keys a tile, head dim D (a
     multiple of 8), ``passes`` TF32 products a product (3 or 1); ``dynamic``: its shared
     memory (``shared_words``) is dynamic, for more than 48 KB; ``max_registers``: a cap on
@@ -253,6 +254,8 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     after it run, ``inflight`` groups (2 or 4) issued a round (``WGMMA_INFLIGHT``, ``WGMMA_CHAIN``:
     four groups of two, measured 1.14-1.25x faster than two of one, with the same errors; a whole
     tile's k-steps chained on one accumulator erred 2-3.5x float32 NumPy's, past the fp32 rule).
+    ``pv_schedule`` (inflight, chain, cols): P V's own schedule, each group covering ``cols`` of O's
+    D columns (D or D / 2: two products of half the accumulators each); None: (inflight, chain, D).
 
     Launch: grid (ceil(Nq / Br), B*H), 2 Br threads. Arguments: q (B*H, Nq, d), k, v (B*Hkv,
     Nk, d) float32; o (B*H, Nq, d) and lse (B*H, Nq) float32; scale (float32), causal (int32
@@ -290,6 +293,11 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
     WG_PV = wgmma == "s+pv"                       # O += P V_j on wgmma too
     if (inflight, chain) not in SCHEDULES:
         raise ValueError(f"inflight, chain: expected 2 or 4 groups in flight of 1 or 2 k-steps; got {inflight}, {chain}")
+    PV_FLY, PV_CHAIN, PV_COLS = (inflight, chain, D) if pv_schedule is None else pv_schedule
+    if (PV_FLY, PV_CHAIN) not in SCHEDULES or PV_COLS not in (D, D // 2) or PV_COLS % 8:
+        raise ValueError(f"pv_schedule: expected (inflight, chain) of {SCHEDULES} and cols D or D / 2 (a multiple "
+                         f"of 8); got {pv_schedule}")
+    PV_HALVES = D // PV_COLS                      # P V's products, each over PV_COLS of O's columns
     if WG:
         from kernels.base.mma import shared_address
         from kernels.base.wgmma import async_fence, canonical_strides, desc_add, wgmma_desc
@@ -432,7 +440,9 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
         s_wgmma = make_wgmma_product(Bc, KS, passes, q_of, inflight, chain)      # S += Q_i K_j^T
         if WG_PV:
-            pv_wgmma = make_wgmma_product(D, NS, passes, p_parts, inflight, chain)   # O += P V_j
+            pv_wgmma = make_wgmma_product(PV_COLS, NS, passes, p_parts, PV_FLY, PV_CHAIN)   # O += P V_j
+            if PV_HALVES == 2:                                                          # (its columns D / 2 on)
+                pv_wgmma2 = make_wgmma_product(PV_COLS, NS, passes, p_parts, PV_FLY, PV_CHAIN, PV_COLS // 8)
 
     caps = {} if on_simulator() else {"launch_bounds": (THREADS, int(min_blocks))}
     if max_registers and not on_simulator():
@@ -592,6 +602,8 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                 dvh = wgmma_desc(shared_address(Vw, 0, 0), VLBO, VSBO)   # V_j^T's hi plane, k-step 0
                 dvl = desc_add(dvh, VLO)                                 # its lo plane
                 pv_wgmma(acc, pv, dvh, dvl)
+                if PV_HALVES == 2:                   # O's columns D / 2 on: V_j^T's rows (PV_COLS / 8) x SBO on
+                    pv_wgmma2(acc, pv, desc_add(dvh, PV_COLS // 8 * VSBO), desc_add(dvl, PV_COLS // 8 * VSBO))
             kp = U(NS) if WG_PV else U(0)
             while kp < U(NS):
                 a_hi, a_lo = p_parts(pv, kp)
@@ -617,7 +629,7 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
 
 def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: bool = False, tiles=None,
                    max_registers=None, min_blocks=None, query_parts=None, lo=None, presplit=False, paired=None,
-                   keys: int = 0, wgmma=None, inflight=None, chain=None):
+                   keys: int = 0, wgmma=None, inflight=None, chain=None, pv_schedule=None):
     """(kernel, Br, dynamic shared bytes or 0) for this call shape: the tiles ``tf32_tiles``
     chooses (or ``tiles`` (Br, Bc)), the launch bounds ``tf32_min_blocks`` (or ``min_blocks``),
     the grouped kernel where Hkv < H, and a raised shared-memory limit where the tiles need
@@ -649,26 +661,28 @@ def forward_kernel(BH: int, BHkv: int, n_q: int, d: int, passes: int, split: boo
                                      grouped=BH > BHkv, min_blocks=min_blocks, query_parts=query_parts,
                                      lo=DEFAULT_LO if lo is None else lo, presplit=bool(presplit), paired=paired,
                                      wgmma=wgmma, inflight=WGMMA_INFLIGHT if inflight is None else int(inflight),
-                                     chain=WGMMA_CHAIN if chain is None else int(chain))
+                                     chain=WGMMA_CHAIN if chain is None else int(chain),
+                                     pv_schedule=None if pv_schedule is None else tuple(int(x) for x in pv_schedule))
     return kernel, Br, nbytes if dynamic else 0
 
 
 def launch_forward(qd, kd, vd, o, lse, scale, causal, passes, tiles=None, max_registers=None, min_blocks=None,
                    query_parts=None, lo=None, presplit=False, parts=None, paired=None, wgmma=None, inflight=None,
-                   chain=None):
+                   chain=None, pv_schedule=None):
     """The forward on device views: qd (B*H, Nq, d), kd and vd (B*Hkv, Nk, d) float32, Hkv
     dividing H, into o (B*H, Nq, d) and lse (B*H, Nq); ``tiles`` (Br, Bc), by default
     ``tf32_tiles``; ``lo``: the splits' lo, by default ``DEFAULT_LO``; ``presplit``: K and V
     split first by ``make_split_kv`` into ``parts`` (kp, vp: ``part_shapes``, 32-bit words in
     float32 arrays; None: allocated here); ``paired``: K_j and V_j land together (None:
     ``tf32_paired``); ``inflight``, ``chain``: the wgmma k-steps' schedule (None:
-    ``WGMMA_INFLIGHT``, ``WGMMA_CHAIN``)."""
+    ``WGMMA_INFLIGHT``, ``WGMMA_CHAIN``); ``pv_schedule``: P V's (``make_flash_forward_tf32``)."""
     from kernels.base.shared_memory import allow_dynamic_shared_memory
 
     BH, n_q, d = qd.shape
     kernel, Br, nbytes = forward_kernel(BH, kd.shape[0], n_q, d, passes, tiles=tiles, max_registers=max_registers,
                                         min_blocks=min_blocks, query_parts=query_parts, lo=lo, presplit=presplit,
-                                        paired=paired, keys=kd.shape[1], wgmma=wgmma, inflight=inflight, chain=chain)
+                                        paired=paired, keys=kd.shape[1], wgmma=wgmma, inflight=inflight, chain=chain,
+                                        pv_schedule=pv_schedule)
     aligned = int(d % 4 == 0 and all(x.__cuda_array_interface__["data"][0] % 16 == 0 for x in (qd, kd, vd))) \
         if not on_simulator() else int(d % 4 == 0)
     if presplit:

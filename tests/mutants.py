@@ -449,6 +449,12 @@ MUTANTS += [
            ("tests/test_wgmma.py",), "test_every_wgmma_schedule",
            "(wgmma, two k-steps a group) the group's second k-step is its first again: S counts Q's columns "
            "8s..8s + 7 twice and drops the next eight (P V its keys)"),
+    Mutant("tf32-wgmma-pv-half-not-offset", 11, TF32,
+           (("pv_wgmma2(acc, pv, desc_add(dvh, PV_COLS // 8 * VSBO), desc_add(dvl, PV_COLS // 8 * VSBO))",
+             "pv_wgmma2(acc, pv, dvh, dvl)"),),
+           ("tests/test_wgmma.py",), "test_p_v_in_two_halves",
+           "(wgmma P V in two halves of O) the second half's descriptors not moved on: O's columns D / 2 on "
+           "get V's first D / 2 columns"),
     Mutant("tf32-v-pair-swapped", 11, TF32,
            (("store_words(Vp, p, 4 * (c + e), h0, h1, l0, l1)", "store_words(Vp, p, 4 * (c + e), h1, h0, l1, l0)"),),
            T11, "test_matches_oracle", "V's parts laid out with the keys of a pair swapped: key 2p's P weighs V row "

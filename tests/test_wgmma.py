@@ -150,7 +150,7 @@ def forward_helpers(hopper):
     return tf
 
 
-def _forward_case(tf, case, tiles, mode, paired, misaligned, inflight=None, chain=None):
+def _forward_case(tf, case, tiles, mode, paired, misaligned, inflight=None, chain=None, pv_schedule=None):
     from kernels.flash_tf32 import launch_forward
 
     B, H, n_q, d = case.q.shape
@@ -160,7 +160,7 @@ def _forward_case(tf, case, tiles, mode, paired, misaligned, inflight=None, chai
     lse = cuda.device_array((B * H, n_q), np.float32)
     views = [tf.on_device(x.reshape(x.shape[0] * x.shape[1], x.shape[2], d), misaligned) for x in (case.q, case.k, case.v)]
     launch_forward(*views, o, lse, scale, int(case.causal), 3, tiles=tiles, wgmma=mode, paired=paired,
-                   inflight=inflight, chain=chain)
+                   inflight=inflight, chain=chain, pv_schedule=pv_schedule)
     return o.copy_to_host().reshape(case.q.shape), lse.copy_to_host().reshape(B, H, n_q)
 
 
@@ -171,14 +171,17 @@ def _cases():
 
 
 @given(case=st.deferred(_cases), mode=st.sampled_from(["s", "s+pv"]), paired=st.booleans(),
-       misaligned=st.booleans(), schedule=st.sampled_from([(2, 1), (4, 1), (2, 2), (4, 2)]))
+       misaligned=st.booleans(), schedule=st.sampled_from([(2, 1), (4, 1), (2, 2), (4, 2)]),
+       pv=st.sampled_from([None, (2, 1), (4, 2), (1, 2)]), pv_halves=st.booleans())
 @settings(max_examples=3 if on_simulator() else 60, deadline=None)
-def test_forward_on_wgmma_meets_the_fp32_rule(forward_helpers, case, mode, paired, misaligned, schedule):
+def test_forward_on_wgmma_meets_the_fp32_rule(forward_helpers, case, mode, paired, misaligned, schedule, pv,
+                                              pv_halves):
     """S = Q_i K_j^T on wgmma from K_j's parts in planes ("s"), and O += P V_j from V_j^T's
     ("s+pv"), each k-step from zero and added in fp32, the rest of chapter 11's forward unchanged:
     the fp32 rule, ragged N and d, causal, grouped-query heads, K_j and V_j landed together or in
-    turn, by cp.async or plain loads. (A tile's k-steps chained on one accumulator instead failed
-    this rule on the H100: L's error 1.02x its bound.)"""
+    turn, by cp.async or plain loads; S's schedule and P V's own (its groups over all of O's
+    columns or half). (A tile's k-steps chained on one accumulator instead failed this rule on
+    the H100: L's error 1.02x its bound.)"""
     from hypothesis import assume
 
     from kernels.flash_tf32 import tf32_tiles
@@ -186,13 +189,14 @@ def test_forward_on_wgmma_meets_the_fp32_rule(forward_helpers, case, mode, paire
     tf = forward_helpers
     B, H, n_q, d = case.q.shape
     assume(B * H and n_q and case.k.shape[2])
-    Br, Bc, _ = tf32_tiles(d, n_q)
+    Br, Bc, D = tf32_tiles(d, n_q)
     tiles = (64, 16) if on_simulator() else (max(Br, 64), Bc)
-    o, lse = _forward_case(tf, case, tiles, mode, paired, misaligned, *schedule)
+    pv_schedule = None if pv is None else (*pv, D // 2 if pv_halves and D % 16 == 0 else D)
+    o, lse = _forward_case(tf, case, tiles, mode, paired, misaligned, *schedule, pv_schedule)
     tf.check_result(case, o, lse)
 
 
-@pytest.mark.parametrize("inflight, chain", [(4, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize("inflight, chain", [(4, 1), (2, 2), (4, 2), (1, 2)])
 def test_every_wgmma_schedule_meets_the_fp32_rule(forward_helpers, inflight, chain):
     """Each schedule of the k-steps (``inflight`` groups a round, ``chain`` k-steps a group on
     one accumulator): at d = 72 S's 9 k-steps fill whole rounds and leave one over (a group
@@ -202,6 +206,18 @@ def test_every_wgmma_schedule_meets_the_fp32_rule(forward_helpers, inflight, cha
     tf = forward_helpers
     case = case_with((1, 1, 64, 72), (1, 1, 50, 72), causal=True, seed=inflight + chain)
     o, lse = _forward_case(tf, case, (64, 64), "s+pv", False, False, inflight, chain)
+    tf.check_result(case, o, lse)
+
+
+@pytest.mark.parametrize("pv_schedule", [(4, 2, 32), (1, 2, 32)])
+def test_p_v_in_two_halves_of_o_meets_the_fp32_rule(forward_helpers, pv_schedule):
+    """P V's own schedule with each group over half of O's columns (two products, the second's
+    V_j^T rows and O's accumulator tiles D / 2 on): d = 64, Bc = 64 (P V's 8 k-steps)."""
+    from kernels.base.testing import case_with
+
+    tf = forward_helpers
+    case = case_with((1, 2, 64, 64), (1, 2, 70, 64), causal=False, seed=sum(pv_schedule))
+    o, lse = _forward_case(tf, case, (64, 64), "s+pv", True, False, 4, 2, pv_schedule)
     tf.check_result(case, o, lse)
 
 

@@ -28,15 +28,18 @@ from kernels.base.runtime import on_simulator
 
 __all__ = ["make_wgmma_product", "SCHEDULES"]
 
-SCHEDULES = ((2, 1), (4, 1), (2, 2), (4, 2))    # (inflight, chain) pairs a kernel may take
+SCHEDULES = ((2, 1), (4, 1), (2, 2), (4, 2), (1, 2))    # (inflight, chain) pairs a kernel may take
 
 
-def make_wgmma_product(n_cols: int, steps: int, passes: int, a_parts, inflight: int, chain: int):
-    """``add_product(c, src, d_hi, d_lo)``: c (n_cols / 8, 4) float32, a warp's accumulator tiles
-    of the warpgroup's 64 x n_cols C, += the product over ``steps`` k-steps of A (``a_parts(src,
+def make_wgmma_product(n_cols: int, steps: int, passes: int, a_parts, inflight: int, chain: int,
+                       first_tile: int = 0):
+    """``add_product(c, src, d_hi, d_lo)``: c (first_tile + n_cols / 8, 4) float32, a warp's
+    accumulator tiles of the warpgroup's C, whose tiles first_tile.. (columns 8 first_tile on,
+    n_cols of them) += the product over ``steps`` k-steps of A (``a_parts(src,
     s)``: this thread's 4 tf32 registers of k-step s, hi and lo) and B (``d_hi``, ``d_lo``: the
     ``wgmma_desc`` of its hi and lo planes at k-step 0, K-major). ``passes`` 3 (3xTF32) or 1
-    (hi times hi only); ``inflight``, ``chain``: the schedule (``SCHEDULES``)."""
+    (hi times hi only); ``inflight``, ``chain``: the schedule (``SCHEDULES``; one group in flight
+    waits on each group as soon as it is issued: for accumulators too wide for two)."""
     from kernels.base.wgmma import desc_add, make_wgmma_tf32, make_wgmma_wait, make_zeros, wgmma_commit, \
         wgmma_fence
 
@@ -46,7 +49,7 @@ def make_wgmma_product(n_cols: int, steps: int, passes: int, a_parts, inflight: 
         raise ValueError(f"passes: expected 3 or 1, got {passes!r}")
     n = n_cols // 2                                   # accumulators a thread
     T = n_cols // 8                                   # its 16 x 8 tiles
-    FLY, CHAIN, STEPS, THREE = int(inflight), int(chain), int(steps), passes == 3
+    FLY, CHAIN, STEPS, THREE, J0 = int(inflight), int(chain), int(steps), passes == 3, int(first_tile)
     mma, zeros = make_wgmma_tf32(n_cols), make_zeros(n)
     wait0, wait1, wait2, wait3 = (make_wgmma_wait(n, p) for p in range(4))
     U = int if on_simulator() else uint32             # unsigned: the descriptor's offsets fold
@@ -93,7 +96,7 @@ def make_wgmma_product(n_cols: int, steps: int, passes: int, a_parts, inflight: 
         """a group's sum, waited on, added to C in fp32."""
         for j in range(T):
             for e in range(4):
-                c[j, e] += x[4 * j + e]
+                c[J0 + j, e] += x[4 * j + e]
 
     @inlined
     def add_product(c, src, dh, dl):
@@ -110,12 +113,17 @@ def make_wgmma_product(n_cols: int, steps: int, passes: int, a_parts, inflight: 
                 add(c, wait1(z))
                 add(c, wait0(w))
                 s += U(4 * CHAIN)
-        while s + U(2 * CHAIN - 1) < U(STEPS):        # two groups a round
-            x = issue(src, s, dh, dl)
-            y = issue(src, s + U(CHAIN), dh, dl)
-            add(c, wait1(x))
-            add(c, wait0(y))
-            s += U(2 * CHAIN)
+        if FLY >= 2:
+            while s + U(2 * CHAIN - 1) < U(STEPS):    # two groups a round
+                x = issue(src, s, dh, dl)
+                y = issue(src, s + U(CHAIN), dh, dl)
+                add(c, wait1(x))
+                add(c, wait0(y))
+                s += U(2 * CHAIN)
+        else:
+            while s + U(CHAIN - 1) < U(STEPS):        # one group a round
+                add(c, wait0(issue(src, s, dh, dl)))
+                s += U(CHAIN)
         while s < U(STEPS):                           # the k-steps left over, one a group
             add(c, wait0(issue1(src, s, dh, dl)))
             s += U(1)
