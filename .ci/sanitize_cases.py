@@ -208,6 +208,10 @@ def main(only):
                         for inflight, chain in ((2, 1), (4, 1), (2, 2), (4, 2)):
                             m.launch_forward(*views, o, lse, d ** -0.5, int(causal), 3, wgmma=mode, paired=paired,
                                              min_blocks=1, inflight=inflight, chain=chain)
+                    if d in (64, 128) and mode == "s+pv":    # P V's own schedules, over all of O or half
+                        for pv in ((1, 2, d), (2, 1, d // 2), (1, 2, d // 2), (2, 2, d // 2)):
+                            m.launch_forward(*views, o, lse, d ** -0.5, int(causal), 3, wgmma=mode, paired=paired,
+                                             min_blocks=1, pv_schedule=pv)
         ran.append("flash_tf32")
     if want("decode") and (m := have("decode")):
         # ragged (an empty cache, a length of 1), GQA and MHA, Nq up to 16, causal, fp16 caches;
