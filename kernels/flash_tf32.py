@@ -292,7 +292,8 @@ def make_flash_forward_tf32(Br: int, Bc: int, D: int, passes: int = 3, dynamic: 
                          f"not presplit; got Br={Br}, Bc={Bc}, presplit={presplit}")
     WG_PV = wgmma == "s+pv"                       # O += P V_j on wgmma too
     if (inflight, chain) not in SCHEDULES:
-        raise ValueError(f"inflight, chain: expected 2 or 4 groups in flight of 1 or 2 k-steps; got {inflight}, {chain}")
+        raise ValueError(f"inflight, chain: expected one of {SCHEDULES} (groups a round, k-steps a group); "
+                         f"got {inflight}, {chain}")
     PV_FLY, PV_CHAIN, PV_COLS = (inflight, chain, D) if pv_schedule is None else pv_schedule
     if (PV_FLY, PV_CHAIN) not in SCHEDULES or PV_COLS not in (D, D // 2) or PV_COLS % 8:
         raise ValueError(f"pv_schedule: expected (inflight, chain) of {SCHEDULES} and cols D or D / 2 (a multiple "

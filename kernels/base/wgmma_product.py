@@ -44,7 +44,8 @@ def make_wgmma_product(n_cols: int, steps: int, passes: int, a_parts, inflight: 
         wgmma_fence
 
     if (inflight, chain) not in SCHEDULES:
-        raise ValueError(f"inflight, chain: expected 2 or 4 groups in flight of 1 or 2 k-steps; got {inflight}, {chain}")
+        raise ValueError(f"inflight, chain: expected one of {SCHEDULES} (groups a round, k-steps a group); "
+                         f"got {inflight}, {chain}")
     if passes not in (1, 3):
         raise ValueError(f"passes: expected 3 or 1, got {passes!r}")
     n = n_cols // 2                                   # accumulators a thread
